@@ -1,0 +1,212 @@
+"""Exact-law machinery for the tests, written independently of the package.
+
+* ``PathModel``: a random next-token distribution for every token prefix (a toy
+  language model), with zeros and ties mixed in on purpose.
+* ``scheme_outcomes``: every possible set of children of one node under a draft
+  scheme, with its exact probability (plain Python, not ``draft_children``).
+* ``enumerate_trees``: every draft tree of a scheme with its probability.
+* ``output_law_check``: push a verifier's exact step law through target
+  sampling to strings of length D+1 and compare with the target's own law.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import numpy as np
+import torch
+from scipy import stats
+
+from vllm_univer import TreeSpec, outcome_law
+
+
+class PathModel:
+    """p(. | prefix) for token prefixes, float64, drawn lazily and cached.
+
+    zeros: some entries are exactly 0; ties: some rows have equal entries;
+    base: another PathModel to mix with (a draft that resembles the target).
+    """
+
+    def __init__(self, vocab: int, seed: int, zeros: bool = True, ties: bool = True, base=None, onehot=False):
+        self.vocab = vocab
+        self.seed = seed
+        self.zeros, self.ties, self.base, self.onehot = zeros, ties, base, onehot
+        self.cache: dict[tuple, np.ndarray] = {}
+
+    def __call__(self, prefix) -> np.ndarray:
+        prefix = tuple(int(t) for t in prefix)
+        row = self.cache.get(prefix)
+        if row is None:
+            rng = np.random.default_rng([self.seed, len(prefix), *prefix])
+            if self.onehot:
+                row = np.zeros(self.vocab)
+                row[rng.integers(self.vocab)] = 1.0
+            else:
+                row = rng.dirichlet(np.full(self.vocab, 0.8))
+                if self.base is not None and rng.random() < 0.7:
+                    row = 0.5 * row + 0.5 * self.base(prefix)
+                if self.zeros and rng.random() < 0.4:
+                    row[rng.choice(self.vocab, size=rng.integers(1, self.vocab - 1), replace=False)] = 0.0
+                if self.ties and rng.random() < 0.4:
+                    i, j = rng.choice(self.vocab, size=2, replace=False)
+                    row[i] = row[j] = max(row[i], row[j])
+                row = row / row.sum()
+            self.cache[prefix] = row
+        return row
+
+
+def top_set(q: np.ndarray, k: int) -> list[int]:
+    """Top-k tokens by probability, ties to the lower id."""
+    return sorted(range(len(q)), key=lambda t: (-q[t], t))[:k]
+
+
+def scheme_outcomes(scheme: str, q: np.ndarray, m: int):
+    """Yield (children tokens in slot order, probability) for every outcome with probability > 0."""
+    vocab = len(q)
+    if scheme == "chain":
+        assert m == 1
+        for x in range(vocab):
+            if q[x] > 0:
+                yield (x,), q[x]
+    elif scheme == "iid":
+        for xs in itertools.product(range(vocab), repeat=m):
+            pr = float(np.prod([q[x] for x in xs]))
+            if pr > 0:
+                yield xs, pr
+    elif scheme == "wor":
+        support = [t for t in range(vocab) if q[t] > 0]
+        k = min(m, len(support))
+        for xs in itertools.permutations(support, k):
+            pr, used = 1.0, 0.0
+            for x in xs:
+                pr *= q[x] / (1.0 - used)
+                used += q[x]
+            yield tuple(xs) + (-1,) * (m - k), pr
+    elif scheme == "topk1":
+        top = top_set(q, m - 1)
+        rest = q.copy()
+        rest[top] = 0.0
+        if rest.sum() <= 0:
+            yield (-1, *top), 1.0
+        else:
+            rest = rest / rest.sum()
+            for r in range(vocab):
+                if rest[r] > 0:
+                    yield (r, *top), rest[r]
+    else:
+        raise AssertionError(scheme)
+
+
+def node_paths(tree: TreeSpec, tokens) -> list[tuple]:
+    """Token path from the root to every node (None for missing nodes)."""
+    parent = tree.parent.tolist()
+    out: list = [()]
+    for i in range(1, tree.num_nodes + 1):
+        up = out[parent[i]]
+        out.append(None if up is None or tokens[i] < 0 else up + (int(tokens[i]),))
+    return out
+
+
+def enumerate_trees(scheme: str, tree: TreeSpec, draft: PathModel, context=()):
+    """All draft trees of ``scheme`` on ``tree``: list of (probability, tokens [N+1])."""
+    children = [[c for c in row if c >= 0] for row in tree.children.tolist()]
+    internal = [v for v in range(tree.num_nodes + 1) if children[v]]
+    results = []
+
+    def rec(k: int, tokens: list, paths: dict, prob: float):
+        if k == len(internal):
+            results.append((prob, list(tokens)))
+            return
+        v = internal[k]
+        if paths.get(v) is None:  # missing node: its children are missing too
+            rec(k + 1, tokens, paths, prob)
+            return
+        kids = children[v]
+        for xs, pr in scheme_outcomes(scheme, draft(context + paths[v]), len(kids)):
+            for c, x in zip(kids, xs):
+                tokens[c] = x
+                paths[c] = None if x < 0 else paths[v] + (x,)
+            rec(k + 1, tokens, paths, prob * pr)
+            for c in kids:
+                tokens[c] = -1
+                paths.pop(c, None)
+
+    rec(0, [-1] * (tree.num_nodes + 1), {0: ()}, 1.0)
+    return results
+
+
+def batch_tensors(tree: TreeSpec, token_lists, target: PathModel, draft: PathModel, context=(), dtype=torch.float64):
+    """(tokens [B, N+1], p [B, N+1, V], q [B, N+1, V]) for given trees; missing rows are 0."""
+    vocab = target.vocab
+    n1 = tree.num_nodes + 1
+    tokens = torch.tensor(token_lists, dtype=torch.long).reshape(-1, n1)
+    p = np.zeros((len(token_lists), n1, vocab))
+    q = np.zeros_like(p)
+    for b, toks in enumerate(token_lists):
+        for i, path in enumerate(node_paths(tree, toks)):
+            if path is not None:
+                p[b, i] = target(context + path)
+                q[b, i] = draft(context + path)
+    return tokens, torch.tensor(p, dtype=dtype), torch.tensor(q, dtype=dtype)
+
+
+def step_law_over_trees(method, scheme, tree, target, draft):
+    """(tree probs [B], tokens [B, N+1], exact step law [B, N+1, V]) over every tree of the scheme."""
+    trees = enumerate_trees(scheme, tree, draft)
+    probs = np.array([pr for pr, _ in trees])
+    tokens, p, q = batch_tensors(tree, [t for _, t in trees], target, draft)
+    law = outcome_law(method, tree, tokens, p, q).numpy()
+    return probs, tokens, law
+
+
+def string_law_error(method, scheme, tree, target, draft) -> float:
+    """max |P_spec(s) - P_target(s)| over strings s of length D+1 (float64, exact)."""
+    probs, tokens, law = step_law_over_trees(method, scheme, tree, target, draft)
+    length = tree.max_depth + 1
+    mass: dict[tuple, float] = defaultdict(float)
+    for b in range(len(probs)):
+        paths = node_paths(tree, tokens[b].tolist())
+        rows = np.nonzero(law[b].sum(-1) > 0)[0]
+        for e in rows:
+            for y in np.nonzero(law[b, e] > 0)[0]:
+                mass[paths[e] + (int(y),)] += probs[b] * law[b, e, y]
+    # Complete shorter outputs with target sampling, one length at a time.
+    for n in range(1, length):
+        for s in [s for s in mass if len(s) == n]:
+            m = mass.pop(s)
+            row = target(s)
+            for y in range(target.vocab):
+                if row[y] > 0:
+                    mass[s + (y,)] += m * row[y]
+    worst = 0.0
+    for s in itertools.product(range(target.vocab), repeat=length):
+        exact = float(np.prod([target(s[:k])[s[k]] for k in range(length)]))
+        worst = max(worst, abs(mass.pop(s, 0.0) - exact))
+    assert not mass, f"outputs outside the vocabulary strings: {list(mass)[:3]}"
+    return worst
+
+
+def expected_accepted(method, scheme, tree, target, draft) -> float:
+    """E[accepted draft tokens] averaged over the scheme's trees (exact)."""
+    probs, _, law = step_law_over_trees(method, scheme, tree, target, draft)
+    depth = tree.depth.numpy()
+    return float((probs[:, None] * law.sum(-1) * depth[None, :]).sum())
+
+
+def chi_square_pvalue(counts: np.ndarray, expected_probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """Goodness of fit of ``counts`` to ``expected_probs`` (flat arrays), pooling
+    cells whose expected count is below ``min_expected`` into one cell."""
+    n = counts.sum()
+    expected = expected_probs * n
+    small = expected < min_expected
+    obs = list(counts[~small])
+    exp = list(expected[~small])
+    if small.any():
+        obs.append(counts[small].sum())
+        exp.append(expected[small].sum())
+    obs, exp = np.array(obs, dtype=float), np.array(exp, dtype=float)
+    exp *= obs.sum() / exp.sum()
+    if len(obs) < 2:
+        return 1.0
+    return float(stats.chisquare(obs, exp).pvalue)

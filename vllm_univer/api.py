@@ -1,0 +1,142 @@
+"""Public entry points: ``verify`` (sample one step) and ``outcome_law`` (its exact law)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ops import normalize, sample_from_weights
+from .tree import TreeSpec
+from .tree_pass import allocate, decide_descent, decide_postorder, end_node_law, node_residuals
+from .validation import check_inputs
+from .verifiers import Family, get_verifier
+
+
+@dataclass
+class VerifyOutput:
+    """Result of one verification step for B requests.
+
+    output_token_ids: LongTensor [B, D+1], accepted draft tokens then the next
+        token, padded with -1 (the layout of vLLM's rejection sampler).
+    num_accepted: LongTensor [B], accepted draft tokens (= depth of end_node).
+    end_node: LongTensor [B], the tree node the accepted path ends at (0 = root).
+    """
+
+    output_token_ids: torch.Tensor
+    num_accepted: torch.Tensor
+    end_node: torch.Tensor
+
+
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def verify(
+    method: str,
+    tree: TreeSpec,
+    draft_token_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+    greedy: torch.Tensor | None = None,
+    validate: bool = True,
+) -> VerifyOutput:
+    """Verify a batch of draft trees: sample the accepted path and the next token.
+
+    Args:
+        method: one of ``METHODS``.
+        tree: the shape shared by the batch.
+        draft_token_ids: LongTensor [B, N+1]; column 0 ignored; -1 marks a node
+            that does not exist (then neither do its descendants).
+        target_probs: FloatTensor [B, N+1, V]; row i = p(. | path to node i),
+            the distribution non-speculative sampling would draw from.
+        draft_probs: FloatTensor [B, N+1, V]; row i = q that node i's children
+            were drawn from with the method's draft scheme (leaf rows ignored).
+        generator: optional torch.Generator on the inputs' device.
+        greedy: BoolTensor [B] or None; rows marked True (temperature 0) use pure
+            argmax matching: descend into the child whose token is argmax p, else
+            Y = argmax p.
+        validate: check the inputs (one host sync); engines that already
+            guarantee well-formed inputs may skip it.
+
+    The law of (path, Y) is exactly ``outcome_law``; averaged over the draft
+    scheme's trees it is the target's law (lossless). Runs on the inputs' device;
+    loops over depth levels only; the only [B, *, V] temporaries are one depth
+    level's rows (float32 unless the inputs are float64).
+    """
+    verifier = get_verifier(method)
+    if validate:
+        check_inputs(verifier, tree, draft_token_ids, target_probs, draft_probs, greedy)
+    device = target_probs.device
+    tt = tree.on(device)
+    dtype = _work_dtype(target_probs)
+    tokens = draft_token_ids.long()
+    p = target_probs.to(dtype)
+    q = draft_probs.to(dtype)
+    batch = tokens.shape[0]
+
+    weight, stop = allocate(verifier, tt, tokens, p, q)
+    uniforms = torch.rand(batch, tree.num_nodes + 1, generator=generator, device=device, dtype=dtype)
+    if verifier.family is Family.POSTORDER:
+        end = decide_postorder(tt, stop, uniforms)
+    else:
+        end = decide_descent(tt, weight, uniforms, tree.max_depth)
+
+    residual = node_residuals(verifier, tt, tokens, p, q, weight, end.unsqueeze(-1)).squeeze(1)
+    p_end = p.gather(1, end.view(-1, 1, 1).expand(-1, 1, p.shape[-1])).squeeze(1)
+    # An empty residual at the end node has probability 0 in exact arithmetic;
+    # fall back to p_end so rounding can never produce an arbitrary token.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    next_token = sample_from_weights(torch.where(empty, p_end, residual), generator)
+
+    if greedy is not None:
+        argmax_rows = p.argmax(-1)  # [B, N+1]
+        parent_argmax = argmax_rows[:, tt.parent.clamp(min=0)]
+        match = (tokens == parent_argmax) & (tokens >= 0)
+        match[:, 0] = False
+        greedy_end = decide_descent(tt, match.to(dtype), uniforms, tree.max_depth)
+        end = torch.where(greedy, greedy_end, end)
+        next_token = torch.where(greedy, argmax_rows.gather(1, end.unsqueeze(-1)).squeeze(-1), next_token)
+
+    return _assemble(tt, tokens, end, next_token, tree.max_depth)
+
+
+def _assemble(tt, tokens: torch.Tensor, end: torch.Tensor, next_token: torch.Tensor, max_depth: int) -> VerifyOutput:
+    path = tt.ancestors[end]  # [B, D]
+    accepted = tokens.gather(1, path.clamp(min=0)).masked_fill(path < 0, -1)
+    out = torch.cat([accepted, torch.full_like(accepted[:, :1], -1)], 1)
+    num_accepted = tt.depth[end]
+    out.scatter_(1, num_accepted.unsqueeze(-1), next_token.unsqueeze(-1))
+    return VerifyOutput(out, num_accepted, end)
+
+
+def outcome_law(
+    method: str,
+    tree: TreeSpec,
+    draft_token_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+) -> torch.Tensor:
+    """Exact law of one verification step for these fixed trees.
+
+    Same inputs as ``verify``. Returns DoubleTensor [B, N+1, V]:
+    P(end node = i, next token = y), computed in float64 in closed form from
+    the same node rules that ``verify`` samples with.
+    """
+    verifier = get_verifier(method)
+    check_inputs(verifier, tree, draft_token_ids, target_probs, draft_probs)
+    tt = tree.on(target_probs.device)
+    tokens = draft_token_ids.long()
+    p = target_probs.double()
+    q = draft_probs.double()
+    weight, stop = allocate(verifier, tt, tokens, p, q)
+    end_law = end_node_law(verifier, tt, weight, stop)
+    all_nodes = torch.arange(tree.num_nodes + 1, device=p.device).expand(tokens.shape[0], -1)
+    residual = node_residuals(verifier, tt, tokens, p, q, weight, all_nodes)
+    y_law, mass = normalize(residual)
+    # The same fallback as verify: an empty residual draws from p (zero-probability case).
+    y_law = torch.where((mass > 0).unsqueeze(-1), y_law, p)
+    exists = (tokens >= 0) | (all_nodes == 0)
+    y_law = torch.where(exists.unsqueeze(-1), y_law, torch.zeros_like(y_law))
+    return end_law.unsqueeze(-1) * y_law

@@ -1,0 +1,91 @@
+"""Draft schemes: how the proposer picks the children of a node from its draft row q.
+
+| scheme  | children, in slot order                                         |
+|---------|-----------------------------------------------------------------|
+| chain   | one token x ~ q                                                 |
+| iid     | m tokens i.i.d. from q                                          |
+| wor     | m tokens without replacement, in sampling order                 |
+| topk1   | slot 0 r ~ residual q off Top_{m-1}(q); slots 1.. the top tokens |
+
+A child that cannot exist (``wor`` past the support of q, ``topk1`` slot 0 when
+the top tokens carry all of q's mass) is -1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import normalize, sample_from_weights, token_set_mask
+
+SCHEMES = ("chain", "iid", "wor", "topk1")
+
+
+def top_tokens(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """probs [K, V] -> LongTensor [K, k]: the k most likely tokens by rank, ties to the lower id."""
+    if k == 0:
+        return probs.new_empty(probs.shape[:-1] + (0,), dtype=torch.long)
+    # A stable descending sort keeps equal values in id order; topk does not promise that.
+    return torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def residual_draft(probs: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``topk1`` residual draft: q restricted off the top set, renormalised.
+
+    probs [..., V], top [..., k] (-1 allowed) -> (q_bar [..., V], exists [...]);
+    q_bar is all zero where the top set carries all of q (the sampled child does not exist).
+    """
+    in_top = token_set_mask(top, probs.shape[-1], probs.dtype)
+    q_bar, mass = normalize(probs.masked_fill(in_top, 0))
+    return q_bar, mass > 0
+
+
+def draft_children(
+    scheme: str,
+    probs: torch.Tensor,
+    num_children: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw the children of K nodes.
+
+    Args:
+        scheme: one of ``SCHEMES``.
+        probs: FloatTensor [K, V], the draft distribution q of each node.
+        num_children: m >= 1 (``chain`` takes m = 1 only).
+        generator: optional torch.Generator for reproducibility.
+
+    Returns:
+        LongTensor [K, m] of child tokens in slot order, -1 where a child does not exist.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown draft scheme {scheme!r}; choose one of {SCHEMES}")
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be [K, V], got shape {tuple(probs.shape)}")
+    m = int(num_children)
+    vocab = probs.shape[-1]
+    if m < 1:
+        raise ValueError(f"num_children must be >= 1, got {m}")
+    if scheme == "chain" and m != 1:
+        raise ValueError(f"scheme 'chain' draws exactly one child per node, got num_children={m}")
+    if scheme in ("wor", "topk1") and m > vocab:
+        raise ValueError(f"scheme {scheme!r} cannot draw {m} distinct children from a vocabulary of {vocab}")
+
+    if scheme in ("chain", "iid"):
+        noise = torch.empty(probs.shape[0], m, vocab, dtype=probs.dtype, device=probs.device)
+        noise.exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
+        return (probs.unsqueeze(1) / noise).argmax(-1)
+
+    if scheme == "wor":
+        # Gumbel-top-m == sequential sampling without replacement, in sampling order.
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        noise.clamp_(min=torch.finfo(probs.dtype).tiny)
+        keys = probs / noise
+        order = torch.topk(keys, m, dim=-1).indices
+        exists = probs.gather(-1, order) > 0
+        return torch.where(exists, order, torch.full_like(order, -1))
+
+    # topk1
+    top = top_tokens(probs, m - 1)
+    q_bar, exists = residual_draft(probs, top)
+    sampled = sample_from_weights(q_bar, generator)
+    sampled = torch.where(exists, sampled, torch.full_like(sampled, -1))
+    return torch.cat([sampled.unsqueeze(-1), top], dim=-1)

@@ -1,0 +1,72 @@
+"""Small tensor helpers shared by the draft schemes and verifiers.
+
+All functions work on the last dimension (the vocabulary) and broadcast over any
+leading batch/node dimensions. Token ids of -1 mean "no token" everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_tokens(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """rows [..., V], tokens [..., k] (-1 allowed) -> rows at tokens [..., k] (0 where token is -1)."""
+    vals = rows.gather(-1, tokens.clamp(min=0))
+    return vals.masked_fill(tokens < 0, 0)
+
+
+def token_set_mask(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """tokens [..., k] (-1 allowed) -> BoolTensor [..., V]: True at every listed token.
+
+    Built with scatter_add so repeated tokens and -1 placeholders (routed to id 0
+    with weight 0) never overwrite one another.
+    """
+    counts = torch.zeros(*tokens.shape[:-1], vocab_size, dtype=dtype, device=tokens.device)
+    counts.scatter_add_(-1, tokens.clamp(min=0), (tokens >= 0).to(dtype))
+    return counts > 0
+
+
+def one_token_mask(token: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """token [...] (-1 allowed) -> BoolTensor [..., V], one-hot at the token (all False for -1)."""
+    vocab = torch.arange(vocab_size, device=token.device)
+    return vocab == token.unsqueeze(-1)
+
+
+def normalize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [..., V] >= 0 -> (rows / sum, sum [...]); rows with sum 0 stay all-zero."""
+    total = rows.sum(-1)
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    return rows / safe.unsqueeze(-1), total
+
+
+def clipped_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """min(1, num / den) for num, den >= 0, with x/0 = 1 for x > 0 and 0/0 = 0."""
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    ratio = torch.where(den > 0, num / safe, (num > 0).to(num.dtype))
+    return ratio.clamp(max=1.0)
+
+
+def continue_prob(mass: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """h = mass / (mass + 1 - scale), the probability of stopping at a node whose
+    residual carries ``mass`` and whose prefix scale is ``scale``; 1 where the
+    denominator is 0 (Block Verification's convention)."""
+    den = mass + (1.0 - scale)
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    return torch.where(den > 0, mass / safe, torch.ones_like(den)).clamp(0.0, 1.0)
+
+
+def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Cumulative sum along the last dim, excluding the current element."""
+    return x.cumsum(-1) - x
+
+
+def sample_from_weights(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row of ``weights`` [..., V] >= 0, drawn with P(i) = w_i / sum(w).
+
+    Exponential race: argmax_i w_i / E_i with E_i ~ Exp(1) (no normalisation,
+    no host sync, zero-weight entries can never win while any weight is > 0).
+    """
+    noise = torch.empty_like(weights).exponential_(generator=generator)
+    # An exact 0 draw would turn a zero weight into 0/0 = NaN, which argmax picks.
+    noise.clamp_(min=torch.finfo(weights.dtype).tiny)
+    return (weights / noise).argmax(-1)

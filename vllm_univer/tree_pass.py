@@ -1,0 +1,138 @@
+"""Run a verifier's node rule over whole trees and turn it into an end node.
+
+``allocate``      top-down pass, one depth level at a time: per-node weights
+                  (alpha or entry P~) and, for POSTORDER rules, stop probs h.
+``decide_*``      the end node from per-node uniforms (verify).
+``end_node_law``  the exact P(end node = e) (outcome_law).
+``node_residuals`` the residual rows of chosen nodes (or of every node).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tree import _TreeTensors
+from .verifiers import Family, NodeBatch, TreeVerifier
+
+
+def child_tokens(tt: _TreeTensors, tokens: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """tokens [B, N+1], nodes [n] or [B, n] -> [B, n, C]: the child tokens of each node, -1 padded."""
+    kids = tt.children[nodes]  # [n, C] or [B, n, C]
+    if kids.dim() == 2:
+        kids = kids.unsqueeze(0).expand(tokens.shape[0], -1, -1)
+    picked = tokens.gather(1, kids.clamp(min=0).flatten(1)).view_as(kids)
+    return picked.masked_fill(kids < 0, -1)
+
+
+def allocate(
+    verifier: TreeVerifier,
+    tt: _TreeTensors,
+    tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-node weights of a batch of trees.
+
+    Args:
+        tokens: LongTensor [B, N+1] (-1: missing node); target_probs, draft_probs [B, N+1, V].
+
+    Returns:
+        weight [B, N+1]: alpha_c (DESCENT) or the entry scale P~_c (POSTORDER); 1 at the root.
+        stop [B, N+1] (POSTORDER only): h_v; 0 for missing nodes, 1 at the root.
+    """
+    batch, n1, _ = target_probs.shape
+    postorder = verifier.family is Family.POSTORDER
+    weight = target_probs.new_zeros(batch, n1)
+    weight[:, 0] = 1.0
+    stop = target_probs.new_zeros(batch, n1) if postorder else None
+    for level in tt.levels:  # depth by depth: a level's scales need its parents'
+        nodes = level.nodes
+        kid_tokens = child_tokens(tt, tokens, nodes)
+        scale = weight[:, nodes] if postorder else torch.ones_like(weight[:, nodes])
+        out = verifier.node_rule(
+            NodeBatch(target_probs[:, nodes], draft_probs[:, nodes], kid_tokens, scale),
+            want_residual=False,
+        )
+        # where(), not a product: rows of missing nodes are never read, even if they hold NaN.
+        child_w = torch.where(kid_tokens >= 0, out.child_weights, torch.zeros_like(out.child_weights))
+        weight[:, level.kid_ids] = child_w.flatten(1)[:, level.kid_pos]
+        if postorder:
+            stop[:, nodes] = out.stop_prob
+    if postorder:
+        # A leaf stops with its entry scale; a missing node has scale 0.
+        stop = torch.where(tt.is_internal, stop, weight)
+        stop = torch.where(tokens >= 0, stop, torch.zeros_like(stop))
+        stop[:, 0] = 1.0  # the root always qualifies once reached
+    return weight, stop
+
+
+def decide_postorder(tt: _TreeTensors, stop: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """End node = the first node in post-order with eta < h. stop, uniforms [B, N+1] -> [B]."""
+    hit = uniforms < stop
+    hit[:, 0] = True
+    never = tt.postorder_rank.numel()
+    rank = torch.where(hit, tt.postorder_rank.expand_as(hit), torch.full_like(hit, never, dtype=torch.long))
+    return rank.argmin(-1)
+
+
+def decide_descent(tt: _TreeTensors, alpha: torch.Tensor, uniforms: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Walk down: at each node take the first child (slot order) with eta < alpha; stop when none.
+
+    alpha, uniforms [B, N+1] -> end node [B]. One step per depth level, no host sync.
+    """
+    node = torch.zeros(alpha.shape[0], dtype=torch.long, device=alpha.device)
+    for _ in range(max_depth):
+        kids = tt.children[node]  # [B, C]
+        safe = kids.clamp(min=0)
+        take = (uniforms.gather(1, safe) < alpha.gather(1, safe)) & (kids >= 0)
+        first = take.to(torch.uint8).argmax(-1, keepdim=True)
+        node = torch.where(take.any(-1), kids.gather(1, first).squeeze(-1), node)
+    return node
+
+
+def end_node_law(verifier: TreeVerifier, tt: _TreeTensors, weight: torch.Tensor, stop: torch.Tensor | None) -> torch.Tensor:
+    """Exact P(end node = e) [B, N+1] from the per-node weights of ``allocate``."""
+    if verifier.family is Family.POSTORDER:
+        order = tt.postorder_rank.argsort()
+        h = stop[:, order]
+        survive = torch.cumprod(1.0 - h, -1)
+        before = torch.cat([torch.ones_like(survive[:, :1]), survive[:, :-1]], -1)
+        law = torch.empty_like(h)
+        law[:, order] = h * before
+        return law
+
+    reach = torch.zeros_like(weight)
+    reach[:, 0] = 1.0
+    law = torch.zeros_like(weight)
+    for level in tt.levels:
+        kids = level.kids
+        alpha = torch.where(kids >= 0, weight[:, kids.clamp(min=0)], torch.zeros_like(weight[:, kids.clamp(min=0)]))
+        keep = torch.cumprod(1.0 - alpha, -1)  # no child among slots 0..j taken
+        before = torch.cat([torch.ones_like(keep[..., :1]), keep[..., :-1]], -1)
+        parent_reach = reach[:, level.nodes].unsqueeze(-1)
+        reach[:, level.kid_ids] = (parent_reach * before * alpha).flatten(1)[:, level.kid_pos]
+        law[:, level.nodes] = parent_reach.squeeze(-1) * keep[..., -1]
+    return torch.where(tt.is_internal, law, reach)
+
+
+def node_residuals(
+    verifier: TreeVerifier,
+    tt: _TreeTensors,
+    tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    weight: torch.Tensor,
+    nodes: torch.Tensor,
+) -> torch.Tensor:
+    """Unnormalised law of Y at the given nodes.
+
+    nodes: LongTensor [B, n] (per request) -> residual [B, n, V]. Only these n rows
+    per request are gathered, so verify never builds a [B, N+1, V] temporary.
+    """
+    vocab = target_probs.shape[-1]
+    rows = nodes.unsqueeze(-1).expand(-1, -1, vocab)
+    p = target_probs.gather(1, rows)
+    q = draft_probs.gather(1, rows)
+    scale = weight.gather(1, nodes) if verifier.family is Family.POSTORDER else torch.ones_like(weight.gather(1, nodes))
+    out = verifier.node_rule(NodeBatch(p, q, child_tokens(tt, tokens, nodes), scale), want_residual=True)
+    return out.residual
