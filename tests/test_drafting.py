@@ -1,0 +1,54 @@
+"""``draft_children`` draws children with exactly the scheme's law (seeded chi-square)."""
+
+import numpy as np
+import pytest
+import torch
+
+from law_utils import chi_square_pvalue, scheme_outcomes
+from vllm_univer import draft_children
+
+ROWS = [
+    [0.4, 0.3, 0.2, 0.1, 0.0],
+    [0.25, 0.25, 0.25, 0.25, 0.0],  # ties: topk1 takes the lower ids first
+    [0.0, 0.5, 0.0, 0.5, 0.0],  # support smaller than the children
+    [0.7, 0.1, 0.1, 0.05, 0.05],
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("scheme,m", [("chain", 1), ("iid", 2), ("iid", 3), ("wor", 2), ("wor", 3), ("topk1", 1), ("topk1", 2), ("topk1", 3)])
+@pytest.mark.parametrize("row", range(len(ROWS)))
+def test_children_law(scheme, m, row, dtype):
+    q = np.array(ROWS[row])
+    outcomes = {xs: pr for xs, pr in scheme_outcomes(scheme, q, m)}
+    draws = 8000
+    gen = torch.Generator().manual_seed(17 + row)
+    kids = draft_children(scheme, torch.tensor(q, dtype=dtype).expand(draws, -1).contiguous(), m, generator=gen)
+    assert kids.shape == (draws, m) and kids.dtype == torch.long
+    seen: dict[tuple, int] = {}
+    for xs in map(tuple, kids.tolist()):
+        assert xs in outcomes, f"{scheme} drew {xs}, which has probability 0"
+        seen[xs] = seen.get(xs, 0) + 1
+    keys = list(outcomes)
+    counts = np.array([seen.get(k, 0) for k in keys])
+    assert chi_square_pvalue(counts, np.array([outcomes[k] for k in keys])) > 1e-4
+
+
+def test_topk1_ties_go_to_lower_ids_and_empty_residual_is_missing():
+    q = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.2, 0.3, 0.3, 0.2]])
+    kids = draft_children("topk1", q, 3, generator=torch.Generator().manual_seed(0))
+    assert kids[0].tolist() == [-1, 1, 3]  # top-2 = {1, 3} holds all mass: slot 0 missing
+    assert kids[1, 1:].tolist() == [1, 2]  # tie 0.3/0.3 -> ids 1, 2
+    assert kids[1, 0].item() in (0, 3)
+
+
+def test_bad_arguments():
+    q = torch.full((2, 4), 0.25)
+    with pytest.raises(ValueError, match="unknown draft scheme"):
+        draft_children("beam", q, 2)
+    with pytest.raises(ValueError, match="exactly one child"):
+        draft_children("chain", q, 2)
+    with pytest.raises(ValueError, match="distinct children"):
+        draft_children("wor", q, 5)
+    with pytest.raises(ValueError, match=r"\[K, V\]"):
+        draft_children("iid", q[0], 2)

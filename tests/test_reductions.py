@@ -1,0 +1,105 @@
+"""Reductions between verifiers and orderings of their expected acceptance (exact, float64)."""
+
+import numpy as np
+import pytest
+import torch
+
+from law_utils import PathModel, batch_tensors, enumerate_trees, expected_accepted, step_law_over_trees
+from vllm_univer import TreeSpec, outcome_law
+
+SEEDS = [0, 1, 2, 3]
+
+
+def _laws_on_same_trees(methods, scheme, tree, target, draft):
+    trees = enumerate_trees(scheme, tree, draft)
+    tokens, p, q = batch_tensors(tree, [t for _, t in trees], target, draft)
+    return [outcome_law(m, tree, tokens, p, q) for m in methods]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("depth,vocab", [(1, 6), (2, 5), (3, 4)])
+def test_univer_with_one_child_is_block(seed, depth, vocab):
+    """m = 1 everywhere: topk1 draws one sample from q (the chain scheme) and UniVer is Block Verification."""
+    tree = TreeSpec.parse(f"1x{depth}")
+    target, draft = PathModel(vocab, 10 + seed), PathModel(vocab, 20 + seed, base=PathModel(vocab, 10 + seed))
+    univer, block = _laws_on_same_trees(["univer", "block"], "chain", tree, target, draft)
+    assert torch.allclose(univer, block, atol=1e-13, rtol=0)
+    assert expected_accepted("univer", "topk1", tree, target, draft) == pytest.approx(
+        expected_accepted("block", "chain", tree, target, draft), abs=1e-13
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("depth,vocab", [(1, 6), (3, 4)])
+def test_greedy_with_one_child_is_token(seed, depth, vocab):
+    tree = TreeSpec.parse(f"1x{depth}")
+    target, draft = PathModel(vocab, 30 + seed), PathModel(vocab, 40 + seed)
+    greedy, token = _laws_on_same_trees(["greedy", "token"], "chain", tree, target, draft)
+    assert torch.allclose(greedy, token, atol=1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("depth,vocab", [(2, 5), (3, 4)])
+def test_traversal_on_a_chain_is_block(seed, depth, vocab):
+    tree = TreeSpec.parse(f"1x{depth}")
+    target, draft = PathModel(vocab, 50 + seed), PathModel(vocab, 60 + seed)
+    traversal, block = _laws_on_same_trees(["traversal", "block"], "chain", tree, target, draft)
+    assert torch.allclose(traversal, block, atol=1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("width,vocab", [(2, 5), (3, 5)])
+def test_traversal_at_depth_one_is_rrsw(seed, width, vocab):
+    tree = TreeSpec.parse(f"{width}x1")
+    target, draft = PathModel(vocab, 70 + seed), PathModel(vocab, 80 + seed)
+    traversal, rrsw = _laws_on_same_trees(["traversal", "rrsw"], "wor", tree, target, draft)
+    assert torch.allclose(traversal, rrsw, atol=1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("width,vocab", [(2, 5), (3, 6)])
+def test_univer_at_depth_one_matches_greedy_acceptance(seed, width, vocab):
+    """Same E[accepted] for every single tree, not only on average."""
+    tree = TreeSpec.parse(f"{width}x1")
+    target, draft = PathModel(vocab, 90 + seed), PathModel(vocab, 95 + seed)
+    univer, greedy = _laws_on_same_trees(["univer", "greedy"], "topk1", tree, target, draft)
+    depth = tree.depth.double()
+    assert torch.allclose((univer.sum(-1) * depth).sum(-1), (greedy.sum(-1) * depth).sum(-1), atol=1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_accepts_at_least_as_much_as_token(seed):
+    tree, vocab = TreeSpec.parse("1x3"), 4
+    target, draft = PathModel(vocab, 110 + seed), PathModel(vocab, 120 + seed)
+    block = expected_accepted("block", "chain", tree, target, draft)
+    token = expected_accepted("token", "chain", tree, target, draft)
+    assert block >= token - 1e-12
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("shape,vocab", [("2x2", 4), ("2x3", 4), ("3x2", 5)])
+def test_univer_accepts_at_least_as_much_as_greedy(seed, shape, vocab):
+    tree = TreeSpec.parse(shape)
+    target = PathModel(vocab, 130 + seed)
+    draft = PathModel(vocab, 140 + seed, base=target)
+    univer = expected_accepted("univer", "topk1", tree, target, draft)
+    greedy = expected_accepted("greedy", "topk1", tree, target, draft)
+    assert univer >= greedy - 1e-12
+
+
+def test_orderings_are_strict_on_average():
+    """Over many random models the gains are real, not only ties (guards against a
+    verifier that silently degenerates into its baseline)."""
+    gains = {"block-token": [], "univer-greedy": [], "traversal-rrsw": []}
+    for seed in range(8):
+        target = PathModel(4, 300 + seed)
+        draft = PathModel(4, 400 + seed, base=target)
+        chain, tree, wtree = TreeSpec.parse("1x3"), TreeSpec.parse("2x3"), TreeSpec.parse("2x2")
+        gains["block-token"].append(
+            expected_accepted("block", "chain", chain, target, draft) - expected_accepted("token", "chain", chain, target, draft))
+        gains["univer-greedy"].append(
+            expected_accepted("univer", "topk1", tree, target, draft) - expected_accepted("greedy", "topk1", tree, target, draft))
+        gains["traversal-rrsw"].append(
+            expected_accepted("traversal", "wor", wtree, target, draft) - expected_accepted("rrsw", "wor", wtree, target, draft))
+    for name, g in gains.items():
+        assert np.mean(g) > 1e-3, (name, g)
