@@ -61,12 +61,18 @@ def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample_from_weights(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One index per row of ``weights`` [..., V] >= 0, drawn with P(i) = w_i / sum(w).
+    """One index per row of ``weights`` [B, V] >= 0, drawn with P(i) = w_i / sum(w).
 
-    Exponential race: argmax_i w_i / E_i with E_i ~ Exp(1) (no normalisation,
-    no host sync, zero-weight entries can never win while any weight is > 0).
+    Inverse CDF: the first i with cumsum(w)_i > u * sum(w), u ~ U[0, 1). The
+    cumulative sum is taken in float64 (a [B, V] row, not per node), so tail
+    tokens keep their probability to ~1e-16; a zero-weight token never has a
+    cumsum above the previous one and can never be picked. No host sync.
     """
-    noise = torch.empty_like(weights).exponential_(generator=generator)
-    # An exact 0 draw would turn a zero weight into 0/0 = NaN, which argmax picks.
-    noise.clamp_(min=torch.finfo(weights.dtype).tiny)
-    return (weights / noise).argmax(-1)
+    cdf = weights.to(torch.float64).cumsum(-1)
+    total = cdf[..., -1:].contiguous()
+    u = torch.rand(total.shape, generator=generator, device=weights.device, dtype=torch.float64)
+    idx = torch.searchsorted(cdf, u * total, right=True)
+    # u * total can round up to total (probability ~2^-53): cap at the last token
+    # of positive weight, the first one whose cumsum reaches the total.
+    last_positive = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(idx, last_positive).squeeze(-1)

@@ -202,22 +202,31 @@ class _TreeTensors:
             kids = tree.children[nodes]  # [n, C]
             flat = kids.flatten()
             pos = torch.nonzero(flat >= 0).flatten()
+            first, count = int(nodes[0]), len(nodes)
+            contiguous = bool((nodes == torch.arange(first, first + count)).all())
             self.levels.append(
                 _Level(
                     nodes=nodes.to(device),
                     kids=kids.to(device),
                     kid_pos=pos.to(device),
                     kid_ids=flat[pos].to(device),
+                    span=slice(first, first + count) if contiguous else None,
                 )
             )
 
 
 class _Level:
     """Internal nodes of one depth: ``nodes`` [n], their ``kids`` [n, C] (-1 padded),
-    and where the existing kid slots sit in the flattened [n*C] layout."""
+    where the existing kid slots sit in the flattened [n*C] layout, and ``span``
+    (a slice) when the nodes are consecutive, so their rows are a view, not a copy."""
 
-    def __init__(self, nodes, kids, kid_pos, kid_ids):
+    def __init__(self, nodes, kids, kid_pos, kid_ids, span):
         self.nodes = nodes
         self.kids = kids
         self.kid_pos = kid_pos
         self.kid_ids = kid_ids
+        self.span = span
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N+1, ...] -> the rows of this level's nodes [B, n, ...]."""
+        return x[:, self.span] if self.span is not None else x[:, self.nodes]

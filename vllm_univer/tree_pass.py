@@ -50,7 +50,7 @@ def allocate(
         kid_tokens = child_tokens(tt, tokens, nodes)
         scale = weight[:, nodes] if postorder else torch.ones_like(weight[:, nodes])
         out = verifier.node_rule(
-            NodeBatch(target_probs[:, nodes], draft_probs[:, nodes], kid_tokens, scale),
+            NodeBatch(level.rows(target_probs), level.rows(draft_probs), kid_tokens, scale),
             want_residual=False,
         )
         # where(), not a product: rows of missing nodes are never read, even if they hold NaN.

@@ -25,10 +25,12 @@ class GreedyOTVerifier(TreeVerifier):
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
         node = Topk1Node.read(nodes)
-        alpha_sampled = clipped_ratio(gather_tokens(nodes.p, node.sampled), node.q_bar_at_sampled())
-        off_top = (nodes.p - node.q_bar).clamp(min=0).masked_fill(node.in_top, 0)
-        g_top = gather_tokens(nodes.p, node.top)  # [B, n, C-1]
-        g_total = off_top.sum(-1, keepdim=True) + g_top.sum(-1, keepdim=True)
+        one = torch.ones_like(node.q_off_top)
+        alpha_sampled = clipped_ratio(gather_tokens(nodes.p, node.sampled), node.q_bar_at(nodes, node.sampled))
+        # G = sum_T p + sum_{off T} [p - q_bar]+ = sum p - sum_{off T} min(p, q_bar)
+        g_total = nodes.p.sum(-1, keepdim=True) - node.carried_mass(nodes, one)
+        g_top = node.p_top
         alpha_top = clipped_ratio(g_top, (g_total - exclusive_cumsum(g_top)).clamp(min=0))
         alpha = torch.cat([alpha_sampled, alpha_top], -1)
-        return NodeOutput(alpha, None, off_top if want_residual else None)
+        residual = node.residual_rows(nodes, one) if want_residual else None
+        return NodeOutput(alpha, None, residual)

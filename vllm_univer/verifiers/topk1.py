@@ -1,6 +1,11 @@
 """What the ``topk1`` verifiers (greedy, univer) read off a node: the sampled
-child r (slot 0), the top set T (slots 1..), and the residual draft q_bar that
-r was drawn from."""
+child r (slot 0), the top set T (slots 1..), and the residual draft
+q_bar = q off T / q(off T) that r was drawn from.
+
+The level pass needs only sums over q_bar, so they are computed from one
+full-vocabulary pass plus corrections at the (few) top tokens; the residual rows
+are built only for the nodes a step ends at.
+"""
 
 from __future__ import annotations
 
@@ -17,16 +22,36 @@ from .base import NodeBatch
 class Topk1Node:
     sampled: torch.Tensor  # [B, n, 1] token of slot 0 (-1: the residual was empty)
     top: torch.Tensor  # [B, n, C-1] top tokens by rank (-1: missing)
-    in_top: torch.Tensor  # [B, n, V] bool, membership in T
-    q_bar: torch.Tensor  # [B, n, V] residual draft; all zero where slot 0 does not exist
+    p_top: torch.Tensor  # [B, n, C-1] p at the top tokens (0 where missing)
+    q_off_top: torch.Tensor  # [B, n, 1] q's mass off T (1 where slot 0 does not exist)
+    has_sampled: torch.Tensor  # [B, n, 1] bool
 
     @classmethod
     def read(cls, nodes: NodeBatch) -> "Topk1Node":
         sampled, top = nodes.tokens[..., :1], nodes.tokens[..., 1:]
-        in_top = token_set_mask(top, nodes.vocab_size, nodes.q.dtype)
-        q_bar, _ = residual_draft(nodes.q, top)
-        q_bar = q_bar * (sampled >= 0).to(q_bar.dtype)
-        return cls(sampled, top, in_top, q_bar)
+        q_off = nodes.q.sum(-1, keepdim=True) - gather_tokens(nodes.q, top).sum(-1, keepdim=True)
+        has_sampled = (sampled >= 0) & (q_off > 0)
+        q_off = torch.where(has_sampled, q_off, torch.ones_like(q_off))
+        return cls(sampled, top, gather_tokens(nodes.p, top), q_off, has_sampled)
 
-    def q_bar_at_sampled(self) -> torch.Tensor:
-        return gather_tokens(self.q_bar, self.sampled)
+    def q_bar_at(self, nodes: NodeBatch, tokens: torch.Tensor) -> torch.Tensor:
+        """q_bar at tokens [B, n, k] that lie off T (the sampled token)."""
+        return gather_tokens(nodes.q, tokens) / self.q_off_top * self.has_sampled
+
+    def carried_mass(self, nodes: NodeBatch, scale: torch.Tensor) -> torch.Tensor:
+        """F = sum_{y not in T} min(q_bar(y), scale * p(y)) -> [B, n, 1]; one pass over V.
+
+        min(q/Z, s p) = min(q, s Z p) / Z; the terms of the top tokens are subtracted.
+        """
+        factor = scale * self.q_off_top
+        full = torch.minimum(nodes.q, nodes.p * factor).sum(-1, keepdim=True)
+        on_top = torch.minimum(gather_tokens(nodes.q, self.top), self.p_top * factor).sum(-1, keepdim=True)
+        carried = ((full - on_top) / self.q_off_top).clamp(min=0)
+        return carried * self.has_sampled
+
+    def residual_rows(self, nodes: NodeBatch, scale: torch.Tensor) -> torch.Tensor:
+        """[scale * p - q_bar]+ off T, 0 on T -> [B, n, V] (built only for end nodes)."""
+        q_bar, _ = residual_draft(nodes.q, self.top)
+        q_bar = q_bar * self.has_sampled
+        in_top = token_set_mask(self.top, nodes.vocab_size, nodes.q.dtype)
+        return (scale * nodes.p - q_bar).clamp(min=0).masked_fill(in_top, 0)

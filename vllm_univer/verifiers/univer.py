@@ -13,6 +13,9 @@ sampled child r ~ q_bar_v and top children u_1..u_{m-1} (the set T_v):
 A leaf has h = P~ and R = p (the same formulas with no children).
 Decision: the end node is the first node in post-order (sampled child first)
 with eta < h; Y ~ R_end.
+
+Since min(a, b) + [b - a]+ = b, rho_v = P~_v p_v(off T) - F_v: the level pass
+needs one reduction over the vocabulary per node (F_v) and no [.., V] outputs.
 """
 
 from __future__ import annotations
@@ -32,14 +35,16 @@ class UniVerVerifier(TreeVerifier):
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
         node = Topk1Node.read(nodes)
         scale = nodes.scale.unsqueeze(-1)  # [B, n, 1]
-        scaled_p = scale * nodes.p
-        carried = torch.minimum(node.q_bar, scaled_p).sum(-1, keepdim=True)  # F_v (q_bar is 0 on T)
-        residual = (scaled_p - node.q_bar).clamp(min=0).masked_fill(node.in_top, 0)
-        stop = continue_prob(residual.sum(-1), nodes.scale)
+        carried = node.carried_mass(nodes, scale)  # F_v
+        top_mass = scale * node.p_top  # P~ p(u_j), 0 for missing slots
+        p_off_top = nodes.p.sum(-1, keepdim=True) - node.p_top.sum(-1, keepdim=True)
+        rho = (scale * p_off_top - carried).clamp(min=0)
+        stop = continue_prob(rho, scale).squeeze(-1)
 
-        scale_sampled = clipped_ratio(gather_tokens(scaled_p, node.sampled), node.q_bar_at_sampled())
-        top_mass = gather_tokens(scaled_p, node.top)  # P~ p(u_j), 0 for missing slots
+        scale_sampled = clipped_ratio(
+            scale * gather_tokens(nodes.p, node.sampled), node.q_bar_at(nodes, node.sampled)
+        )
         room = (1.0 - carried - exclusive_cumsum(top_mass)).clamp(min=0)
-        scale_top = clipped_ratio(top_mass, room)
-        child_scale = torch.cat([scale_sampled, scale_top], -1)
-        return NodeOutput(child_scale, stop, residual if want_residual else None)
+        child_scale = torch.cat([scale_sampled, clipped_ratio(top_mass, room)], -1)
+        residual = node.residual_rows(nodes, scale) if want_residual else None
+        return NodeOutput(child_scale, stop, residual)
