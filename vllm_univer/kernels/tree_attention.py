@@ -1,0 +1,111 @@
+"""Tree attention over a paged KV cache.
+
+A request with L cached context tokens verifies (or drafts) T = N+1 tree tokens
+at positions L + depth. Tree token i attends to all L context tokens and to its
+own ancestors in the tree (itself included), never to its siblings or cousins.
+
+The work splits in two parts that merge exactly through their log-sum-exp
+(cascade attention's "merge state"):
+
+* ``paged_context_attention``: the T queries over the request's L context keys,
+  read through the block table, no mask inside the context;
+* ``tree_self_attention``: the T queries over the T tree keys with the ancestor mask.
+
+Layouts: queries [B, T, Hq, Dh]; tree keys/values [B, T, Hkv, Dh]; the paged
+cache is [num_blocks, block_size, Hkv, Dh] (vLLM's NHD layout; other layouts
+pass a view with this shape). Hq must be a multiple of Hkv (GQA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """[B, S, Hkv, Dh] -> [B, S, Hq, Dh] (grouped-query attention)."""
+    groups = num_q_heads // x.shape[2]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
+def _masked_attention(q, k, v, mask, scale):
+    """q [B, T, H, Dh], k/v [B, S, H, Dh], mask [B or 1, T, S] bool ->
+    (out [B, T, H, Dh], lse [B, T, H]); rows with no visible key give out 0, lse -inf."""
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
+    weights = torch.exp(scores - lse.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).min))
+    weights = torch.nan_to_num(weights, nan=0.0)
+    out = torch.einsum("bhts,bshd->bthd", weights, v.float())
+    return out, lse.transpose(1, 2)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor, max_len: int):
+    """Read each request's first ``max_len`` cached tokens through its block table.
+
+    cache [num_blocks, block_size, Hkv, Dh], block_table [B, max_blocks] (int),
+    context_lens [B] -> ([B, max_len, Hkv, Dh], valid [B, max_len] bool).
+    """
+    block_size = cache.shape[1]
+    pos = torch.arange(max_len, device=cache.device)
+    blocks = block_table[:, pos // block_size].long()  # [B, max_len]
+    valid = pos.unsqueeze(0) < context_lens.unsqueeze(1)
+    slots = torch.where(valid, blocks * block_size + pos % block_size, torch.zeros_like(blocks))
+    flat = cache.reshape(-1, *cache.shape[2:])
+    return flat[slots], valid
+
+
+def paged_context_attention(query, key_cache, value_cache, block_table, context_lens, scale=None, max_context_len=None):
+    """Attention of the tree queries over the cached context.
+
+    query [B, T, Hq, Dh]; caches [num_blocks, block_size, Hkv, Dh];
+    block_table [B, max_blocks]; context_lens [B] -> (out [B, T, Hq, Dh] fp32, lse [B, T, Hq] fp32).
+    ``max_context_len`` (a Python int) avoids a host sync when the caller knows it.
+    """
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    max_len = int(max_context_len) if max_context_len is not None else int(context_lens.max())
+    if max_len == 0:
+        b, t, h, d = query.shape
+        return query.new_zeros(b, t, h, d, dtype=torch.float32), query.new_full((b, t, h), float("-inf"), dtype=torch.float32)
+    keys, valid = gather_context(key_cache, block_table, context_lens, max_len)
+    values, _ = gather_context(value_cache, block_table, context_lens, max_len)
+    heads = query.shape[2]
+    mask = valid.unsqueeze(1).expand(-1, query.shape[1], -1)
+    return _masked_attention(query, _expand_kv_heads(keys, heads), _expand_kv_heads(values, heads), mask, scale)
+
+
+def tree_self_attention(query, tree_keys, tree_values, ancestor_mask, scale=None):
+    """Attention of the tree queries over the tree's own keys with the ancestor mask.
+
+    query [B, T, Hq, Dh]; tree_keys/values [B, T, Hkv, Dh]; ancestor_mask [T, T] or
+    [B, T, T] bool (mask[i, j] = j is i or an ancestor of i) -> (out, lse) as above.
+    """
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    heads = query.shape[2]
+    mask = ancestor_mask if ancestor_mask.dim() == 3 else ancestor_mask.unsqueeze(0)
+    return _masked_attention(query, _expand_kv_heads(tree_keys, heads), _expand_kv_heads(tree_values, heads), mask, scale)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Combine two attention results over disjoint key sets exactly.
+
+    out_* [..., H, Dh], lse_* [..., H] -> (out, lse). Either side may be empty (lse = -inf).
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    return out_a * w_a + out_b * w_b, lse
+
+
+def tree_attention(query, tree_keys, tree_values, key_cache, value_cache, block_table, context_lens,
+                   ancestor_mask, scale=None, max_context_len=None):
+    """Full tree attention: context part and tree part, merged. Shapes as above;
+    returns out [B, T, Hq, Dh] in the query's dtype."""
+    ctx_out, ctx_lse = paged_context_attention(query, key_cache, value_cache, block_table, context_lens,
+                                               scale, max_context_len)
+    tree_out, tree_lse = tree_self_attention(query, tree_keys, tree_values, ancestor_mask, scale)
+    out, _ = merge_attention_states(ctx_out, ctx_lse, tree_out, tree_lse)
+    return out.to(query.dtype)
