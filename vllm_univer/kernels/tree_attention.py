@@ -49,11 +49,12 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_lens:
     """
     block_size = cache.shape[1]
     pos = torch.arange(max_len, device=cache.device)
-    blocks = block_table[:, pos // block_size].long()  # [B, max_len]
     valid = pos.unsqueeze(0) < context_lens.unsqueeze(1)
-    slots = torch.where(valid, blocks * block_size + pos % block_size, torch.zeros_like(blocks))
-    flat = cache.reshape(-1, *cache.shape[2:])
-    return flat[slots], valid
+    blocks = torch.where(valid, block_table[:, pos // block_size].long(), torch.zeros_like(valid, dtype=torch.long))
+    offsets = (pos % block_size).unsqueeze(0).expand_as(blocks)
+    # Index (block, offset) directly: ``cache`` may be a strided view of a
+    # differently laid-out cache, which a reshape would copy whole.
+    return cache[blocks, offsets], valid
 
 
 def paged_context_attention(query, key_cache, value_cache, block_table, context_lens, scale=None, max_context_len=None):

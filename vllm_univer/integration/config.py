@@ -1,0 +1,93 @@
+"""The user-facing ``--speculative-config`` fields of ``method: "univer"``.
+
+    {"method": "univer", "model": DRAFT, "tree": "2x5", "verifier": "univer"}
+
+Validated with pydantic before vLLM sees anything, so a bad tree or verifier
+fails at config time with a message that names the field. No vLLM import here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from ..tree import TreeSpec
+from ..verifiers import METHODS, get_verifier
+
+METHOD_NAME = "univer"
+DEFAULT_TREE = "2x5"
+DEFAULT_VERIFIER = "univer"
+
+
+class UniverConfig(BaseModel):
+    """Tree speculation settings carried next to vLLM's SpeculativeConfig."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    tree: str | list[list[int]] = DEFAULT_TREE
+    verifier: str = DEFAULT_VERIFIER
+
+    @field_validator("verifier")
+    @classmethod
+    def _known_verifier(cls, value: str) -> str:
+        get_verifier(value)  # ValueError naming the choices
+        return value
+
+    @field_validator("tree")
+    @classmethod
+    def _valid_tree(cls, value):
+        TreeSpec.parse(value)  # ValueError saying what is malformed
+        return value
+
+    @model_validator(mode="after")
+    def _tree_fits_verifier(self) -> "UniverConfig":
+        verifier = get_verifier(self.verifier)
+        if verifier.chain_only and not self.tree_spec.is_chain:
+            raise ValueError(
+                f"verifier {self.verifier!r} verifies a single chain; use a chain tree such as "
+                f"'1x{self.tree_spec.max_depth}' (got tree {self.tree!r})"
+            )
+        return self
+
+    @property
+    def tree_spec(self) -> TreeSpec:
+        return TreeSpec.parse(self.tree)
+
+    @property
+    def scheme(self) -> str:
+        return get_verifier(self.verifier).scheme
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.tree_spec.num_nodes
+
+
+# Keys of the user's dict that belong to us, not to vLLM's SpeculativeConfig.
+OWN_KEYS = ("tree", "verifier")
+
+
+def split_user_config(spec: dict[str, Any]) -> tuple[UniverConfig, dict[str, Any]]:
+    """Split a ``method: "univer"`` speculative config into (ours, vLLM's).
+
+    vLLM's part becomes a ``draft_model`` config with num_speculative_tokens = N
+    (the tree's draft nodes, what one target forward verifies beside the last token).
+    """
+    ours = UniverConfig(**{k: spec[k] for k in OWN_KEYS if k in spec})
+    theirs = {k: v for k, v in spec.items() if k not in OWN_KEYS}
+    if not theirs.get("model"):
+        raise ValueError('method "univer" needs a draft model: add "model": "<draft model>" to --speculative-config')
+    requested = theirs.get("num_speculative_tokens")
+    if requested is not None and requested != ours.num_speculative_tokens:
+        raise ValueError(
+            f"num_speculative_tokens={requested} disagrees with tree {ours.tree!r}, which has "
+            f"{ours.num_speculative_tokens} draft nodes; leave num_speculative_tokens out"
+        )
+    theirs["method"] = "draft_model"
+    theirs["num_speculative_tokens"] = ours.num_speculative_tokens
+    # The verifier needs the exact q each node's children were drawn from.
+    theirs["draft_sample_method"] = "probabilistic"
+    return ours, theirs
+
+
+__all__ = ["DEFAULT_TREE", "DEFAULT_VERIFIER", "METHOD_NAME", "METHODS", "UniverConfig", "split_user_config"]
