@@ -1,0 +1,377 @@
+"""Acceptance study on real models: exact expected accepted length per verifier.
+
+Reproduces the layout of the UniVer / Traversal Verification papers' tables
+(tau = accepted draft tokens + 1, gain over RRSw) with the Qwen2.5-Coder
+1.5B target / 0.5B draft pair (benchmarks/data.py), transformers and a tree
+attention mask; vLLM is not needed.
+
+Method. For each prompt (chat template) and temperature T, the study walks a
+target-distributed continuation: at each position (context) and for each draft
+scheme, the draft model drafts the tree level by level at temperature T, the
+target scores every node in one forward, and ``outcome_law`` gives each
+verifier's *exact* expected accepted length for that tree. Methods sharing a
+scheme share the tree (greedy, univer, target_only: ``topk1``; rrsw,
+traversal: ``wor``; token, block: ``chain``). The context then advances by one
+UniVer step on the ``topk1`` tree, which is lossless, so contexts stay
+target-distributed at temperature T.
+
+    python benchmarks/acceptance.py --quick        # ~10 minutes on 2 cores
+    python benchmarks/acceptance.py                # full run: hours; partial results as it goes
+    python benchmarks/acceptance.py --report-only  # tables and plots from the saved records
+
+Outputs in benchmarks/results/: acceptance[_quick].jsonl (one record per
+context, scheme and method), acceptance[_quick].md (tables), and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS, model_dir, prompts  # noqa: E402
+
+from vllm_univer import TreeSpec, draft_children, outcome_law, verify  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+SCHEME_METHODS = {
+    "chain": ("token", "block"),
+    "wor": ("rrsw", "traversal"),
+    "topk1": ("greedy", "univer", "target_only"),
+}
+METHOD_ORDER = ("token", "block", "rrsw", "traversal", "greedy", "target_only", "univer")
+
+
+def eagle_like_tree() -> TreeSpec:
+    """An irregular tree of 60 nodes: wide near the root, thinner deeper, more
+    children for higher-ranked slots (the shape of EAGLE's default trees)."""
+    width = {0: 4, 1: 3, 2: 2, 3: 2, 4: 1, 5: 1}
+    paths, frontier = [], [()]
+    for depth in range(6):
+        nxt = []
+        for path in frontier:
+            rank = sum(path)  # lower slots along the path = more likely branch
+            for s in range(max(0, width[depth] - rank)):
+                nxt.append(path + (s,))
+        paths += nxt
+        frontier = nxt
+    return TreeSpec.from_paths(paths)
+
+
+def tree_shapes(full: bool) -> dict[str, TreeSpec]:
+    shapes = {"1x5": TreeSpec.parse("1x5"), "2x5": TreeSpec.parse("2x5")}
+    if full:
+        shapes["3x3"] = TreeSpec.parse("3x3")
+        shapes["eagle60"] = eagle_like_tree()
+    return shapes
+
+
+class CachedLM:
+    """A causal LM with a KV cache of the current context; tree queries are
+    appended under a tree mask and rolled back afterwards."""
+
+    def __init__(self, path: Path, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        self.cache = None
+        self.length = 0
+
+    def reset(self, ids: list[int]) -> torch.Tensor:
+        self.cache, self.length = None, 0
+        return self.extend(ids)
+
+    def extend(self, ids: list[int]) -> torch.Tensor:
+        """Append tokens to the context; returns the float32 logits after the last one [V]."""
+        x = torch.tensor([ids])
+        out = self.model(x, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.length += len(ids)
+        return out.logits[0, -1].float()
+
+    def append_tree(self, tokens: list[int], positions: list[int], visible: torch.Tensor) -> torch.Tensor:
+        """Append tree tokens that see the whole context and the appended tokens
+        where ``visible`` [n, appended so far + n] is True; returns logits [n, V]."""
+        n = len(tokens)
+        ctx = torch.ones(n, self.length, dtype=torch.bool)
+        mask = torch.cat([ctx, visible], 1)[None, None]
+        out = self.model(torch.tensor([tokens]), position_ids=torch.tensor([positions]),
+                         attention_mask=mask, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[0].float()
+
+    def rollback(self) -> None:
+        """Drop every appended tree token, back to the context."""
+        extra = self.cache.get_seq_length() - self.length
+        if extra > 0:
+            self.cache.crop(-extra)
+
+
+def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return (logits.double() / temperature).softmax(-1)
+
+
+def draft_and_score(target: CachedLM, draft: CachedLM, tree: TreeSpec, scheme: str, temperature: float,
+                    root_target: torch.Tensor, root_draft: torch.Tensor, gen: torch.Generator):
+    """Draft ``tree`` with ``scheme`` level by level and score it with the target.
+
+    Returns tokens [1, N+1], p [1, N+1, V], q [1, N+1, V] (float64)."""
+    n1 = tree.num_nodes + 1
+    vocab = root_target.shape[-1]
+    root_pos = target.length - 1
+    tokens = torch.full((n1,), -1, dtype=torch.long)
+    q = torch.zeros(n1, vocab, dtype=torch.float64)
+    q[0] = probs(root_draft, temperature)
+    depth = tree.depth.tolist()
+    anc = tree.ancestor_mask[1:, 1:]  # among draft nodes 1..N
+    levels = [[i for i in range(1, n1) if depth[i] == d] for d in range(1, tree.max_depth + 1)]
+    children = tree.children.tolist()
+    for d, level in enumerate(levels, start=1):
+        parents = sorted({int(tree.parent[i]) for i in level})
+        for v in parents:  # children of each parent, drawn from its exact q row
+            kids = [c for c in children[v] if c >= 0]
+            if v == 0 or tokens[v] >= 0:
+                tokens[kids] = draft_children(scheme, q[v:v + 1], len(kids), generator=gen)[0]
+        if d == tree.max_depth:
+            break  # leaves need no draft row
+        placeholder = [max(int(tokens[i]), 0) for i in level]  # missing nodes: any token, ignored
+        first, last = level[0], level[-1]
+        logits = draft.append_tree(placeholder, [root_pos + d] * len(level), anc[first - 1:last, :last])
+        q[first:last + 1] = probs(logits, temperature)
+    draft.rollback()
+
+    nodes = list(range(1, n1))
+    placeholder = [max(int(tokens[i]), 0) for i in nodes]
+    logits = target.append_tree(placeholder, [root_pos + depth[i] for i in nodes], anc)
+    target.rollback()
+    p = torch.empty(n1, vocab, dtype=torch.float64)
+    p[0] = probs(root_target, temperature)
+    p[1:] = probs(logits, temperature)
+    # Rows of missing nodes are never read; zero them to keep the inputs clean.
+    missing = tokens < 0
+    missing[0] = False
+    p[missing] = 0.0
+    q[missing] = 0.0
+    return tokens.unsqueeze(0), p.unsqueeze(0), q.unsqueeze(0)
+
+
+def expected_accepted(method: str, tree: TreeSpec, tokens, p, q) -> float:
+    law = outcome_law(method, tree, tokens, p, q)
+    return float((law.sum(-1) * tree.depth.double()).sum())
+
+
+def truncated(tree: TreeSpec, depth: int) -> TreeSpec:
+    return TreeSpec([path for path in tree.paths if len(path) <= depth])
+
+
+def run_study(args) -> Path:
+    torch.set_grad_enabled(False)
+    torch.manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
+    target = CachedLM(model_dir(args.target, args.dtype), dtype)
+    draft = CachedLM(model_dir(args.draft, args.dtype), dtype)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(args.target, args.dtype))
+    shapes = tree_shapes(not args.quick)
+    datasets = {name: prompts(name, limit=args.prompts) for name in args.datasets}
+    out_path = RESULTS / f"acceptance{'_quick' if args.quick else ''}.jsonl"
+    RESULTS.mkdir(exist_ok=True)
+    done = set()
+    if out_path.exists() and not args.restart:
+        for line in out_path.read_text().splitlines():
+            r = json.loads(line)
+            done.add((r["prompt"], r["temperature"], r["step"]))
+    sink = open(out_path, "w" if args.restart else "a")
+    gen = torch.Generator().manual_seed(args.seed)
+    started = time.time()
+    for temperature in args.temperatures:
+        for dataset, items in datasets.items():
+            for item in items:
+                if args.time_budget and time.time() - started > args.time_budget:
+                    print("time budget reached; partial results kept", flush=True)
+                    sink.close()
+                    return out_path
+                text = tokenizer.apply_chat_template([{"role": "user", "content": item["turns"][0]}],
+                                                     add_generation_prompt=True, tokenize=False)
+                ids = tokenizer(text, add_special_tokens=False).input_ids[-args.max_prompt_tokens:]
+                root_target = target.reset(ids)
+                root_draft = draft.reset(ids)
+                for step in range(args.steps):
+                    key = (item["id"], temperature, step)
+                    trees = {}
+                    for shape_name, tree in shapes.items():
+                        schemes = ("chain",) if tree.is_chain else ("wor", "topk1")
+                        for scheme in schemes:
+                            tokens, p, q = draft_and_score(target, draft, tree, scheme, temperature,
+                                                           root_target, root_draft, gen)
+                            trees[(shape_name, scheme)] = (tree, tokens, p, q)
+                            if key in done:
+                                continue
+                            depths = range(2, tree.max_depth + 1) if shape_name == "2x5" else [tree.max_depth]
+                            for depth in depths:
+                                sub = truncated(tree, depth) if depth < tree.max_depth else tree
+                                n1 = sub.num_nodes + 1
+                                label = shape_name if depth == tree.max_depth else f"2x{depth}"
+                                for method in SCHEME_METHODS[scheme]:
+                                    acc = expected_accepted(method, sub, tokens[:, :n1], p[:, :n1], q[:, :n1])
+                                    sink.write(json.dumps({
+                                        "dataset": dataset, "category": item["category"], "prompt": item["id"],
+                                        "temperature": temperature, "step": step, "tree": label,
+                                        "method": method, "accepted": acc,
+                                    }) + "\n")
+                    sink.flush()
+                    # Advance by one lossless UniVer step on the 2x5 topk1 tree.
+                    tree, tokens, p, q = trees[("2x5", "topk1")]
+                    out = verify("univer", tree, tokens, p, q, generator=gen)
+                    new = [t for t in out.output_token_ids[0].tolist() if t >= 0]
+                    if tokenizer.eos_token_id in new:
+                        break
+                    root_target = target.extend(new)
+                    root_draft = draft.extend(new)
+                print(f"T={temperature} {dataset} {item['id']}: {time.time() - started:.0f}s", flush=True)
+    sink.close()
+    return out_path
+
+
+# ------------------------------------------------------------------ report
+def _mean_se(values):
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var / n) if n > 1 else float("nan")
+
+
+def report(jsonl: Path, command: str) -> Path:
+    records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    groups = defaultdict(list)
+    for r in records:
+        for dataset in (r["dataset"], "overall"):
+            groups[(dataset, r["temperature"], r["tree"], r["method"])].append(r["accepted"] + 1.0)
+    temps = sorted({r["temperature"] for r in records})
+    trees = [t for t in ("1x5", "2x5", "3x3", "eagle60") if any(r["tree"] == t for r in records)]
+    datasets = sorted({r["dataset"] for r in records}) + ["overall"]
+    contexts = len({(r["prompt"], r["temperature"], r["step"]) for r in records})
+
+    lines = [f"# Acceptance study: exact expected tokens per step (tau)", "",
+             f"Command: `{command}`", "",
+             f"Target {DEFAULT_TARGET} ({MODELS[DEFAULT_TARGET].filename}, sha256 {MODELS[DEFAULT_TARGET].sha256[:16]}...), "
+             f"draft {DEFAULT_DRAFT} ({MODELS[DEFAULT_DRAFT].filename}, sha256 {MODELS[DEFAULT_DRAFT].sha256[:16]}...).",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}. "
+             f"{contexts} (context, temperature) pairs.", "",
+             "tau = 1 + E[accepted draft tokens | tree], exact per drafted tree (outcome_law), "
+             "averaged over contexts; +- is the standard error. Gain: over `rrsw` on trees, over `token` on the chain.", ""]
+    for tree in trees:
+        base = "token" if tree == "1x5" else "rrsw"
+        methods = [m for m in METHOD_ORDER if any(k[2] == tree and k[3] == m for k in groups)]
+        for dataset in datasets:
+            if not any(k[0] == dataset and k[2] == tree for k in groups):
+                continue
+            lines += [f"## tree {tree}, {dataset}", "",
+                      "| method | " + " | ".join(f"T={t} tau | gain" for t in temps) + " |",
+                      "|---|" + "---|---|" * len(temps)]
+            for m in methods:
+                cells = []
+                for t in temps:
+                    vals = groups.get((dataset, t, tree, m))
+                    basevals = groups.get((dataset, t, tree, base))
+                    if not vals:
+                        cells += ["", ""]
+                        continue
+                    mean, se = _mean_se(vals)
+                    gain = f"{100 * (mean / _mean_se(basevals)[0] - 1):+.1f}%" if basevals else ""
+                    cells += [f"{mean:.3f} +- {se:.3f}", gain]
+                lines.append(f"| {m} | " + " | ".join(cells) + " |")
+            lines.append("")
+    depth_rows = [t for t in ("2x2", "2x3", "2x4", "2x5") if any(k[2] == t for k in groups)]
+    if depth_rows:
+        lines += ["## tau vs binary tree depth (overall)", "",
+                  "| T | method | " + " | ".join(depth_rows) + " |", "|---|---|" + "---|" * len(depth_rows)]
+        for t in temps:
+            for m in ("rrsw", "traversal", "greedy", "univer"):
+                cells = [f"{_mean_se(groups[('overall', t, d, m)])[0]:.3f}" if groups.get(("overall", t, d, m)) else ""
+                         for d in depth_rows]
+                lines.append(f"| {t} | {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    md = jsonl.with_suffix(".md")
+    md.write_text("\n".join(lines) + "\n")
+    _plots(groups, temps, depth_rows, jsonl.stem)
+    return md
+
+
+def _plots(groups, temps, depth_rows, stem) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in ("rrsw", "traversal", "greedy", "target_only", "univer"):
+        ys = [_mean_se(groups[("overall", t, "2x5", m)]) for t in temps if groups.get(("overall", t, "2x5", m))]
+        if len(ys) == len(temps):
+            ax.errorbar(temps, [y[0] for y in ys], yerr=[y[1] for y in ys], marker="o", label=m, capsize=3)
+    ax.set_xlabel("temperature")
+    ax.set_ylabel("tau (tokens per step)")
+    ax.set_title("Binary tree of depth 5 (62 draft nodes)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{stem}_tau_vs_temperature.png", dpi=120)
+    plt.close(fig)
+
+    if depth_rows:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        sizes = [TreeSpec.parse(d).num_nodes for d in depth_rows]
+        for m in ("rrsw", "traversal", "greedy", "univer"):
+            t = max(temps)
+            ys = [_mean_se(groups[("overall", t, d, m)])[0] for d in depth_rows if groups.get(("overall", t, d, m))]
+            if len(ys) == len(depth_rows):
+                ax.plot(sizes, ys, marker="o", label=m)
+        ax.set_xlabel("draft nodes (binary tree, depth 2..5)")
+        ax.set_ylabel("tau (tokens per step)")
+        ax.set_title(f"tau vs tree size, T={max(temps)}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / f"{stem}_tau_vs_tree_size.png", dpi=120)
+        plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="T=1 and 0.6, trees 1x5 and 2x5, a few prompts, ~10 min")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval", "sharegpt"])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.3, 0.6, 1.0])
+    ap.add_argument("--prompts", type=int, default=40, help="prompts per dataset")
+    ap.add_argument("--steps", type=int, default=8, help="contexts (speculative steps) per prompt")
+    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--time-budget", type=float, default=0, help="seconds; stop cleanly after this")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--restart", action="store_true", help="discard earlier records of this mode")
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.datasets = ["mtbench", "humaneval"]
+        args.temperatures = [1.0, 0.6] if args.temperatures == [0.3, 0.6, 1.0] else args.temperatures
+        args.prompts = min(args.prompts, 3)
+        args.steps = min(args.steps, 5)
+        args.time_budget = args.time_budget or 540
+    command = "python benchmarks/acceptance.py " + " ".join(sys.argv[1:])
+    jsonl = RESULTS / f"acceptance{'_quick' if args.quick else ''}.jsonl"
+    if not args.report_only:
+        jsonl = run_study(args)
+    print(report(jsonl, command).read_text())
+
+
+if __name__ == "__main__":
+    main()
