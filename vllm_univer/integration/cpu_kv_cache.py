@@ -1,0 +1,38 @@
+"""Views of vLLM's CPU paged KV cache in the layout the tree kernels read.
+
+vLLM 0.32's CPU attention keeps one tensor per layer,
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, viewed as
+``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` and split into a key
+half and a value half. With the ``vec`` ISA (x86 without AMX, block size a
+multiple of 32) values are stored row-major per token, but keys are stored
+transposed inside each (block, head): element (token t, dim d) sits at
+``d * block_size + t``. The views below expose both as
+``[num_blocks, block_size, num_kv_heads, head_size]`` without copying.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_ISAS = ("vec",)
+
+
+def cpu_kv_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_cache [num_blocks, H, block_size, 2*Dh] -> (keys, values), each a strided
+    view [num_blocks, block_size, H, Dh] of the same storage (writes go through)."""
+    if isa not in SUPPORTED_ISAS:
+        raise NotImplementedError(
+            f"tree attention on CPU reads the KV cache of the {SUPPORTED_ISAS} attention ISA; "
+            f"this machine uses {isa!r} (e.g. AMX with bfloat16). Use dtype=float32 or a GPU."
+        )
+    num_blocks, heads, block_size, two_dh = kv_cache.shape
+    head_size = two_dh // 2
+    if not kv_cache.is_contiguous():
+        raise ValueError("expected a contiguous CPU KV cache tensor")
+    s_block, s_head = kv_cache.stride(0), kv_cache.stride(1)
+    # Key half of (block, head): bs * Dh elements, transposed: [Dh, bs].
+    keys = kv_cache.as_strided((num_blocks, block_size, heads, head_size), (s_block, 1, s_head, block_size))
+    # Value half: the next bs * Dh elements, row-major [bs, Dh].
+    values = kv_cache.as_strided((num_blocks, block_size, heads, head_size), (s_block, head_size, s_head, 1),
+                                 storage_offset=kv_cache.storage_offset() + block_size * head_size)
+    return keys, values
