@@ -173,6 +173,40 @@ def truncated(tree: TreeSpec, depth: int) -> TreeSpec:
     return TreeSpec([path for path in tree.paths if len(path) <= depth])
 
 
+def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shapes, steps, sink, gen):
+    """Walk ``steps`` contexts of one prompt at one temperature, recording every method."""
+    root_target = target.reset(ids)
+    root_draft = draft.reset(ids)
+    for step in range(steps):
+        trees = {}
+        for shape_name, tree in shapes.items():
+            for scheme in ("chain",) if tree.is_chain else ("wor", "topk1"):
+                tokens, p, q = draft_and_score(target, draft, tree, scheme, temperature,
+                                               root_target, root_draft, gen)
+                trees[(shape_name, scheme)] = (tree, tokens, p, q)
+                depths = range(2, tree.max_depth + 1) if shape_name == "2x5" else [tree.max_depth]
+                for depth in depths:
+                    sub = truncated(tree, depth) if depth < tree.max_depth else tree
+                    n1 = sub.num_nodes + 1
+                    label = shape_name if depth == tree.max_depth else f"2x{depth}"
+                    for method in SCHEME_METHODS[scheme]:
+                        acc = expected_accepted(method, sub, tokens[:, :n1], p[:, :n1], q[:, :n1])
+                        sink.write(json.dumps({
+                            "dataset": dataset, "category": item["category"], "prompt": item["id"],
+                            "temperature": temperature, "step": step, "tree": label,
+                            "method": method, "accepted": acc,
+                        }) + "\n")
+        sink.flush()
+        # Advance by one lossless UniVer step on the 2x5 topk1 tree.
+        tree, tokens, p, q = trees[("2x5", "topk1")]
+        out = verify("univer", tree, tokens, p, q, generator=gen)
+        new = [t for t in out.output_token_ids[0].tolist() if t >= 0]
+        if tokenizer.eos_token_id in new:
+            break
+        root_target = target.extend(new)
+        root_draft = draft.extend(new)
+
+
 def run_study(args) -> Path:
     torch.set_grad_enabled(False)
     torch.manual_seed(args.seed)
@@ -190,54 +224,29 @@ def run_study(args) -> Path:
     if out_path.exists() and not args.restart:
         for line in out_path.read_text().splitlines():
             r = json.loads(line)
-            done.add((r["prompt"], r["temperature"], r["step"]))
+            done.add((r["prompt"], r["temperature"]))  # resume: skip finished prompts
     sink = open(out_path, "w" if args.restart else "a")
     gen = torch.Generator().manual_seed(args.seed)
     started = time.time()
-    for temperature in args.temperatures:
+    # Prompts outermost, then datasets and temperatures: a run stopped by its
+    # time budget leaves balanced partial results.
+    for index in range(max(len(items) for items in datasets.values())):
         for dataset, items in datasets.items():
-            for item in items:
+            if index >= len(items):
+                continue
+            item = items[index]
+            text = tokenizer.apply_chat_template([{"role": "user", "content": item["turns"][0]}],
+                                                 add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False).input_ids[-args.max_prompt_tokens:]
+            for temperature in args.temperatures:
                 if args.time_budget and time.time() - started > args.time_budget:
                     print("time budget reached; partial results kept", flush=True)
                     sink.close()
                     return out_path
-                text = tokenizer.apply_chat_template([{"role": "user", "content": item["turns"][0]}],
-                                                     add_generation_prompt=True, tokenize=False)
-                ids = tokenizer(text, add_special_tokens=False).input_ids[-args.max_prompt_tokens:]
-                root_target = target.reset(ids)
-                root_draft = draft.reset(ids)
-                for step in range(args.steps):
-                    key = (item["id"], temperature, step)
-                    trees = {}
-                    for shape_name, tree in shapes.items():
-                        schemes = ("chain",) if tree.is_chain else ("wor", "topk1")
-                        for scheme in schemes:
-                            tokens, p, q = draft_and_score(target, draft, tree, scheme, temperature,
-                                                           root_target, root_draft, gen)
-                            trees[(shape_name, scheme)] = (tree, tokens, p, q)
-                            if key in done:
-                                continue
-                            depths = range(2, tree.max_depth + 1) if shape_name == "2x5" else [tree.max_depth]
-                            for depth in depths:
-                                sub = truncated(tree, depth) if depth < tree.max_depth else tree
-                                n1 = sub.num_nodes + 1
-                                label = shape_name if depth == tree.max_depth else f"2x{depth}"
-                                for method in SCHEME_METHODS[scheme]:
-                                    acc = expected_accepted(method, sub, tokens[:, :n1], p[:, :n1], q[:, :n1])
-                                    sink.write(json.dumps({
-                                        "dataset": dataset, "category": item["category"], "prompt": item["id"],
-                                        "temperature": temperature, "step": step, "tree": label,
-                                        "method": method, "accepted": acc,
-                                    }) + "\n")
-                    sink.flush()
-                    # Advance by one lossless UniVer step on the 2x5 topk1 tree.
-                    tree, tokens, p, q = trees[("2x5", "topk1")]
-                    out = verify("univer", tree, tokens, p, q, generator=gen)
-                    new = [t for t in out.output_token_ids[0].tolist() if t >= 0]
-                    if tokenizer.eos_token_id in new:
-                        break
-                    root_target = target.extend(new)
-                    root_draft = draft.extend(new)
+                if (item["id"], temperature) in done:
+                    continue
+                study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shapes, args.steps,
+                             sink, gen)
                 print(f"T={temperature} {dataset} {item['id']}: {time.time() - started:.0f}s", flush=True)
     sink.close()
     return out_path
@@ -292,6 +301,24 @@ def report(jsonl: Path, command: str) -> Path:
                     cells += [f"{mean:.3f} +- {se:.3f}", gain]
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
             lines.append("")
+    # Same-tree comparisons are paired: both verifiers judged the very same drafted tree.
+    by_key = {(r["prompt"], r["temperature"], r["step"], r["tree"], r["method"]): r["accepted"] for r in records}
+    pairs = (("univer", "greedy"), ("traversal", "rrsw"), ("block", "token"))
+    lines += ["## Paired differences on the same drafted trees (overall)", "",
+              "| tree | T | comparison | mean tau difference | +- | relative |", "|---|---|---|---|---|---|"]
+    for tree in trees:
+        for t in temps:
+            for a, b in pairs:
+                diffs, base_vals = [], []
+                for (prompt, temp, step, tr, m), acc in by_key.items():
+                    if m == b and tr == tree and temp == t and (prompt, temp, step, tr, a) in by_key:
+                        diffs.append(by_key[(prompt, temp, step, tr, a)] - acc)
+                        base_vals.append(acc + 1.0)
+                if len(diffs) > 1:
+                    mean, se = _mean_se(diffs)
+                    rel = 100 * mean / (sum(base_vals) / len(base_vals))
+                    lines.append(f"| {tree} | {t} | {a} - {b} | {mean:+.4f} | {se:.4f} | {rel:+.2f}% |")
+    lines.append("")
     depth_rows = [t for t in ("2x2", "2x3", "2x4", "2x5") if any(k[2] == t for k in groups)]
     if depth_rows:
         lines += ["## tau vs binary tree depth (overall)", "",
