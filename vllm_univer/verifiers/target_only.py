@@ -2,13 +2,18 @@
 
 At v: p' = p_v. For each child x in slot order with p'(x) > 0: accept with
 prob p'(x) and descend; else p'(x) <- 0, p' <- norm(p'). All rejected: Y ~ p'.
+
+Closed form: after rejecting children x_1..x_{j-1}, p' = p off those tokens,
+renormalised, so alpha_j = p(x_j) / (1 - sum of p over the distinct earlier
+tokens), and 0 for a token that repeats an earlier one (its p' is 0). The stop
+residual is p with every child token removed.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..ops import gather_tokens, normalize, one_token_mask
+from ..ops import clipped_ratio, exclusive_cumsum, gather_tokens, token_set_mask
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 
 
@@ -20,12 +25,14 @@ class TargetOnlyVerifier(TreeVerifier):
     family = Family.DESCENT
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
-        p = nodes.p
-        alphas = []
-        for j in range(nodes.tokens.shape[-1]):
-            x = nodes.tokens[..., j]
-            alphas.append(gather_tokens(p, x.unsqueeze(-1)).squeeze(-1).clamp(max=1.0))
-            # After rejecting x, p' loses x. If x held all of p' it was accepted surely.
-            new_p, mass = normalize(p.masked_fill(one_token_mask(x, nodes.vocab_size), 0))
-            p = torch.where(((x >= 0) & (mass > 0)).unsqueeze(-1), new_p, p)
-        return NodeOutput(torch.stack(alphas, -1), None, p if want_residual else None)
+        tokens = nodes.tokens  # [B, n, C]
+        slots = tokens.shape[-1]
+        earlier = torch.ones(slots, slots, dtype=torch.bool, device=tokens.device).tril(-1)
+        repeats = ((tokens.unsqueeze(-1) == tokens.unsqueeze(-2)) & earlier).any(-1)  # same token in an earlier slot
+        first = (tokens >= 0) & ~repeats
+        mass = gather_tokens(nodes.p, tokens) * first
+        alpha = clipped_ratio(mass, (nodes.p.sum(-1, keepdim=True) - exclusive_cumsum(mass)).clamp(min=0))
+        residual = None
+        if want_residual:
+            residual = nodes.p.masked_fill(token_set_mask(tokens, nodes.vocab_size, nodes.p.dtype), 0)
+        return NodeOutput(alpha, None, residual)
