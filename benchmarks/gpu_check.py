@@ -1,0 +1,161 @@
+"""One-shot GPU check of the verifier core and kernels (no vLLM needed).
+
+Run on a CUDA machine from the repository root (about 5 minutes on one H200):
+
+    python benchmarks/gpu_check.py [--out DIR]
+
+1. Correctness on CUDA: every verifier's sampled outcomes (float32, batched)
+   against its exact law (``outcome_law``) by a chi-square test; tree attention
+   on CUDA against the float64 CPU result.
+2. Timings: ``verify`` per method for B in {1, 16, 64}, trees 1x5 / 2x5 / 3x3,
+   V in {32000, 151936}, with CUDA events; peak extra memory over the inputs.
+   vLLM is not installed on the device, so the baseline is our own ``token``
+   verifier on a chain with the same number of rows.
+Writes gpu_check.md into DIR (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from verifier_overhead import make_inputs  # noqa: E402
+
+from vllm_univer import METHODS, TreeSpec, outcome_law, verify  # noqa: E402
+from vllm_univer.kernels import tree_attention  # noqa: E402
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value, pooling cells with expected count < 5."""
+    n = counts.sum().item()
+    expected = probs.double() * n
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep] * (obs[keep].sum() / exp[keep].sum())
+    stat, dof = float(((obs - exp) ** 2 / exp).sum()), max(int(keep.sum()) - 1, 1)
+    try:
+        from scipy.stats import chi2
+
+        return float(chi2.sf(stat, dof))
+    except ImportError:  # Wilson-Hilferty normal approximation of the chi-square tail
+        z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+        return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def correctness(device: torch.device, lines: list[str]) -> bool:
+    ok = True
+    lines += ["## Correctness on CUDA", "", "| check | result |", "|---|---|"]
+    for method in METHODS:
+        tree = TreeSpec.parse("1x3") if method in ("token", "block") else TreeSpec.parse("2x2")
+        tokens, p, q = make_inputs(method, tree, 4, 6, seed=3)
+        tokens, p, q = tokens.to(device), p.to(device), q.to(device)
+        law = outcome_law(method, tree, tokens, p, q)  # float64, on the GPU
+        reps = 50000
+        gen = torch.Generator(device=device).manual_seed(0)
+        out = verify(method, tree, tokens.repeat_interleave(reps, 0), p.repeat_interleave(reps, 0),
+                     q.repeat_interleave(reps, 0), generator=gen)
+        y = out.output_token_ids.gather(1, out.num_accepted.unsqueeze(1)).squeeze(1)
+        row = torch.arange(4, device=device).repeat_interleave(reps)
+        cells = (row * law[0].numel() + out.end_node * 6 + y)
+        counts = torch.bincount(cells, minlength=law.numel()).cpu()
+        flat = law.reshape(4, -1).cpu()
+        impossible = int(counts.view(4, -1)[flat == 0].sum())
+        pvals = [chi_square_pvalue(counts.view(4, -1)[t], flat[t]) for t in range(4)]
+        good = impossible == 0 and min(pvals) > 1e-4
+        ok &= good
+        lines.append(f"| verify `{method}` vs outcome_law (4 trees x {reps}) | "
+                     f"{'ok' if good else 'FAIL'}: min p = {min(pvals):.3g}, impossible outcomes = {impossible} |")
+
+    tree = TreeSpec.parse("2x3")
+    gen = torch.Generator().manual_seed(0)
+    b, t, hq, hkv, dh, bs = 3, tree.num_nodes + 1, 8, 2, 64, 16
+    lens = torch.tensor([0, 37, 100])
+    blocks = torch.randperm(b * 9, generator=gen).view(b, 9)
+    kc, vc = torch.randn(b * 9, bs, hkv, dh, generator=gen), torch.randn(b * 9, bs, hkv, dh, generator=gen)
+    qq, tk, tv = (torch.randn(b, t, h, dh, generator=gen) for h in (hq, hkv, hkv))
+    ref = tree_attention(qq.double(), tk.double(), tv.double(), kc.double(), vc.double(), blocks, lens,
+                         tree.ancestor_mask)
+    got = tree_attention(*(x.to(device) for x in (qq, tk, tv, kc, vc, blocks, lens)),
+                         tree.ancestor_mask.to(device)).cpu()
+    err = float((got.double() - ref).abs().max())
+    ok &= err < 1e-4
+    lines.append(f"| tree attention CUDA vs CPU float64 | {'ok' if err < 1e-4 else 'FAIL'}: max error {err:.2e} |")
+    return ok
+
+
+def timings(device: torch.device, lines: list[str]) -> None:
+    methods = ("univer", "traversal", "rrsw", "greedy")
+    lines += ["", "## verify timings on CUDA (ms, median of 10)", "",
+              "| V | B | tree | token chain (same rows) | " + " | ".join(methods) +
+              " | univer / chain per row | univer peak extra / inputs |", "|---" * (6 + len(methods)) + "|"]
+
+    def run(fn):
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    for vocab in (32000, 151936):
+        for batch in (1, 16, 64):
+            for shape in ("1x5", "2x5", "3x3"):
+                tree = TreeSpec.parse(shape)
+                n1 = tree.num_nodes + 1
+                chain = TreeSpec.parse(f"1x{tree.num_nodes}") if tree.num_nodes <= 128 else tree
+                ct, cp, cq = (x.to(device) for x in make_inputs("token", chain, batch, vocab))
+                t_chain = run(lambda: verify("token", chain, ct, cp, cq, validate=False))
+                del ct, cp, cq
+                row = [vocab, batch, shape, f"{t_chain:.2f}"]
+                univer_ms, peak = None, None
+                for method in methods:
+                    tokens, p, q = (x.to(device) for x in make_inputs(method, tree, batch, vocab))
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    ms = run(lambda: verify(method, tree, tokens, p, q, validate=False))
+                    if method == "univer":
+                        univer_ms = ms
+                        peak = (torch.cuda.max_memory_allocated() - base) / (p.numel() + q.numel()) / 4
+                    row.append(f"{ms:.2f}")
+                    del tokens, p, q
+                row += [f"{univer_ms / n1 / (t_chain / (tree.num_nodes + 1)):.2f}", f"{peak:.2f}"]
+                lines.append("| " + " | ".join(str(x) for x in row) + " |")
+                print(lines[-1], flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device")
+    device = torch.device("cuda")
+    lines = [f"# GPU check ({time.strftime('%Y-%m-%d')})", "",
+             f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}. "
+             "Command: `python benchmarks/gpu_check.py`", ""]
+    ok = correctness(device, lines)
+    print("\n".join(lines), flush=True)
+    timings(device, lines)
+    out = Path(args.out) / "gpu_check.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}; correctness {'ok' if ok else 'FAILED'}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
