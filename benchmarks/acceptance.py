@@ -52,16 +52,17 @@ METHOD_ORDER = ("token", "block", "rrsw", "traversal", "greedy", "target_only", 
 
 
 def eagle_like_tree() -> TreeSpec:
-    """An irregular tree of 60 nodes: wide near the root, thinner deeper, more
-    children for higher-ranked slots (the shape of EAGLE's default trees)."""
-    width = {0: 4, 1: 3, 2: 2, 3: 2, 4: 1, 5: 1}
+    """An irregular tree of 61 nodes and depth 6, shaped like EAGLE's default
+    trees: wide near the root, thinner deeper, and a branch gets fewer children
+    the further it strays from the top-ranked tokens (its deviation r = number
+    of non-top slots on its path plus its own slot; children = width[d] - r)."""
+    width = (4, 4, 4, 3, 3, 2)
     paths, frontier = [], [()]
-    for depth in range(6):
+    for depth in range(len(width)):
         nxt = []
         for path in frontier:
-            rank = sum(path)  # lower slots along the path = more likely branch
-            for s in range(max(0, width[depth] - rank)):
-                nxt.append(path + (s,))
+            deviation = sum(1 for s in path if s > 0) + (path[-1] if path else 0)
+            nxt.extend(path + (s,) for s in range(max(0, width[depth] - deviation)))
         paths += nxt
         frontier = nxt
     return TreeSpec.from_paths(paths)
@@ -71,7 +72,7 @@ def tree_shapes(full: bool) -> dict[str, TreeSpec]:
     shapes = {"1x5": TreeSpec.parse("1x5"), "2x5": TreeSpec.parse("2x5")}
     if full:
         shapes["3x3"] = TreeSpec.parse("3x3")
-        shapes["eagle60"] = eagle_like_tree()
+        shapes["eagle61"] = eagle_like_tree()
     return shapes
 
 
@@ -169,6 +170,14 @@ def expected_accepted(method: str, tree: TreeSpec, tokens, p, q) -> float:
     return float((law.sum(-1) * tree.depth.double()).sum())
 
 
+def shape_label(shape: str, depth: int) -> str:
+    """'2x5' truncated at depth 3 is '2x3'; an irregular shape 'eagle61' at depth 3 is 'eagle61@3'."""
+    if "x" in shape and shape.replace("x", "").isdigit():
+        return f"{shape.split('x')[0]}x{depth}"
+    full = tree_shapes(True)[shape].max_depth
+    return shape if depth == full else f"{shape}@{depth}"
+
+
 def truncated(tree: TreeSpec, depth: int) -> TreeSpec:
     return TreeSpec([path for path in tree.paths if len(path) <= depth])
 
@@ -184,17 +193,17 @@ def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shap
                 tokens, p, q = draft_and_score(target, draft, tree, scheme, temperature,
                                                root_target, root_draft, gen)
                 trees[(shape_name, scheme)] = (tree, tokens, p, q)
-                depths = range(2, tree.max_depth + 1) if shape_name == "2x5" else [tree.max_depth]
-                for depth in depths:
+                # Truncating a drafted tree at depth k gives a tree of the same scheme
+                # (levels are drafted top-down), so every shallower shape is free.
+                for depth in range(1, tree.max_depth + 1):
                     sub = truncated(tree, depth) if depth < tree.max_depth else tree
                     n1 = sub.num_nodes + 1
-                    label = shape_name if depth == tree.max_depth else f"2x{depth}"
                     for method in SCHEME_METHODS[scheme]:
                         acc = expected_accepted(method, sub, tokens[:, :n1], p[:, :n1], q[:, :n1])
                         sink.write(json.dumps({
                             "dataset": dataset, "category": item["category"], "prompt": item["id"],
-                            "temperature": temperature, "step": step, "tree": label,
-                            "method": method, "accepted": acc,
+                            "temperature": temperature, "step": step, "tree": shape_label(shape_name, depth),
+                            "nodes": sub.num_nodes, "method": method, "accepted": acc,
                         }) + "\n")
         sink.flush()
         # Advance by one lossless UniVer step on the 2x5 topk1 tree.
@@ -267,7 +276,7 @@ def report(jsonl: Path, command: str) -> Path:
         for dataset in (r["dataset"], "overall"):
             groups[(dataset, r["temperature"], r["tree"], r["method"])].append(r["accepted"] + 1.0)
     temps = sorted({r["temperature"] for r in records})
-    trees = [t for t in ("1x5", "2x5", "3x3", "eagle60") if any(r["tree"] == t for r in records)]
+    trees = [t for t in ("1x5", "2x5", "3x3", "eagle61") if any(r["tree"] == t for r in records)]
     datasets = sorted({r["dataset"] for r in records}) + ["overall"]
     contexts = len({(r["prompt"], r["temperature"], r["step"]) for r in records})
 
@@ -328,6 +337,25 @@ def report(jsonl: Path, command: str) -> Path:
                 cells = [f"{_mean_se(groups[('overall', t, d, m)])[0]:.3f}" if groups.get(("overall", t, d, m)) else ""
                          for d in depth_rows]
                 lines.append(f"| {t} | {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    nodes = {r["tree"]: r["nodes"] for r in records if "nodes" in r}
+    if nodes:
+        lines += ["## Best tree shape per node budget (overall)", "",
+                  "Every drafted tree truncated at each depth is a tree of its scheme, so shapes "
+                  "1x1..1x5, 2x1..2x5, 3x1..3x3 and the irregular tree's depth truncations are all measured.", "",
+                  "| T | method | budget 16 | budget 32 | budget 64 |", "|---|---|---|---|---|"]
+        for t in temps:
+            for m in METHOD_ORDER:
+                cells = []
+                for budget in (16, 32, 64):
+                    best = None
+                    for label, n in nodes.items():
+                        vals = groups.get(("overall", t, label, m))
+                        if n <= budget and vals and (best is None or _mean_se(vals)[0] > best[1]):
+                            best = (label, _mean_se(vals)[0], n)
+                    cells.append(f"{best[0]} ({best[2]} nodes): {best[1]:.3f}" if best else "")
+                if any(cells):
+                    lines.append(f"| {t} | {m} | " + " | ".join(cells) + " |")
         lines.append("")
     md = jsonl.with_suffix(".md")
     md.write_text("\n".join(lines) + "\n")
