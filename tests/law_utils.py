@@ -196,7 +196,11 @@ def expected_accepted(method, scheme, tree, target, draft) -> float:
 
 def chi_square_pvalue(counts: np.ndarray, expected_probs: np.ndarray, min_expected: float = 5.0) -> float:
     """Goodness of fit of ``counts`` to ``expected_probs`` (flat arrays), pooling
-    cells whose expected count is below ``min_expected`` into one cell."""
+    cells whose expected count is below ``min_expected`` into one cell; 0 if an
+    outcome of probability 0 was observed."""
+    if counts[expected_probs == 0].sum() > 0:
+        return 0.0  # an outcome of probability 0 was observed
+    counts, expected_probs = counts[expected_probs > 0], expected_probs[expected_probs > 0]
     n = counts.sum()
     expected = expected_probs * n
     small = expected < min_expected
