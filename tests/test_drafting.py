@@ -52,3 +52,15 @@ def test_bad_arguments():
         draft_children("wor", q, 5)
     with pytest.raises(ValueError, match=r"\[K, V\]"):
         draft_children("iid", q[0], 2)
+
+
+def test_top_tokens_order_equals_a_stable_sort_with_heavy_ties():
+    from vllm_univer.drafting import top_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        vocab = int(torch.randint(2, 30, (1,), generator=gen))
+        k = int(torch.randint(1, vocab + 1, (1,), generator=gen))
+        probs = torch.randint(0, 4, (5, vocab), generator=gen).float()  # many equal values
+        expected = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(top_tokens(probs, k), expected)

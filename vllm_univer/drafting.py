@@ -24,8 +24,21 @@ def top_tokens(probs: torch.Tensor, k: int) -> torch.Tensor:
     """probs [K, V] -> LongTensor [K, k]: the k most likely tokens by rank, ties to the lower id."""
     if k == 0:
         return probs.new_empty(probs.shape[:-1] + (0,), dtype=torch.long)
-    # A stable descending sort keeps equal values in id order; topk does not promise that.
-    return torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :k]
+    # topk does not promise an order among equal values, and a full stable sort
+    # costs O(V log V) per row. Take every token above the k-th value, then the
+    # lowest ids among the tokens equal to it, then order the k winners.
+    kth = torch.topk(probs, k, dim=-1).values[..., -1:]  # [..., 1]
+    above = probs > kth
+    tied = probs == kth
+    need = k - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(-1) <= need))
+    vocab = probs.shape[-1]
+    ids = torch.arange(vocab, device=probs.device)
+    # Rank key: the chosen tokens first, by value (descending) then id (ascending).
+    picked = torch.topk(torch.where(chosen, ids, vocab), k, dim=-1, largest=False).values  # k smallest ids
+    vals = probs.gather(-1, picked)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices  # ids ascending within ties
+    return picked.gather(-1, order)
 
 
 def residual_draft(probs: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
