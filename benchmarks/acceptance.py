@@ -292,6 +292,33 @@ def report(jsonl: Path, command: str) -> Path:
              f"{contexts} (context, temperature) pairs.", "",
              "tau = 1 + E[accepted draft tokens | tree], exact per drafted tree (outcome_law), "
              "averaged over contexts; +- is the standard error. Gain: over `rrsw` on trees, over `token` on the chain.", ""]
+    # The two layouts of the UniVer paper's tables (shared/seeds).
+    tree_cols = [t for t in ("2x5", "3x3", "eagle61") if t in trees]
+    seed_methods = ("rrsw", "traversal", "greedy", "univer")
+
+    def cell(dataset, t, tree, m):
+        vals, base = groups.get((dataset, t, tree, m)), groups.get((dataset, t, tree, "rrsw"))
+        if not vals or not base:
+            return ""
+        mean, base_mean = _mean_se(vals)[0], _mean_se(base)[0]
+        return f"{mean:.2f} ({100 * (mean / base_mean - 1):+.1f}%)"
+
+    if "2x5" in trees:
+        t_top = max(temps)
+        ds = [d for d in datasets if d != "overall"] + ["overall"]
+        lines += [f"## Paper layout 1: tau (gain over RRSw) per dataset, tree 2x5, T={t_top}", "",
+                  "| method | " + " | ".join(ds) + " |", "|---|" + "---|" * len(ds)]
+        for m in seed_methods:
+            lines.append(f"| {m} | " + " | ".join(cell(d, t_top, "2x5", m) for d in ds) + " |")
+        lines.append("")
+    if tree_cols:
+        lines += ["## Paper layout 2: tau (gain over RRSw) per temperature and tree shape, overall", "",
+                  "| T | method | " + " | ".join(tree_cols) + " |", "|---|---|" + "---|" * len(tree_cols)]
+        for t in temps:
+            for m in seed_methods:
+                lines.append(f"| {t} | {m} | " + " | ".join(cell("overall", t, tc, m) for tc in tree_cols) + " |")
+        lines.append("")
+
     for tree in trees:
         base = "token" if tree == "1x5" else "rrsw"
         methods = [m for m in METHOD_ORDER if any(k[2] == tree and k[3] == m for k in groups)]
