@@ -51,21 +51,34 @@ SCHEME_METHODS = {
 METHOD_ORDER = ("token", "block", "rrsw", "traversal", "greedy", "target_only", "univer")
 
 
-def eagle_like_tree() -> TreeSpec:
+def eagle_like_tree(top_child_slot: int = 0) -> TreeSpec:
     """An irregular tree of 61 nodes and depth 6, shaped like EAGLE's default
     trees: wide near the root, thinner deeper, and a branch gets fewer children
-    the further it strays from the top-ranked tokens (its deviation r = number
-    of non-top slots on its path plus its own slot; children = width[d] - r)."""
+    the further it strays from the most likely tokens (its deviation r = number
+    of non-first ranks on its path plus its own rank; children = width[d] - r).
+
+    ``top_child_slot`` says which slot holds rank 0, the most likely child: 0 for
+    ``wor`` (the first sample), 1 for ``topk1`` (slot 1 is the top-1 token and
+    slot 0 the sample from the residual, which is ranked last)."""
     width = (4, 4, 4, 3, 3, 2)
-    paths, frontier = [], [()]
+    ranked, frontier = [], [()]
     for depth in range(len(width)):
         nxt = []
         for path in frontier:
-            deviation = sum(1 for s in path if s > 0) + (path[-1] if path else 0)
-            nxt.extend(path + (s,) for s in range(max(0, width[depth] - deviation)))
-        paths += nxt
+            deviation = sum(1 for r in path if r > 0) + (path[-1] if path else 0)
+            nxt.extend(path + (r,) for r in range(max(0, width[depth] - deviation)))
+        ranked += nxt
         frontier = nxt
-    return TreeSpec.from_paths(paths)
+    if top_child_slot == 0:
+        return TreeSpec.from_paths(ranked)
+    siblings = {}
+    for path in ranked:
+        siblings[path[:-1]] = max(siblings.get(path[:-1], 0), path[-1] + 1)
+
+    def to_slots(path):  # rank r of m siblings -> slot (r + 1) mod m
+        return tuple((r + 1) % siblings[path[:i]] for i, r in enumerate(path))
+
+    return TreeSpec.from_paths([to_slots(p) for p in ranked])
 
 
 def tree_shapes(full: bool) -> dict[str, TreeSpec]:
@@ -73,7 +86,13 @@ def tree_shapes(full: bool) -> dict[str, TreeSpec]:
     if full:
         shapes["3x3"] = TreeSpec.parse("3x3")
         shapes["eagle61"] = eagle_like_tree()
+        shapes["eagle61t"] = eagle_like_tree(top_child_slot=1)
     return shapes
+
+
+# Schemes drafted on each shape (default: chain on chains, wor and topk1 on trees).
+# eagle61t is eagle61 with its heavy branch on slot 1, the top-1 token of topk1.
+SHAPE_SCHEMES = {"eagle61t": ("topk1",)}
 
 
 class CachedLM:
@@ -189,7 +208,7 @@ def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shap
     for step in range(steps):
         trees = {}
         for shape_name, tree in shapes.items():
-            for scheme in ("chain",) if tree.is_chain else ("wor", "topk1"):
+            for scheme in SHAPE_SCHEMES.get(shape_name, ("chain",) if tree.is_chain else ("wor", "topk1")):
                 tokens, p, q = draft_and_score(target, draft, tree, scheme, temperature,
                                                root_target, root_draft, gen)
                 trees[(shape_name, scheme)] = (tree, tokens, p, q)
@@ -216,6 +235,11 @@ def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shap
         root_draft = draft.extend(new)
 
 
+def records_path(args) -> Path:
+    supplement = f".supp-{args.supplement}" if args.supplement else ""
+    return RESULTS / f"acceptance{'_quick' if args.quick else ''}{supplement}.jsonl"
+
+
 def run_study(args) -> Path:
     torch.set_grad_enabled(False)
     torch.manual_seed(args.seed)
@@ -226,8 +250,10 @@ def run_study(args) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir(args.target, args.dtype))
     shapes = tree_shapes(not args.quick)
+    if args.shapes:
+        shapes = {name: tree_shapes(True)[name] for name in args.shapes}
     datasets = {name: prompts(name, limit=args.prompts) for name in args.datasets}
-    out_path = RESULTS / f"acceptance{'_quick' if args.quick else ''}.jsonl"
+    out_path = records_path(args)
     RESULTS.mkdir(exist_ok=True)
     done = set()
     if out_path.exists() and not args.restart:
@@ -270,7 +296,8 @@ def _mean_se(values):
 
 
 def report(jsonl: Path, command: str) -> Path:
-    records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    files = [jsonl] + sorted(jsonl.parent.glob(f"{jsonl.stem}.supp-*.jsonl"))
+    records = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
     groups = defaultdict(list)
     for r in records:
         keys = [r["dataset"], "overall"]
@@ -279,7 +306,7 @@ def report(jsonl: Path, command: str) -> Path:
         for dataset in keys:
             groups[(dataset, r["temperature"], r["tree"], r["method"])].append(r["accepted"] + 1.0)
     temps = sorted({r["temperature"] for r in records})
-    trees = [t for t in ("1x5", "2x5", "3x3", "eagle61") if any(r["tree"] == t for r in records)]
+    trees = [t for t in ("1x5", "2x5", "3x3", "eagle61", "eagle61t") if any(r["tree"] == t for r in records)]
     datasets = sorted({r["dataset"] for r in records}) + ["overall"]
     categories = sorted({f"mtbench/{r['category']}" for r in records if r["dataset"] == "mtbench"})
     contexts = len({(r["prompt"], r["temperature"], r["step"]) for r in records})
@@ -293,7 +320,7 @@ def report(jsonl: Path, command: str) -> Path:
              "tau = 1 + E[accepted draft tokens | tree], exact per drafted tree (outcome_law), "
              "averaged over contexts; +- is the standard error. Gain: over `rrsw` on trees, over `token` on the chain.", ""]
     # The two layouts of the UniVer paper's tables (shared/seeds).
-    tree_cols = [t for t in ("2x5", "3x3", "eagle61") if t in trees]
+    tree_cols = [t for t in ("2x5", "3x3", "eagle61", "eagle61t") if t in trees]
     seed_methods = ("rrsw", "traversal", "greedy", "univer")
 
     def cell(dataset, t, tree, m):
@@ -455,6 +482,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--restart", action="store_true", help="discard earlier records of this mode")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--shapes", nargs="+", help="tree shapes to draft (default: all of the mode)")
+    ap.add_argument("--supplement", default="", help="write records to acceptance[_quick].supp-<name>.jsonl; "
+                    "the report merges every such file with the main one")
     args = ap.parse_args()
     if args.quick:
         args.datasets = ["mtbench", "humaneval"]
@@ -463,10 +493,10 @@ def main() -> None:
         args.steps = min(args.steps, 5)
         args.time_budget = args.time_budget or 540
     command = "python benchmarks/acceptance.py " + " ".join(sys.argv[1:])
-    jsonl = RESULTS / f"acceptance{'_quick' if args.quick else ''}.jsonl"
     if not args.report_only:
-        jsonl = run_study(args)
-    print(report(jsonl, command).read_text())
+        run_study(args)
+    main_path = RESULTS / f"acceptance{'_quick' if args.quick else ''}.jsonl"
+    print(report(main_path, command).read_text())
 
 
 if __name__ == "__main__":
