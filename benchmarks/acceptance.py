@@ -380,10 +380,13 @@ def report(jsonl: Path, command: str) -> Path:
                     lines.append(f"| {cat.split('/')[1]} | {t} | {len(cells[0])} | "
                                  + " | ".join(f"{_mean_se(c)[0]:.3f}" for c in cells) + " |")
         lines.append("")
-    # Same-tree comparisons are paired: both verifiers judged the very same drafted tree.
+    # Paired by context: both verifiers at the same context; same-scheme pairs
+    # (univer/greedy, traversal/rrsw, block/token) even judged the very same tree.
     by_key = {(r["prompt"], r["temperature"], r["step"], r["tree"], r["method"]): r["accepted"] for r in records}
-    pairs = (("univer", "greedy"), ("traversal", "rrsw"), ("block", "token"))
-    lines += ["## Paired differences on the same drafted trees (overall)", "",
+    pairs = (("univer", "greedy"), ("traversal", "rrsw"), ("block", "token"), ("univer", "rrsw"), ("greedy", "rrsw"))
+    lines += ["## Paired differences at the same contexts (overall)", "",
+              "Same-scheme pairs share the drafted tree; univer/greedy vs rrsw compare a topk1 tree and a wor "
+              "tree drafted at the same context.", "",
               "| tree | T | comparison | mean tau difference | +- | relative |", "|---|---|---|---|---|---|"]
     for tree in trees:
         for t in temps:
