@@ -261,6 +261,8 @@ def run_study(args) -> Path:
             r = json.loads(line)
             done.add((r["prompt"], r["temperature"]))  # resume: skip finished prompts
     sink = open(out_path, "w" if args.restart else "a")
+    with open(out_path.with_suffix(".cmd"), "w" if args.restart else "a") as cmd:
+        cmd.write(f"{time.strftime('%Y-%m-%d %H:%M')}  python benchmarks/acceptance.py {' '.join(sys.argv[1:])}\n")
     gen = torch.Generator().manual_seed(args.seed)
     started = time.time()
     # Prompts outermost, then datasets and temperatures: a run stopped by its
@@ -311,8 +313,11 @@ def report(jsonl: Path, command: str) -> Path:
     categories = sorted({f"mtbench/{r['category']}" for r in records if r["dataset"] == "mtbench"})
     contexts = len({(r["prompt"], r["temperature"], r["step"]) for r in records})
 
+    runs = [line.strip() for f in files if f.with_suffix(".cmd").exists()
+            for line in f.with_suffix(".cmd").read_text().splitlines() if line.strip()]
     lines = [f"# Acceptance study: exact expected tokens per step (tau)", "",
-             f"Command: `{command}`", "",
+             "Records produced by:", "", *[f"- `{r}`" for r in runs], "",
+             f"Report: `{command}`", "",
              f"Target {DEFAULT_TARGET} ({MODELS[DEFAULT_TARGET].filename}, sha256 {MODELS[DEFAULT_TARGET].sha256[:16]}...), "
              f"draft {DEFAULT_DRAFT} ({MODELS[DEFAULT_DRAFT].filename}, sha256 {MODELS[DEFAULT_DRAFT].sha256[:16]}...).",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}. "

@@ -1,0 +1,1 @@
+2026-11-29 08:47  python benchmarks/acceptance.py --quick --restart
