@@ -61,9 +61,11 @@ def verify(
             guarantee well-formed inputs may skip it.
 
     The law of (path, Y) is exactly ``outcome_law``; averaged over the draft
-    scheme's trees it is the target's law (lossless). Runs on the inputs' device;
-    loops over depth levels only; the only [B, *, V] temporaries are one depth
-    level's rows (float32 unless the inputs are float64).
+    scheme's trees it is the target's law (lossless). Runs on the inputs' device
+    with no host sync beyond the optional validation; loops over depth levels
+    (and, for rrs/rrsw/traversal, over child slots); vocabulary-sized
+    temporaries are a few [B, nodes of one level, V] tensors in float32 (float64
+    only for float64 inputs) and one [B, V] float64 cumulative sum for Y.
     """
     verifier = get_verifier(method)
     if validate:
