@@ -299,7 +299,9 @@ def _mean_se(values):
 
 def report(jsonl: Path, command: str) -> Path:
     files = [jsonl] + sorted(jsonl.parent.glob(f"{jsonl.stem}.supp-*.jsonl"))
-    records = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+    # Each record file is its own run: its contexts are not the other runs' contexts.
+    records = [dict(json.loads(line), run=f.stem) for f in files for line in f.read_text().splitlines()
+               if line.strip()]
     groups = defaultdict(list)
     for r in records:
         keys = [r["dataset"], "overall"]
@@ -311,7 +313,7 @@ def report(jsonl: Path, command: str) -> Path:
     trees = [t for t in ("1x5", "2x5", "3x3", "eagle61", "eagle61t") if any(r["tree"] == t for r in records)]
     datasets = sorted({r["dataset"] for r in records}) + ["overall"]
     categories = sorted({f"mtbench/{r['category']}" for r in records if r["dataset"] == "mtbench"})
-    contexts = len({(r["prompt"], r["temperature"], r["step"]) for r in records})
+    contexts = len({(r["run"], r["prompt"], r["temperature"], r["step"]) for r in records})
 
     runs = [line.strip() for f in files if f.with_suffix(".cmd").exists()
             for line in f.with_suffix(".cmd").read_text().splitlines() if line.strip()]
@@ -387,7 +389,8 @@ def report(jsonl: Path, command: str) -> Path:
         lines.append("")
     # Paired by context: both verifiers at the same context; same-scheme pairs
     # (univer/greedy, traversal/rrsw, block/token) even judged the very same tree.
-    by_key = {(r["prompt"], r["temperature"], r["step"], r["tree"], r["method"]): r["accepted"] for r in records}
+    by_key = {(r["run"], r["prompt"], r["temperature"], r["step"], r["tree"], r["method"]): r["accepted"]
+              for r in records}
     pairs = (("univer", "greedy"), ("traversal", "rrsw"), ("block", "token"), ("univer", "rrsw"), ("greedy", "rrsw"))
     lines += ["## Paired differences at the same contexts (overall)", "",
               "Same-scheme pairs share the drafted tree; univer/greedy vs rrsw compare a topk1 tree and a wor "
@@ -397,9 +400,9 @@ def report(jsonl: Path, command: str) -> Path:
         for t in temps:
             for a, b in pairs:
                 diffs, base_vals = [], []
-                for (prompt, temp, step, tr, m), acc in by_key.items():
-                    if m == b and tr == tree and temp == t and (prompt, temp, step, tr, a) in by_key:
-                        diffs.append(by_key[(prompt, temp, step, tr, a)] - acc)
+                for (run, prompt, temp, step, tr, m), acc in by_key.items():
+                    if m == b and tr == tree and temp == t and (run, prompt, temp, step, tr, a) in by_key:
+                        diffs.append(by_key[(run, prompt, temp, step, tr, a)] - acc)
                         base_vals.append(acc + 1.0)
                 if len(diffs) > 1:
                     mean, se = _mean_se(diffs)
