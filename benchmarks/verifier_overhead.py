@@ -94,7 +94,7 @@ def vllm_chain_sampler(batch: int, num_draft: int, vocab: int):
 def peak_extra_memory(method: str, tree: str, batch: int, vocab: int) -> tuple[float, float]:
     """(input bytes, peak extra bytes) of one verify call, measured in a fresh process."""
     code = f"""
-import resource, torch, sys
+import torch, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from verifier_overhead import make_inputs
 from vllm_univer import TreeSpec, verify

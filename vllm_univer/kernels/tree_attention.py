@@ -35,8 +35,8 @@ def _masked_attention(q, k, v, mask, scale):
     scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
+    # Clamping lse keeps fully masked rows at exp(-inf - finite) = 0 instead of NaN.
     weights = torch.exp(scores - lse.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).min))
-    weights = torch.nan_to_num(weights, nan=0.0)
     out = torch.einsum("bhts,bshd->bthd", weights, v.float())
     return out, lse.transpose(1, 2)
 
