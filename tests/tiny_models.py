@@ -39,8 +39,12 @@ def build_tokenizer(path: Path, vocab_size: int, seed: int = 0):
 
 
 def build_tiny_llama(path: Path, vocab_size: int = 512, seed: int = 0, hidden: int = 64,
-                     layers: int = 2, heads: int = 2, kv_heads: int = 1, logit_scale: float = 1.0) -> Path:
-    """A random Llama whose head size (hidden / heads = 32) the CPU attention supports."""
+                     layers: int = 2, heads: int = 2, kv_heads: int = 1, logit_scale: float = 1.0,
+                     weights_seed: int | None = None) -> Path:
+    """A random Llama whose head size (hidden / heads = 32) the CPU attention supports.
+
+    ``seed`` fixes the tokenizer (models built with the same seed share a vocabulary);
+    ``weights_seed`` (default: ``seed``) fixes the weights."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -48,7 +52,7 @@ def build_tiny_llama(path: Path, vocab_size: int = 512, seed: int = 0, hidden: i
     if (path / "config.json").exists():
         return path
     tok = build_tokenizer(path, vocab_size, seed)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed if weights_seed is None else weights_seed)
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

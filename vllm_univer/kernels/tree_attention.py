@@ -41,20 +41,30 @@ def _masked_attention(q, k, v, mask, scale):
     return out, lse.transpose(1, 2)
 
 
+def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Read cache entries at logical ``positions`` through the block table.
+
+    cache [num_blocks, block_size, Hkv, Dh], block_table [B, max_blocks] (int),
+    positions [B, S] (long, >= 0) -> [B, S, Hkv, Dh].
+    """
+    block_size = cache.shape[1]
+    blocks = block_table.long().gather(1, positions // block_size)
+    # Index (block, offset) directly: ``cache`` may be a strided view of a
+    # differently laid-out cache, which a reshape would copy whole.
+    return cache[blocks, positions % block_size]
+
+
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor, max_len: int):
     """Read each request's first ``max_len`` cached tokens through its block table.
 
     cache [num_blocks, block_size, Hkv, Dh], block_table [B, max_blocks] (int),
     context_lens [B] -> ([B, max_len, Hkv, Dh], valid [B, max_len] bool).
     """
-    block_size = cache.shape[1]
     pos = torch.arange(max_len, device=cache.device)
     valid = pos.unsqueeze(0) < context_lens.unsqueeze(1)
-    blocks = torch.where(valid, block_table[:, pos // block_size].long(), torch.zeros_like(valid, dtype=torch.long))
-    offsets = (pos % block_size).unsqueeze(0).expand_as(blocks)
-    # Index (block, offset) directly: ``cache`` may be a strided view of a
-    # differently laid-out cache, which a reshape would copy whole.
-    return cache[blocks, offsets], valid
+    # Positions past a request's context read its block 0: any valid entry, masked out.
+    positions = torch.where(valid, pos.unsqueeze(0), torch.zeros_like(pos).unsqueeze(0))
+    return gather_paged(cache, block_table, positions), valid
 
 
 def paged_context_attention(query, key_cache, value_cache, block_table, context_lens, scale=None, max_context_len=None):

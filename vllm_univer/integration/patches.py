@@ -1,0 +1,174 @@
+"""Every change this package makes to vLLM, in one place, each named after what it patches.
+
+Applied once per process by ``plugin.register`` (the ``vllm.general_plugins``
+entry point), which vLLM calls in the API server, the engine core and every
+worker before it validates configs or builds model runners. Each patch leaves
+vLLM's behaviour unchanged unless the engine runs ``method: "univer"``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .config import METHOD_NAME
+
+
+def _wraps_once(owner, name: str, make_wrapper) -> None:
+    original = getattr(owner, name)
+    if getattr(original, "__univer_patched__", False):
+        return
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    wrapper.__univer_patched__ = True
+    setattr(owner, name, wrapper)
+
+
+def patch_engine_args_create_speculative_config() -> None:
+    """``EngineArgs.create_speculative_config``: accept ``method: "univer"``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .speculative_config import create_univer_speculative_config
+
+    def make(original):
+        def create_speculative_config(self, target_model_config, target_parallel_config):
+            spec = self.speculative_config
+            if not (isinstance(spec, dict) and spec.get("method") == METHOD_NAME):
+                return original(self, target_model_config, target_parallel_config)
+            if self.async_scheduling:
+                raise ValueError('method "univer" needs synchronous scheduling; drop --async-scheduling')
+            # Trees are drafted after each step's bookkeeping, from committed tokens.
+            self.async_scheduling = False
+            spec = {k.replace("-", "_"): v for k, v in spec.items()}
+            return create_univer_speculative_config(
+                spec, target_model_config=target_model_config, target_parallel_config=target_parallel_config)
+        return create_speculative_config
+
+    _wraps_once(EngineArgs, "create_speculative_config", make)
+
+
+def patch_model_runner() -> None:
+    """``GPUModelRunner`` (also the base of ``CPUModelRunner``): attach a ``TreeRunner``
+    after construction, rewrite tree positions after ``_prepare_inputs``, hand the
+    tree attention plan to ``_build_attention_metadata``'s result, and draft trees in
+    ``propose_draft_token_ids``. Its ``rejection_sampler`` becomes the tree verifier."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from .speculative_config import is_univer
+    from .tree_runner import TreeRunner
+
+    def make_init(original):
+        def __init__(self, vllm_config, device, *args, **kwargs):
+            original(self, vllm_config, device, *args, **kwargs)
+            self.univer = TreeRunner(self) if is_univer(self.speculative_config) else None
+        return __init__
+
+    def make_prepare_inputs(original):
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            result = original(self, scheduler_output, num_scheduled_tokens)
+            if getattr(self, "univer", None) is not None:
+                self.univer.prepare_tree_tokens(result[1])
+            return result
+        return _prepare_inputs
+
+    def make_build_attention_metadata(original):
+        def _build_attention_metadata(self, *args, **kwargs):
+            attn_metadata, common = original(self, *args, **kwargs)
+            if getattr(self, "univer", None) is not None:
+                self.univer.attach_plan(attn_metadata)
+            return attn_metadata, common
+        return _build_attention_metadata
+
+    def make_propose(original):
+        def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, *args, **kwargs):
+            if getattr(self, "univer", None) is None:
+                return original(self, scheduler_output, sampled_token_ids, sampling_metadata, *args, **kwargs)
+            self._draft_probs = None
+            return self.univer.propose(sampled_token_ids, sampling_metadata)
+        return propose_draft_token_ids
+
+    _wraps_once(GPUModelRunner, "__init__", make_init)
+    _wraps_once(GPUModelRunner, "_prepare_inputs", make_prepare_inputs)
+    _wraps_once(GPUModelRunner, "_build_attention_metadata", make_build_attention_metadata)
+    _wraps_once(GPUModelRunner, "propose_draft_token_ids", make_propose)
+
+
+def patch_cpu_attention_forward() -> None:
+    """``CPUAttentionBackendImpl.forward``: exact tree attention for rows named by
+    the metadata's ``tree_plan`` (vLLM's CPU kernel is causal-only)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from .cpu_tree_attention import forward_tree_rows
+
+    def make(original):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            plan = getattr(attn_metadata, "tree_plan", None)
+            if plan is None:
+                return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            if not plan.covers_all_rows:
+                original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            forward_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output, plan)
+            return output
+        return forward
+
+    _wraps_once(CPUAttentionBackendImpl, "forward", make)
+
+
+def patch_input_processor_validate_params() -> None:
+    """``InputProcessor._validate_params``: refuse, per request and with a clear
+    message (HTTP 400 from the server), sampling options tree verification cannot honour."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from .request_options import unsupported_option
+    from .speculative_config import is_univer
+
+    def make(original):
+        def _validate_params(self, params, *args, **kwargs):
+            result = original(self, params, *args, **kwargs)
+            if is_univer(self.speculative_config) and isinstance(params, SamplingParams):
+                problem = unsupported_option(params)
+                if problem is not None:
+                    from vllm.exceptions import VLLMValidationError
+
+                    parameter, message = problem
+                    raise VLLMValidationError(message, parameter=parameter)
+            return result
+        return _validate_params
+
+    _wraps_once(InputProcessor, "_validate_params", make)
+
+
+def patch_cpu_expand_kernel() -> None:
+    """``vllm.utils.cpu_triton_utils._expand_kernel_impl``: vLLM 0.32.0's CPU stand-in
+    for its Triton expand kernel hands the C++ op an int64 copy of a float output,
+    so per-token temperature / top-k / top-p come back uninitialised and vLLM's own
+    speculative decoding samples garbage at temperature > 0 on CPU. Fill the
+    output with ``repeat_interleave`` instead."""
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:
+        return
+    if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        return
+
+    def make(original):
+        def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None,
+                                **kwargs):
+            counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+            values = input_val.to(output.dtype)
+            values = torch.where(values == replace_from, torch.full_like(values, replace_to), values)
+            expanded = values.repeat_interleave(counts)
+            output[: expanded.numel()] = expanded
+        return _expand_kernel_impl
+
+    _wraps_once(cpu_triton_utils, "_expand_kernel_impl", make)
+
+
+ALL_PATCHES = (
+    patch_engine_args_create_speculative_config,
+    patch_model_runner,
+    patch_cpu_attention_forward,
+    patch_input_processor_validate_params,
+    patch_cpu_expand_kernel,
+)

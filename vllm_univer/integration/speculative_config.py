@@ -1,0 +1,46 @@
+"""``SpeculativeConfig`` for ``method: "univer"``, as vLLM's engine sees it.
+
+vLLM's ``SpeculativeConfig`` forbids unknown fields and has a closed ``method``
+list, so ``{"method": "univer", "model": D, "tree": T, "verifier": V}`` becomes a
+``UniverSpeculativeConfig``: vLLM's own ``draft_model`` config (it loads the draft
+model, allocates its KV cache beside the target's and schedules N speculative
+tokens per request) plus the two tree fields. Being a real config field, the
+tree travels with the VllmConfig to every engine process and worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.config import SpeculativeConfig
+from vllm.config.utils import config
+
+from .config import DEFAULT_TREE, DEFAULT_VERIFIER, METHOD_NAME, UniverConfig, split_user_config
+
+
+@config
+class UniverSpeculativeConfig(SpeculativeConfig):
+    """vLLM's draft-model speculation config plus the tree and its verifier."""
+
+    tree: str | list[list[int]] = DEFAULT_TREE
+    verifier: str = DEFAULT_VERIFIER
+
+    @property
+    def univer(self) -> UniverConfig:
+        return UniverConfig(tree=self.tree, verifier=self.verifier)
+
+
+def is_univer(speculative_config: Any) -> bool:
+    return isinstance(speculative_config, UniverSpeculativeConfig)
+
+
+def create_univer_speculative_config(spec: dict[str, Any], **engine_fields) -> UniverSpeculativeConfig:
+    """Build the engine config from the user's dict (``method`` already "univer").
+
+    ``engine_fields`` are the ones vLLM adds itself (target model and parallel configs).
+    """
+    ours, theirs = split_user_config({k: v for k, v in spec.items() if k != "method"})
+    return UniverSpeculativeConfig(**theirs, **engine_fields, tree=ours.tree, verifier=ours.verifier)
+
+
+__all__ = ["METHOD_NAME", "UniverSpeculativeConfig", "create_univer_speculative_config", "is_univer"]

@@ -1,0 +1,237 @@
+"""Drafting a token tree per request with vLLM's draft model, level by level.
+
+For each request whose step produced a token (the new root, at position R):
+
+* level 0 runs, causally, every token whose draft KV is missing: normally just
+  the root; also the last accepted node when the path ended on a node the
+  drafter never ran (a leaf), and the whole prompt after prefill;
+* level d = 1 .. D-1 runs the tree nodes of depth d, at RoPE position R + d,
+  written to slot R + node, each attending to the context and to its own
+  ancestors only (``TreeAttentionPlan`` read from the draft layers' cache).
+
+The children of every node are drawn from its exact draft row q with the
+verifier's scheme (temperature > 0: q = softmax(logits / T); temperature 0: the
+top tokens). Trees and q rows are kept for the next step's verifier.
+Loops run over depth levels and over the (few) distinct child counts of a level.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from ..drafting import draft_children, top_tokens
+from ..tree import TreeSpec
+from .cpu_tree_attention import TreeAttentionPlan
+from .target_probs import SAMPLING_EPS
+from .tree_state import DraftedTrees, TreeState
+
+
+class TreeDrafter:
+    def __init__(self, runner, proposer, tree: TreeSpec, scheme: str, state: TreeState):
+        self.runner = runner
+        self.proposer = proposer  # vLLM's DraftModelProposer: the loaded draft model and its attention groups
+        self.tree = tree
+        self.scheme = scheme
+        self.state = state
+        depth = tree.depth
+        self.level_span = [(int((depth < d).sum()), int((depth <= d).sum()) - 1) for d in range(tree.max_depth + 1)]
+        # The drafter runs every node above the deepest level (leaves are never run).
+        self.last_run_node = self.level_span[tree.max_depth - 1][1]
+        self.child_groups = []  # per depth: [(parents [g], kids [g, m], m)]
+        num_children = tree.num_children
+        for d in range(tree.max_depth):
+            first, last = self.level_span[d]
+            groups = []
+            for m in sorted(set(num_children[first:last + 1].tolist()) - {0}):
+                parents = torch.nonzero(num_children[first:last + 1] == m).flatten() + first
+                groups.append((parents, tree.children[parents, :m], m))
+            self.child_groups.append(groups)
+
+    # ------------------------------------------------------------------ step
+    def propose(self, sampled_token_ids, sampling_metadata) -> list[list[int]]:
+        """Draft a tree for every request that got tokens this step.
+
+        sampled_token_ids: the verifier's output [B, D+1] (-1 padded), before the
+        runner's bookkeeping has appended it to the batch's token lists.
+        Returns vLLM's draft lists: N node tokens in breadth-first order per
+        request (a node that does not exist is sent as token 0 and ignored by
+        the verifier), [] for requests without a tree.
+        """
+        runner, tree = self.runner, self.tree
+        input_batch = runner.input_batch
+        batch = input_batch.num_reqs
+        req_ids = input_batch.req_ids[:batch]
+        self.state.forget_except(req_ids)
+        block_table = input_batch.block_table[0]
+        block_size = block_table.block_size
+
+        new_tokens = [[t for t in row if t >= 0] for row in _as_lists(sampled_token_ids)[:batch]]
+        discard = runner.discard_request_mask.np[:batch]
+        committed = input_batch.num_tokens_no_spec[:batch].astype(np.int64)
+        got_token = np.array([len(t) > 0 for t in new_tokens], dtype=bool) & ~discard
+        root_pos = committed + np.array([len(t) for t in new_tokens], dtype=np.int64) - 1
+        capacity = block_table.num_blocks_per_row[:batch].astype(np.int64) * block_size
+        fits = (root_pos + self.last_run_node < capacity) & (root_pos + tree.max_depth < runner.max_model_len)
+        active = np.nonzero(got_token & fits)[0]
+        drafts: list[list[int]] = [[] for _ in range(batch)]
+        if active.size == 0:
+            self.state.drafted = None
+            return drafts
+
+        root_pos = root_pos[active]
+        active_ids = [req_ids[i] for i in active]
+        start = np.minimum(np.array([self.state.draft_kv_len.get(r, 0) for r in active_ids], dtype=np.int64), root_pos)
+        # Level 0 tokens: committed ones from the batch's token table, then this step's.
+        level0 = [
+            input_batch.token_ids_cpu[i, s:committed[i]].tolist() + new_tokens[i][max(0, s - committed[i]):]
+            for i, s in zip(active.tolist(), start.tolist())
+        ]
+        block_rows = block_table.get_cpu_tensor()[torch.from_numpy(active)]
+        temperature, greedy = self._draft_temperature(sampling_metadata, active)
+
+        tokens, q = self._draft_levels(active, root_pos, start, level0, block_rows, block_size, temperature,
+                                       greedy, sampling_metadata.generators)
+        for r, req_id in zip(root_pos.tolist(), active_ids):
+            self.state.draft_kv_len[req_id] = r + 1  # the context and the root
+        self.state.drafted = DraftedTrees(active_ids, tokens, q)
+        node_tokens = tokens[:, 1:].clamp(min=0).tolist()
+        for row, i in enumerate(active.tolist()):
+            drafts[i] = node_tokens[row]
+        return drafts
+
+    def _draft_temperature(self, sampling_metadata, active: np.ndarray):
+        index = torch.from_numpy(active)
+        temperature = sampling_metadata.temperature
+        if temperature is None:
+            t = torch.ones(len(active))
+            return t, torch.ones(len(active), dtype=torch.bool)
+        t = temperature.cpu()[index].float()
+        greedy = t < SAMPLING_EPS
+        return torch.where(greedy, torch.ones_like(t), t), greedy
+
+    def _draft_levels(self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy,
+                      generators):
+        tree, runner = self.tree, self.runner
+        device = runner.device
+        reqs = len(active)
+        n1 = tree.num_nodes + 1
+
+        # Level 0: the tokens whose draft KV is missing, causally, up to the root.
+        lens = root_pos - start + 1
+        query_start = np.concatenate([[0], np.cumsum(lens)])
+        offsets = np.arange(query_start[-1]) - np.repeat(query_start[:-1], lens)
+        flat_row = np.repeat(np.arange(reqs), lens)
+        flat_pos = np.repeat(start, lens) + offsets
+        token_ids = np.fromiter((t for chunk in level0 for t in chunk), dtype=np.int64, count=int(query_start[-1]))
+        hidden = self._forward(token_ids, flat_pos, flat_row, flat_pos, query_start, root_pos + 1,
+                               block_rows, block_size, plan=None)
+        root_logits = self._logits(hidden[torch.from_numpy(query_start[1:] - 1)])
+
+        vocab = root_logits.shape[-1]
+        tokens = torch.full((reqs, n1), -1, dtype=torch.long, device=device)
+        tokens[:, 0] = torch.from_numpy(token_ids[query_start[1:] - 1].astype(np.int64)).to(device)
+        q = torch.zeros(reqs, n1, vocab, dtype=torch.float32, device=device)
+        temp = temperature.to(device).view(-1, 1)
+        q[:, 0] = (root_logits.float() / temp).softmax(-1)
+        greedy = greedy.to(device)
+        self._draw_children(0, tokens, q, greedy, generators, active)
+
+        context = torch.from_numpy(root_pos).to(device)
+        for d in range(1, tree.max_depth):
+            first, last = self.level_span[d]
+            width = last - first + 1
+            node_ids = tokens[:, first:last + 1].clamp(min=0).flatten().cpu().numpy()
+            rows = np.repeat(np.arange(reqs), width)
+            slot_pos = (root_pos[:, None] + np.arange(first, last + 1)[None]).flatten()
+            rope_pos = np.repeat(root_pos + d, width)
+            plan = TreeAttentionPlan(
+                query_rows=torch.arange(reqs * width, device=device).view(reqs, width),
+                row_valid=None,
+                request_index=torch.arange(reqs, device=device),
+                context_lens=context,
+                mask=tree.ancestor_mask[first:last + 1, :last + 1].to(device),
+                keys_from_rows=False,
+                covers_all_rows=True,
+                max_context_len=int(root_pos.max()),
+            )
+            hidden = self._forward(node_ids, rope_pos, rows, slot_pos, np.arange(reqs + 1) * width,
+                                   root_pos + last + 1, block_rows, block_size, plan=plan)
+            logits = self._logits(hidden).view(reqs, width, vocab)
+            q[:, first:last + 1] = (logits.float() / temp.unsqueeze(-1)).softmax(-1)
+            self._draw_children(d, tokens, q, greedy, generators, active)
+        return tokens, q
+
+    def _draw_children(self, depth, tokens, q, greedy, generators, active) -> None:
+        """Children of the depth-``depth`` nodes, drawn from their q rows."""
+        any_greedy = bool(greedy.any())
+        row_of = {int(b): r for r, b in enumerate(active)} if generators else {}
+        seeded = [(row_of[b], g) for b, g in generators.items() if b in row_of and not bool(greedy[row_of[b]])]
+        for parents, kids, m in self.child_groups[depth]:
+            parents, kids = parents.to(q.device), kids.to(q.device)
+            rows = q[:, parents]  # [R, g, V]
+            flat = rows.flatten(0, 1)
+            drawn = draft_children(self.scheme, flat, m).view(rows.shape[0], -1, m)
+            if any_greedy:
+                top = top_tokens(flat, m).view_as(drawn)
+                drawn = torch.where(greedy.view(-1, 1, 1), top, drawn)
+            # Seeded requests draw from their own generator (outputs independent of the batch).
+            for row, generator in seeded:
+                drawn[row] = draft_children(self.scheme, rows[row], m, generator=generator)
+            missing_parent = (tokens[:, parents] < 0).unsqueeze(-1)
+            tokens[:, kids.flatten()] = drawn.masked_fill(missing_parent, -1).flatten(1)
+
+    # --------------------------------------------------------------- forward
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.proposer.model.compute_logits(hidden)
+
+    def _forward(self, token_ids, rope_pos, rows, slot_pos, query_start, seq_lens, block_rows, block_size,
+                 plan: TreeAttentionPlan | None) -> torch.Tensor:
+        """One draft-model forward over a flat batch of tokens.
+
+        token_ids/rope_pos/rows/slot_pos: numpy [T] (request row of each token and
+        the cache position it is written to); query_start numpy [R+1]; seq_lens numpy [R].
+        """
+        device = self.runner.device
+        proposer = self.proposer
+        rows_t = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+        slot_pos_t = torch.from_numpy(np.asarray(slot_pos, dtype=np.int64))
+        blocks = block_rows[rows_t, slot_pos_t // block_size].long()
+        slot_mapping = (blocks * block_size + slot_pos_t % block_size).to(device)
+        num_tokens = len(token_ids)
+        query_start_cpu = torch.from_numpy(np.asarray(query_start, dtype=np.int32))
+        seq_lens_cpu = torch.from_numpy(np.asarray(seq_lens, dtype=np.int32))
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_cpu.to(device),
+            query_start_loc_cpu=query_start_cpu,
+            seq_lens=seq_lens_cpu.to(device),
+            num_reqs=len(seq_lens),
+            num_actual_tokens=num_tokens,
+            max_query_len=int(np.diff(query_start).max()),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=block_rows.to(device),
+            slot_mapping=slot_mapping,
+            causal=True,
+            seq_lens_cpu_upper_bound=seq_lens_cpu,
+        )
+        per_layer = {}
+        for group in proposer.draft_attn_groups:
+            metadata = group.build_metadata_for_drafting(common_attn_metadata=common, draft_index=0)
+            if plan is not None:
+                metadata.tree_plan = plan
+            for name in group.layer_names:
+                per_layer[name] = metadata
+        slot_mappings = {name: slot_mapping for name in proposer._draft_attn_layer_names}
+        input_ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64)).to(device=device, dtype=torch.int32)
+        positions = torch.from_numpy(np.asarray(rope_pos, dtype=np.int64)).to(device)
+        with set_forward_context(per_layer, proposer.vllm_config, num_tokens=num_tokens, slot_mapping=slot_mappings):
+            hidden = proposer.model(input_ids=input_ids, positions=positions, inputs_embeds=None)
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]
+        return hidden
+
+
+def _as_lists(sampled_token_ids) -> list[list[int]]:
+    return sampled_token_ids.tolist() if torch.is_tensor(sampled_token_ids) else sampled_token_ids

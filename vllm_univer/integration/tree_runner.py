@@ -1,0 +1,111 @@
+"""Tree speculation attached to one vLLM model runner (``runner.univer``).
+
+Owns the per-request tree state, the tree drafter and the tree verifier, and
+does the two things the runner's verification forward needs beyond vLLM's chain
+path: RoPE positions L + depth for tree tokens (after vLLM has computed their
+consecutive cache slots) and the tree attention plan for their rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu_kv_cache import cpu_kv_views
+from .cpu_tree_attention import TreeAttentionPlan, check_layer_supported
+from .tree_drafter import TreeDrafter
+from .tree_sampler import TreeVerificationSampler
+from .tree_state import TreeState
+
+
+class TreeRunner:
+    def __init__(self, runner):
+        config = runner.speculative_config.univer
+        if runner.device.type != "cpu":
+            raise NotImplementedError(
+                "tree speculation (method 'univer') runs inside vLLM's CPU build for now; the CUDA "
+                "attention path for tree tokens is not wired into the engine yet"
+            )
+        if runner.uses_mrope:
+            raise NotImplementedError("tree speculation does not support M-RoPE models")
+        self.runner = runner
+        self.tree = config.tree_spec
+        self.state = TreeState()
+        self.sampler = TreeVerificationSampler(runner, self.tree, config.verifier, self.state, self.kv_layers)
+        self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state)
+        runner.rejection_sampler = self.sampler
+        self._pending_plan: TreeAttentionPlan | None = None
+        self._kv_views = None
+        self._depth = self.tree.depth
+
+    # ------------------------------------------------------------ KV caches
+    def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) views of every attention layer's cache, target and draft."""
+        if self._kv_views is None:
+            from vllm.model_executor.layers.attention import Attention
+
+            runner = self.runner
+            if len(runner.kv_cache_config.kv_cache_groups) != 1:
+                raise NotImplementedError("tree speculation needs a single KV cache group (no hybrid models)")
+            views, seen = [], set()
+            for layer in runner.compilation_config.static_forward_context.values():
+                if not isinstance(layer, Attention):
+                    continue
+                check_layer_supported(layer.impl)
+                cache = layer.kv_cache
+                if not isinstance(cache, torch.Tensor) or cache.numel() == 0 or cache.data_ptr() in seen:
+                    continue
+                seen.add(cache.data_ptr())
+                views.append(cpu_kv_views(cache, layer.isa))
+            self._kv_views = views
+        return self._kv_views
+
+    # ------------------------------------------------ verification forward
+    def prepare_tree_tokens(self, spec_decode_metadata) -> None:
+        """Rewrite tree tokens' positions to L + depth and plan their attention.
+
+        Called right after the runner's ``_prepare_inputs``: slots are already
+        computed from the consecutive positions; the model reads ``runner.positions``.
+        """
+        self._pending_plan = None
+        if spec_decode_metadata is None:
+            return
+        num_draft = torch.tensor(spec_decode_metadata.num_draft_tokens, dtype=torch.long)
+        tree_reqs = torch.nonzero(num_draft > 0).flatten()
+        if tree_reqs.numel() == 0:
+            return
+        self.kv_layers()  # refuse unsupported layers before the first tree forward
+        runner = self.runner
+        device = runner.positions.device
+        batch = num_draft.shape[0]
+        query_start = torch.from_numpy(runner.query_start_loc.np[:batch + 1].astype("int64"))
+        computed = torch.from_numpy(runner.input_batch.num_computed_tokens_cpu[:batch].astype("int64"))
+        n = num_draft[tree_reqs]
+        node = torch.arange(self.tree.num_nodes + 1)
+        row_valid = node.unsqueeze(0) <= n.unsqueeze(1)  # [R, N+1]
+        first_row = query_start[tree_reqs]
+        rows = first_row.unsqueeze(1) + torch.minimum(node.unsqueeze(0), n.unsqueeze(1))
+        positions = computed[tree_reqs].unsqueeze(1) + self._depth.unsqueeze(0)
+        runner.positions[rows[row_valid].to(device)] = positions[row_valid].to(device, runner.positions.dtype)
+        self._pending_plan = TreeAttentionPlan(
+            query_rows=rows.to(device),
+            row_valid=row_valid.to(device),
+            request_index=tree_reqs.to(device),
+            context_lens=computed[tree_reqs].to(device),
+            mask=self.tree.ancestor_mask.to(device),
+            keys_from_rows=True,
+            covers_all_rows=False,
+            max_context_len=int(computed[tree_reqs].max()),
+        )
+
+    def attach_plan(self, attn_metadata) -> None:
+        """Hand the pending plan to the attention metadata of this forward."""
+        plan, self._pending_plan = self._pending_plan, None
+        if plan is None:
+            return
+        if not isinstance(attn_metadata, dict):
+            raise NotImplementedError("tree speculation does not support micro-batching (ubatches)")
+        for metadata in {id(m): m for m in attn_metadata.values()}.values():
+            metadata.tree_plan = plan
+
+    def propose(self, sampled_token_ids, sampling_metadata):
+        return self.drafter.propose(sampled_token_ids, sampling_metadata)

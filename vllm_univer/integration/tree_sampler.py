@@ -1,0 +1,115 @@
+"""Tree verification in place of vLLM's ``RejectionSampler``.
+
+The runner calls ``sampler(metadata, draft_probs, logits, sampling_metadata)``
+with, per request, the target logits of the root and of every scheduled tree
+node (vLLM's ``[draft rows..., bonus row]`` layout: row i predicts the token
+after node i). This turns them into exactly the distribution vLLM would sample
+from, runs ``verify`` against the tree the drafter proposed for that request,
+moves the accepted path's keys/values to consecutive slots (target and draft
+layers) and answers in vLLM's ``[batch, D+1]`` layout padded with -1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.v1.outputs import SamplerOutput
+
+from .. import verify
+from ..kernels.kv_compaction import accepted_path_moves, move_paged_kv
+from ..tree import TreeSpec
+from .target_probs import tree_target_probs
+from .tree_state import TreeState
+
+
+class TreeVerificationSampler:
+    def __init__(self, runner, tree: TreeSpec, method: str, state: TreeState, kv_layers):
+        self.runner = runner
+        self.tree = tree
+        self.method = method
+        self.state = state
+        self.kv_layers = kv_layers  # callable -> list of (keys, values) cache views
+        # nodes_through_depth[d] = number of nodes (root included) at depth <= d.
+        counts = torch.bincount(tree.depth, minlength=tree.max_depth + 1)
+        self.nodes_through_depth = counts.cumsum(0)
+
+    def __call__(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
+        tree, device = self.tree, logits.device
+        num_draft_list = list(metadata.num_draft_tokens)
+        batch = len(num_draft_list)
+        req_ids = self.runner.input_batch.req_ids[:batch]
+        num_draft = torch.tensor(num_draft_list, dtype=torch.long)
+
+        # Rows of each request's root and nodes in ``logits``; missing nodes repeat a valid row.
+        starts = (num_draft + 1).cumsum(0) - (num_draft + 1)
+        node = torch.arange(tree.num_nodes + 1)
+        rows = starts.unsqueeze(1) + torch.minimum(node.unsqueeze(0), num_draft.unsqueeze(1))
+        tree_logits = logits[rows.to(device)]  # [B, N+1, V]
+        temperature = sampling_metadata.temperature
+        if temperature is None:  # all greedy
+            temperature = torch.zeros(batch, device=device)
+        p, greedy = tree_target_probs(tree_logits, temperature, sampling_metadata.top_k, sampling_metadata.top_p)
+
+        tokens, q = self._trees_for(req_ids, num_draft_list, p)
+        # The scheduler may cut a tree short (token budget, max_model_len); a
+        # breadth-first prefix is verified as the tree cut to its last full level.
+        keep_depth = torch.searchsorted(self.nodes_through_depth, num_draft + 1, right=True) - 1
+        exists = tree.depth.unsqueeze(0) <= keep_depth.unsqueeze(1)
+        tokens = tokens.masked_fill(~exists.to(device), -1)
+
+        result = verify(self.method, tree, tokens, p, q, greedy=greedy, validate=False)
+        output, end = result.output_token_ids, result.end_node
+        # Seeded requests draw from their own generator, so their outputs do not
+        # depend on the rest of the batch.
+        for row, generator in sampling_metadata.generators.items():
+            if row >= batch:
+                continue
+            one = verify(self.method, tree, tokens[row:row + 1], p[row:row + 1], q[row:row + 1],
+                         generator=generator, greedy=greedy[row:row + 1], validate=False)
+            output[row], end[row] = one.output_token_ids[0], one.end_node[0]
+
+        self._keep_accepted_kv(batch, end)
+        self._update_draft_kv_len(req_ids, num_draft_list, tree.on(device).depth[end])
+        return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=None)
+
+    def _trees_for(self, req_ids: list[str], num_draft: list[int], p: torch.Tensor):
+        """Tokens [B, N+1] and q [B, N+1, V] of the trees drafted for these requests."""
+        batch, device = len(req_ids), p.device
+        drafted = self.state.drafted
+        rows = drafted.rows_for(req_ids) if drafted is not None else [-1] * batch
+        orphans = [r for r, row, n in zip(req_ids, rows, num_draft) if n > 0 and row < 0]
+        if orphans:
+            raise RuntimeError(f"tree speculation: no drafted tree for scheduled drafts of {orphans}")
+        if drafted is None:
+            return torch.full(p.shape[:2], -1, dtype=torch.long, device=device), p
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        tokens = drafted.tokens[index.clamp(min=0)]
+        tokens = tokens.masked_fill((index < 0).unsqueeze(1), -1)
+        return tokens, drafted.draft_probs[index.clamp(min=0)]
+
+    def _keep_accepted_kv(self, batch: int, end: torch.Tensor) -> None:
+        """Move each accepted path to consecutive slots in every layer's cache."""
+        input_batch = self.runner.input_batch
+        context_lens = torch.from_numpy(input_batch.num_computed_tokens_cpu[:batch].astype(np.int64))
+        path = self.tree.on(end.device).ancestors[end].cpu()  # [B, D]
+        request, src, dst = accepted_path_moves(context_lens, path)
+        if request.numel() == 0:
+            return
+        block_table = input_batch.block_table[0].get_cpu_tensor()[:batch]
+        for keys, values in self.kv_layers():
+            bt = block_table.to(keys.device)
+            move_paged_kv(keys, bt, request.to(keys.device), src.to(keys.device), dst.to(keys.device))
+            move_paged_kv(values, bt, request.to(keys.device), src.to(keys.device), dst.to(keys.device))
+
+    def _update_draft_kv_len(self, req_ids, num_draft, accepted: torch.Tensor) -> None:
+        """The draft cache now holds the context, the root and the accepted nodes
+        the drafter ran (every node above the deepest level)."""
+        computed = self.runner.input_batch.num_computed_tokens_cpu
+        query_start = self.runner.query_start_loc.np
+        deepest_run = self.tree.max_depth - 1
+        for i, (req_id, n, k) in enumerate(zip(req_ids, num_draft, accepted.tolist())):
+            if n > 0:
+                self.state.draft_kv_len[req_id] = int(computed[i]) + 1 + min(k, deepest_run)
+            elif query_start[i + 1] - query_start[i] > 1:
+                # A prompt chunk (new or resumed request): draft it from the start.
+                self.state.draft_kv_len[req_id] = 0
