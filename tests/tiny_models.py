@@ -64,3 +64,26 @@ def build_tiny_llama(path: Path, vocab_size: int = 512, seed: int = 0, hidden: i
         model.lm_head.weight.mul_(logit_scale)
     model.save_pretrained(path)
     return path
+
+
+def build_perturbed_draft(target: Path, path: Path, noise: float = 0.5, seed: int = 1) -> Path:
+    """A draft for ``target``: the same tokenizer and architecture, every weight
+    moved by ``noise`` times its tensor's standard deviation (random direction),
+    so draft and target agree often but not always."""
+    import shutil
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    shutil.copytree(target, path)
+    model = LlamaForCausalLM.from_pretrained(target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            scale = param.std() if param.numel() > 1 else param.abs()
+            param.add_(noise * scale * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(path)
+    return path

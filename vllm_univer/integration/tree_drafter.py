@@ -64,7 +64,8 @@ class TreeDrafter:
         input_batch = runner.input_batch
         batch = input_batch.num_reqs
         req_ids = input_batch.req_ids[:batch]
-        self.state.forget_except(req_ids)
+        # Requests the scheduler skipped this step are out of the batch but still live.
+        self.state.forget_except(runner.requests.keys())
         block_table = input_batch.block_table[0]
         block_size = block_table.block_size
 
@@ -78,7 +79,6 @@ class TreeDrafter:
         active = np.nonzero(got_token & fits)[0]
         drafts: list[list[int]] = [[] for _ in range(batch)]
         if active.size == 0:
-            self.state.drafted = None
             return drafts
 
         root_pos = root_pos[active]
@@ -96,7 +96,7 @@ class TreeDrafter:
                                        greedy, sampling_metadata.generators)
         for r, req_id in zip(root_pos.tolist(), active_ids):
             self.state.draft_kv_len[req_id] = r + 1  # the context and the root
-        self.state.drafted = DraftedTrees(active_ids, tokens, q)
+        self.state.add(DraftedTrees(active_ids, tokens, q))
         node_tokens = tokens[:, 1:].clamp(min=0).tolist()
         for row, i in enumerate(active.tolist()):
             drafts[i] = node_tokens[row]

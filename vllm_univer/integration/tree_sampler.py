@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from .. import verify
@@ -20,6 +21,8 @@ from ..kernels.kv_compaction import accepted_path_moves, move_paged_kv
 from ..tree import TreeSpec
 from .target_probs import tree_target_probs
 from .tree_state import TreeState
+
+logger = init_logger(__name__)
 
 
 class TreeVerificationSampler:
@@ -74,18 +77,14 @@ class TreeVerificationSampler:
 
     def _trees_for(self, req_ids: list[str], num_draft: list[int], p: torch.Tensor):
         """Tokens [B, N+1] and q [B, N+1, V] of the trees drafted for these requests."""
-        batch, device = len(req_ids), p.device
-        drafted = self.state.drafted
-        rows = drafted.rows_for(req_ids) if drafted is not None else [-1] * batch
-        orphans = [r for r, row, n in zip(req_ids, rows, num_draft) if n > 0 and row < 0]
+        tokens, q, found = self.state.gather(req_ids)
+        orphans = [r for r, f, n in zip(req_ids, found, num_draft) if n > 0 and not f]
         if orphans:
-            raise RuntimeError(f"tree speculation: no drafted tree for scheduled drafts of {orphans}")
-        if drafted is None:
-            return torch.full(p.shape[:2], -1, dtype=torch.long, device=device), p
-        index = torch.tensor(rows, dtype=torch.long, device=device)
-        tokens = drafted.tokens[index.clamp(min=0)]
-        tokens = tokens.masked_fill((index < 0).unsqueeze(1), -1)
-        return tokens, drafted.draft_probs[index.clamp(min=0)]
+            # Should not happen; rejecting every draft (Y ~ p at the root) stays lossless.
+            logger.warning("tree speculation: no drafted tree for the scheduled drafts of %s", orphans)
+        if tokens is None:
+            return torch.full(p.shape[:2], -1, dtype=torch.long, device=p.device), p
+        return tokens, q
 
     def _keep_accepted_kv(self, batch: int, end: torch.Tensor) -> None:
         """Move each accepted path to consecutive slots in every layer's cache."""

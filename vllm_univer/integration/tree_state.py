@@ -22,20 +22,47 @@ class DraftedTrees:
     tokens: torch.Tensor
     draft_probs: torch.Tensor
 
-    def rows_for(self, req_ids: list[str]) -> list[int]:
-        """Row of each request in this batch; -1 where it has no tree."""
-        index = {r: i for i, r in enumerate(self.req_ids)}
-        return [index.get(r, -1) for r in req_ids]
-
 
 @dataclass
 class TreeState:
     """Per-request bookkeeping shared by the tree drafter and the tree verifier."""
 
-    drafted: DraftedTrees | None = None
+    # Each request's latest tree: (the batch it was drafted in, its row there).
+    # A request the scheduler skips for a step keeps its tree (and its scheduled drafts).
+    trees: dict[str, tuple[DraftedTrees, int]] = field(default_factory=dict)
     # Leading positions of each request whose draft-model KV is in the cache.
     draft_kv_len: dict[str, int] = field(default_factory=dict)
+
+    def add(self, drafted: DraftedTrees) -> None:
+        for row, req_id in enumerate(drafted.req_ids):
+            self.trees[req_id] = (drafted, row)
+
+    def gather(self, req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        """Trees of ``req_ids`` -> (tokens [B, N+1], q [B, N+1, V], found [B]).
+
+        One gather when the requests were drafted together (the usual case);
+        requests without a tree get tokens -1 (only the root exists) and q rows
+        copied from another request (never read: a root without children).
+        """
+        entries = [self.trees.get(r) for r in req_ids]
+        found = [e is not None for e in entries]
+        present = [e for e in entries if e is not None]
+        if not present:
+            return None, None, found
+        batches = {id(e[0]): e[0] for e in present}
+        if len(batches) == 1:
+            drafted = present[0][0]
+            index = torch.tensor([e[1] if e is not None else 0 for e in entries], device=drafted.tokens.device)
+            tokens, q = drafted.tokens[index], drafted.draft_probs[index]
+        else:
+            filler = present[0]
+            rows = [e if e is not None else filler for e in entries]
+            tokens = torch.stack([b.tokens[i] for b, i in rows])
+            q = torch.stack([b.draft_probs[i] for b, i in rows])
+        missing = torch.tensor([not f for f in found], device=tokens.device)
+        return tokens.masked_fill(missing.unsqueeze(1), -1), q, found
 
     def forget_except(self, live_req_ids: list[str]) -> None:
         live = set(live_req_ids)
         self.draft_kv_len = {r: n for r, n in self.draft_kv_len.items() if r in live}
+        self.trees = {r: t for r, t in self.trees.items() if r in live}

@@ -1,0 +1,90 @@
+"""Run vLLM engines in a fresh process and print what they generate, as JSON.
+
+Tests start this in a subprocess (``run_engines``) so every engine gets a clean
+process: vLLM keeps global state, and a failed engine must not leak into the
+next test. Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one
+after another.
+
+Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
+"params": [{...SamplingParams kwargs}, ...]}]}]}. A prompt is a string or a list
+of token ids. Result (the last stdout line, after ``RESULT``): per engine
+{"error": str} or {"calls": [{"outputs": [[token ids], ...]} | {"error": str}],
+"spec": {counter: value}}.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+BASE_KWARGS = {"dtype": "float32", "enforce_eager": True, "block_size": 32, "seed": 0, "disable_log_stats": False}
+
+
+def run_engines(engines: list[dict], timeout: float = 1200) -> list[dict]:
+    """Run ``engines`` (see the module docstring) in a subprocess; return their results."""
+    env = {**os.environ, **ENV}
+    proc = subprocess.run([sys.executable, __file__], input=json.dumps({"engines": engines}), text=True,
+                          capture_output=True, env=env, timeout=timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"engine job failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+
+
+def _prompt(p):
+    return {"prompt_token_ids": p} if isinstance(p, list) else p
+
+
+def _spec_counters(llm) -> dict:
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith(("vllm:spec_decode", "vllm:num_preemptions")):
+            counters[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
+    return counters
+
+
+def _run_engine(engine: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    try:
+        llm = LLM(**{**BASE_KWARGS, **engine["kwargs"]})
+    except Exception as exc:  # noqa: BLE001 - the error message is the result
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    calls = []
+    for call in engine["calls"]:
+        try:
+            params = [SamplingParams(**p) for p in call["params"]]
+            out = llm.generate([_prompt(p) for p in call["prompts"]], params, use_tqdm=False)
+            calls.append({"outputs": [list(o.outputs[0].token_ids) for o in out]})
+        except Exception as exc:  # noqa: BLE001
+            calls.append({"error": f"{type(exc).__name__}: {exc}"})
+    result = {"calls": calls, "spec": _spec_counters(llm)}
+    del llm
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    job = json.load(sys.stdin)
+    results = []
+    for engine in job["engines"]:
+        try:
+            results.append(_run_engine(engine))
+        except Exception:  # noqa: BLE001
+            results.append({"error": traceback.format_exc()})
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Tree speculation inside vLLM's engine (CPU build), end to end, on tiny random models.
+
+Every engine runs in a fresh subprocess (``engine_job.run_engines``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engine_job import run_engines  # noqa: E402
+from tiny_models import WORDS, build_perturbed_draft, build_tiny_llama  # noqa: E402
+
+IRREGULAR = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
+GREEDY_CASES = [
+    ("univer", "1x5"), ("univer", "2x3"), ("univer", "3x2"), ("univer", IRREGULAR),
+    ("greedy", "2x3"), ("rrs", "3x2"), ("rrsw", IRREGULAR), ("traversal", "2x3"),
+    ("target_only", "2x2"), ("token", "1x5"), ("block", "1x5"),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_models")
+    target = build_tiny_llama(root / "target", vocab_size=512, seed=0, logit_scale=8.0)
+    draft = build_perturbed_draft(target, root / "draft", noise=0.5)
+    return str(target), str(draft)
+
+
+def prompts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 60))) for _ in range(n)]
+
+
+def univer(draft: str, tree, verifier: str = "univer") -> dict:
+    return {"method": "univer", "model": draft, "tree": tree, "verifier": verifier}
+
+
+def engine(target: str, calls: list[dict], spec: dict | None = None, **kwargs) -> dict:
+    kw = {"model": target, "max_model_len": 1024, "max_num_seqs": 8, **kwargs}
+    if spec is not None:
+        kw["speculative_config"] = spec
+    return {"kwargs": kw, "calls": calls}
+
+
+def call(prompt_list, **params) -> dict:
+    return {"prompts": prompt_list, "params": [params] * len(prompt_list)}
+
+
+def test_greedy_output_equals_no_speculation_for_every_verifier_and_tree(models):
+    """Temperature 0: 8 prompts of different lengths, 200 new tokens each (crossing
+    KV blocks of 32): token-for-token what the target alone generates."""
+    target, draft = models
+    job = call(prompts(8), temperature=0.0, max_tokens=200, ignore_eos=True)
+    engines = [engine(target, [job])] + [engine(target, [job], univer(draft, tree, method))
+                                         for method, tree in GREEDY_CASES]
+    results = run_engines(engines)
+    reference = results[0]["calls"][0]["outputs"]
+    assert all(len(o) == 200 for o in reference)
+    for (method, tree), result in zip(GREEDY_CASES, results[1:]):
+        assert "error" not in result, (method, tree, result.get("error"))
+        assert result["calls"][0]["outputs"] == reference, (method, tree)
+        spec = result["spec"]
+        assert spec["vllm:spec_decode_num_drafts"] > 0 and spec["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_greedy_identity_survives_preemption_and_prefix_caching(models):
+    """A KV cache too small for the batch forces preemption (requests restart and
+    re-draft from scratch); repeated prompts hit the prefix cache."""
+    target, draft = models
+    shared = prompts(4, seed=3)
+    job = call(shared + shared, temperature=0.0, max_tokens=200, ignore_eos=True)
+    kw = {"num_gpu_blocks_override": 40}
+    results = run_engines([engine(target, [job], **kw), engine(target, [job], univer(draft, "2x3"), **kw)])
+    assert "error" not in results[1], results[1].get("error")
+    assert results[1]["spec"]["vllm:num_preemptions"] > 0
+    assert results[1]["calls"][0]["outputs"] == results[0]["calls"][0]["outputs"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_target_as_its_own_draft_accepts_whole_paths(models, temperature):
+    """With q = p every step accepts a full root-to-leaf path: the draft's tree
+    attention, positions and KV compaction agree with the target's."""
+    target, _ = models
+    job = call(prompts(4, seed=1), temperature=temperature, max_tokens=60, ignore_eos=True)
+    results = run_engines([engine(target, [job], univer(target, "2x3")),
+                           engine(target, [job], univer(target, IRREGULAR, "traversal"))])
+    for result, depth in zip(results, (3, 3)):
+        assert "error" not in result, result.get("error")
+        spec = result["spec"]
+        drafts = spec["vllm:spec_decode_num_drafts"]
+        per_depth = spec["vllm:spec_decode_num_accepted_tokens_per_pos"][:depth]
+        if temperature == 0.0:
+            assert per_depth == [drafts] * depth
+        else:  # p and q agree to float32 rounding only
+            assert min(per_depth) >= 0.97 * drafts
+
+
+def test_mixed_batch_greedy_requests_equal_no_speculation(models):
+    """Greedy and sampled requests (different top-p / top-k, seeded and not) in one
+    batch: each greedy one is its non-speculative output; a seeded one repeats."""
+    target, draft = models
+    texts = prompts(8, seed=2)
+    greedy = {"temperature": 0.0, "max_tokens": 120, "ignore_eos": True}
+    sampled = [
+        {"temperature": 1.0, "max_tokens": 120, "ignore_eos": True},
+        {"temperature": 0.7, "top_p": 0.9, "max_tokens": 120, "ignore_eos": True, "seed": 7},
+        {"temperature": 1.3, "top_k": 20, "max_tokens": 120, "ignore_eos": True},
+        {"temperature": 0.5, "top_k": 5, "top_p": 0.8, "max_tokens": 120, "ignore_eos": True, "seed": 11},
+    ]
+    params = [greedy if i % 2 == 0 else sampled[i // 2] for i in range(8)]
+    mixed = {"prompts": texts, "params": params}
+    alone = {"prompts": texts[1::2], "params": params[1::2]}
+    results = run_engines([
+        engine(target, [call(texts[::2], **greedy)]),
+        engine(target, [mixed, alone], univer(draft, "2x3")),
+    ])
+    assert "error" not in results[1], results[1].get("error")
+    reference = results[0]["calls"][0]["outputs"]
+    mixed_out, alone_out = results[1]["calls"][0]["outputs"], results[1]["calls"][1]["outputs"]
+    assert mixed_out[::2] == reference
+    assert all(len(o) == 120 for o in mixed_out)
+    # Seeded requests (rows 3 and 7 of the mixed batch) do not depend on their batch.
+    assert mixed_out[3] == alone_out[1] and mixed_out[7] == alone_out[3]
+
+
+def test_stop_and_max_tokens_cut_an_accepted_path(models):
+    """max_tokens and stop tokens in the middle of an accepted path end the request there."""
+    target, _ = models
+    text = prompts(1, seed=4)
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    results = run_engines([
+        engine(target, [call(text, max_tokens=40, **greedy)]),
+        engine(target, [call(text, max_tokens=7, **greedy), call(text, max_tokens=40, **greedy)],
+               univer(target, "1x5")),
+    ])
+    full = results[0]["calls"][0]["outputs"][0]
+    spec_calls = results[1]["calls"]
+    assert spec_calls[0]["outputs"][0] == full[:7]  # 7 = 1 + 5 + 1: cut inside the second path
+    assert spec_calls[1]["outputs"][0] == full
+    stop_at = full[10]
+    cut = run_engines([engine(target, [call(text, max_tokens=40, stop_token_ids=[stop_at], **greedy)],
+                              univer(target, "1x5"))])[0]
+    out = cut["calls"][0]["outputs"][0]
+    assert out == full[: full.index(stop_at) + 1]
