@@ -1,0 +1,47 @@
+"""``vllm serve`` with the plugin on 127.0.0.1, talked to with the ``openai`` client."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from server_utils import get_text, metric_value, vllm_server  # noqa: E402
+from tiny_models import build_perturbed_draft, build_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server_models")
+    target = build_tiny_llama(root / "target", vocab_size=512, seed=0, logit_scale=8.0)
+    draft = build_perturbed_draft(target, root / "draft", noise=0.3)
+    return str(target), str(draft)
+
+
+def test_openai_client_against_univer_server(models, tmp_path):
+    target, draft = models
+    spec = {"method": "univer", "model": draft, "tree": "2x3", "verifier": "univer"}
+    with vllm_server(target, spec, log_path=tmp_path / "server.log") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        completion = client.completions.create(model=target, prompt="the tree draft", max_tokens=40,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        assert completion.usage.completion_tokens == 40
+
+        stream = client.chat.completions.create(
+            model=target, messages=[{"role": "user", "content": "a cat and a dog"}],
+            max_tokens=30, temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+        pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        assert len(pieces) > 1 and "".join(pieces)
+
+        with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
+            client.completions.create(model=target, prompt="the", max_tokens=5, presence_penalty=0.5)
+        again = client.completions.create(model=target, prompt="the tree draft", max_tokens=40, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert again.choices[0].text == completion.choices[0].text
+
+        metrics = get_text(url + "/metrics")
+        drafts = metric_value(metrics, "vllm:spec_decode_num_drafts_total")
+        accepted = metric_value(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+        per_pos = metric_value(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+        assert drafts > 0 and 0 < accepted == per_pos
