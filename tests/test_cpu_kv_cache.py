@@ -30,11 +30,14 @@ def _isa():
     return isa
 
 
-def test_views_read_what_vllm_wrote():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_views_read_what_vllm_wrote(dtype):
     isa = _isa()
-    kv = torch.zeros(4, HEADS, BLOCK, 2 * DH)
+    if _get_attn_isa(dtype, BLOCK, DH) != isa:
+        pytest.skip(f"{dtype} uses another attention ISA on this machine")
+    kv = torch.zeros(4, HEADS, BLOCK, 2 * DH, dtype=dtype)
     t = 70
-    k, v = torch.randn(t, HEADS, DH), torch.randn(t, HEADS, DH)
+    k, v = torch.randn(t, HEADS, DH).to(dtype), torch.randn(t, HEADS, DH).to(dtype)
     slots = torch.randperm(4 * BLOCK)[:t]
     _write(kv, k, v, slots, isa)
     keys, values = cpu_kv_views(kv, isa)

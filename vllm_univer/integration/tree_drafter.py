@@ -30,12 +30,13 @@ from .tree_state import DraftedTrees, TreeState
 
 
 class TreeDrafter:
-    def __init__(self, runner, proposer, tree: TreeSpec, scheme: str, state: TreeState):
+    def __init__(self, runner, proposer, tree: TreeSpec, scheme: str, state: TreeState, timers):
         self.runner = runner
         self.proposer = proposer  # vLLM's DraftModelProposer: the loaded draft model and its attention groups
         self.tree = tree
         self.scheme = scheme
         self.state = state
+        self.timers = timers
         depth = tree.depth
         self.level_span = [(int((depth < d).sum()), int((depth <= d).sum()) - 1) for d in range(tree.max_depth + 1)]
         # The drafter runs every node above the deepest level (leaves are never run).
@@ -185,7 +186,8 @@ class TreeDrafter:
 
     # --------------------------------------------------------------- forward
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.proposer.model.compute_logits(hidden)
+        with self.timers.measure("draft_forward"):
+            return self.proposer.model.compute_logits(hidden)
 
     def _forward(self, token_ids, rope_pos, rows, slot_pos, query_start, seq_lens, block_rows, block_size,
                  plan: TreeAttentionPlan | None) -> torch.Tensor:
@@ -226,7 +228,8 @@ class TreeDrafter:
         slot_mappings = {name: slot_mapping for name in proposer._draft_attn_layer_names}
         input_ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64)).to(device=device, dtype=torch.int32)
         positions = torch.from_numpy(np.asarray(rope_pos, dtype=np.int64)).to(device)
-        with set_forward_context(per_layer, proposer.vllm_config, num_tokens=num_tokens, slot_mapping=slot_mappings):
+        with self.timers.measure("draft_forward"), set_forward_context(
+                per_layer, proposer.vllm_config, num_tokens=num_tokens, slot_mapping=slot_mappings):
             hidden = proposer.model(input_ids=input_ids, positions=positions, inputs_embeds=None)
         if isinstance(hidden, tuple):
             hidden = hidden[0]

@@ -12,6 +12,7 @@ import torch
 
 from .cpu_kv_cache import cpu_kv_views
 from .cpu_tree_attention import TreeAttentionPlan, check_layer_supported
+from .timers import StepTimers
 from .tree_drafter import TreeDrafter
 from .tree_sampler import TreeVerificationSampler
 from .tree_state import TreeState
@@ -30,8 +31,10 @@ class TreeRunner:
         self.runner = runner
         self.tree = config.tree_spec
         self.state = TreeState()
-        self.sampler = TreeVerificationSampler(runner, self.tree, config.verifier, self.state, self.kv_layers)
-        self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state)
+        self.timers = StepTimers(runner.device)
+        self.sampler = TreeVerificationSampler(runner, self.tree, config.verifier, self.state, self.kv_layers,
+                                               self.timers)
+        self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
         runner.rejection_sampler = self.sampler
         self._pending_plan: TreeAttentionPlan | None = None
         self._kv_views = None
@@ -108,4 +111,5 @@ class TreeRunner:
             metadata.tree_plan = plan
 
     def propose(self, sampled_token_ids, sampling_metadata):
-        return self.drafter.propose(sampled_token_ids, sampling_metadata)
+        with self.timers.measure("draft"):
+            return self.drafter.propose(sampled_token_ids, sampling_metadata)

@@ -26,17 +26,22 @@ logger = init_logger(__name__)
 
 
 class TreeVerificationSampler:
-    def __init__(self, runner, tree: TreeSpec, method: str, state: TreeState, kv_layers):
+    def __init__(self, runner, tree: TreeSpec, method: str, state: TreeState, kv_layers, timers):
         self.runner = runner
         self.tree = tree
         self.method = method
         self.state = state
         self.kv_layers = kv_layers  # callable -> list of (keys, values) cache views
+        self.timers = timers
         # nodes_through_depth[d] = number of nodes (root included) at depth <= d.
         counts = torch.bincount(tree.depth, minlength=tree.max_depth + 1)
         self.nodes_through_depth = counts.cumsum(0)
 
     def __call__(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
+        with self.timers.measure("verify"):
+            return self._verify(metadata, logits, sampling_metadata)
+
+    def _verify(self, metadata, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
         tree, device = self.tree, logits.device
         num_draft_list = list(metadata.num_draft_tokens)
         batch = len(num_draft_list)
@@ -71,7 +76,8 @@ class TreeVerificationSampler:
                          generator=generator, greedy=greedy[row:row + 1], validate=False)
             output[row], end[row] = one.output_token_ids[0], one.end_node[0]
 
-        self._keep_accepted_kv(batch, end)
+        with self.timers.measure("kv_moves"):
+            self._keep_accepted_kv(batch, end)
         self._update_draft_kv_len(req_ids, num_draft_list, tree.on(device).depth[end])
         return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=None)
 

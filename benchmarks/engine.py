@@ -1,0 +1,193 @@
+"""Tree speculation through vLLM, side by side, on the real Qwen pair (CPU build here).
+
+For each engine configuration (no speculation, vLLM's own ``draft_model`` chain
+with k = 5, ``univer`` with each verifier) one engine runs, in its own process,
+the same MT-Bench prompts (chat template, round robin over categories) at each
+(batch size, temperature) of the matrix, and the script records:
+
+* output tokens/s (wall clock of ``generate``, after a warm-up request) and its
+  ratio to no speculation in the same matrix cell;
+* mean acceptance length per step, tau = 1 + accepted / drafts (vLLM's own
+  spec-decode counters), and acceptance per depth;
+* for ``univer``, the share of wall time spent in tree bookkeeping, verification
+  and KV moves (outside the target and draft forward passes), from the
+  package's step timers (``VLLM_UNIVER_TIMERS=1``).
+
+    python benchmarks/engine.py                       # the default matrix (about 40 min on 2 cores)
+    python benchmarks/engine.py --quick               # one prompt batch, fewer engines
+Results: ``benchmarks/results/engine.md`` and ``engine.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
+       "VLLM_HOST_IP": "127.0.0.1", "VLLM_UNIVER_TIMERS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+SPEED_CELLS = [(8, 1.0, 32), (8, 0.0, 32), (1, 1.0, 64), (1, 0.0, 64)]  # (batch, temperature, new tokens)
+ACCEPTANCE_CELLS = [(8, 1.0, 32)]
+
+
+def engine_configs(quick: bool) -> list[dict]:
+    tree_verifiers = ["univer", "greedy", "rrsw", "traversal", "rrs", "target_only"]
+    configs = [
+        {"name": "no speculation", "spec": None, "cells": SPEED_CELLS},
+        {"name": "vLLM draft_model chain k=5", "spec": {"method": "draft_model", "num_speculative_tokens": 5,
+                                                        "draft_sample_method": "probabilistic"},
+         "cells": SPEED_CELLS},
+        {"name": "univer 2x5", "spec": {"method": "univer", "tree": "2x5", "verifier": "univer"},
+         "cells": SPEED_CELLS},
+        {"name": "univer 2x3", "spec": {"method": "univer", "tree": "2x3", "verifier": "univer"},
+         "cells": SPEED_CELLS},
+    ]
+    if not quick:
+        configs += [{"name": f"{v} 2x5", "spec": {"method": "univer", "tree": "2x5", "verifier": v},
+                     "cells": ACCEPTANCE_CELLS} for v in tree_verifiers[1:]]
+        configs += [{"name": f"{v} 1x5", "spec": {"method": "univer", "tree": "1x5", "verifier": v},
+                     "cells": ACCEPTANCE_CELLS} for v in ("token", "block")]
+    return configs
+
+
+# ----------------------------------------------------------------- one engine
+def _spec_counters(llm) -> dict:
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            out[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
+    return out
+
+
+def _timers(worker) -> dict:
+    univer = getattr(worker.model_runner, "univer", None)
+    return dict(univer.timers.totals) if univer is not None else {}
+
+
+def run_one_engine(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    spec = job["spec"]
+    if spec is not None:
+        spec = {**spec, "model": job["draft"]}
+    llm = LLM(model=job["target"], speculative_config=spec, dtype="bfloat16", enforce_eager=True,
+              max_model_len=2048, max_num_seqs=8, seed=0, disable_log_stats=False)
+    tokenizer = llm.get_tokenizer()
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                           add_generation_prompt=True) for t in job["prompts"]]
+    llm.generate(texts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
+    cells = []
+    for batch, temperature, new_tokens in job["cells"]:
+        params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=None)
+        before, timers_before = _spec_counters(llm), llm.collective_rpc(_timers)[0]
+        start = time.perf_counter()
+        outputs = llm.generate(texts[:batch], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        after, timers_after = _spec_counters(llm), llm.collective_rpc(_timers)[0]
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        cell = {"batch": batch, "temperature": temperature, "new_tokens": new_tokens, "wall_s": wall,
+                "tokens": generated, "tok_per_s": generated / wall}
+        if after:
+            drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
+            accepted = (after["vllm:spec_decode_num_accepted_tokens"]
+                        - before.get("vllm:spec_decode_num_accepted_tokens", 0))
+            per_pos_before = before.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+            per_pos = [a - (per_pos_before[i] if i < len(per_pos_before) else 0)
+                       for i, a in enumerate(after["vllm:spec_decode_num_accepted_tokens_per_pos"])]
+            cell.update(steps=drafts, tau=1 + accepted / max(drafts, 1),
+                        accepted_per_depth=[a / max(drafts, 1) for a in per_pos if a] or [0.0])
+        if timers_after:
+            spent = {k: timers_after.get(k, 0.0) - timers_before.get(k, 0.0) for k in timers_after}
+            outside = spent.get("verify", 0.0) + spent.get("draft", 0.0) - spent.get("draft_forward", 0.0)
+            cell.update(timers=spent, overhead_share=outside / wall)
+        cells.append(cell)
+    return {"name": job["name"], "cells": cells}
+
+
+# ---------------------------------------------------------------- the matrix
+def run_matrix(args) -> list[dict]:
+    from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
+
+    target, draft = str(model_dir(DEFAULT_TARGET)), str(model_dir(DEFAULT_DRAFT))
+    texts = [p["turns"][0] for p in prompts("mtbench", limit=8)]
+    results = []
+    out_json = RESULTS / ("engine_quick.json" if args.quick else "engine.json")
+    done = {}
+    if out_json.exists() and not args.fresh:
+        done = {r["name"]: r for r in json.loads(out_json.read_text())["engines"]}
+    for config in engine_configs(args.quick):
+        if config["name"] in done:
+            results.append(done[config["name"]])
+            continue
+        cells = [c for c in config["cells"] if not args.quick or c[0] == 8]
+        job = {"name": config["name"], "spec": config["spec"], "cells": cells, "target": target, "draft": draft,
+               "prompts": texts}
+        print(f"[engine] {config['name']} ...", flush=True)
+        proc = subprocess.run([sys.executable, __file__, "--one"], input=json.dumps(job), text=True,
+                              capture_output=True, env={**os.environ, **ENV})
+        line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT ")), None)
+        if line is None:
+            raise RuntimeError(f"{config['name']} failed:\n{proc.stderr[-5000:]}")
+        results.append(json.loads(line[len("RESULT "):]))
+        print(json.dumps(results[-1]["cells"]), flush=True)
+        out_json.write_text(json.dumps({"engines": results, "command": " ".join(sys.argv)}, indent=1))
+    return results
+
+
+def report(results: list[dict], command: str) -> str:
+    base = {(c["batch"], c["temperature"]): c["tok_per_s"] for c in results[0]["cells"]}
+    lines = [
+        "# Tree speculation through vLLM 0.32 (CPU build): speed and acceptance",
+        "",
+        f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"{platform.platform()}; Qwen2.5-Coder 1.5B target / 0.5B draft, bfloat16, enforce_eager, "
+        "MT-Bench prompts (chat template), ignore_eos. All rows measured in one run, one engine per row, "
+        "one process per engine.",
+        "",
+        "tau = mean tokens per step = 1 + accepted / drafts (vLLM's spec-decode counters). "
+        "'outside forwards' = share of wall time in tree bookkeeping, verification and KV moves "
+        "(everything the package adds except the target and draft forward passes).",
+        "",
+        "| engine | batch | T | new tokens | tok/s | vs no spec | tau | accepted per depth | outside forwards |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for c in r["cells"]:
+            ratio = c["tok_per_s"] / base[(c["batch"], c["temperature"])] if (c["batch"], c["temperature"]) in base \
+                else float("nan")
+            tau = f"{c['tau']:.2f}" if "tau" in c else "-"
+            depth = " / ".join(f"{a:.2f}" for a in c.get("accepted_per_depth", [])) or "-"
+            share = f"{100 * c['overhead_share']:.1f}%" if "overhead_share" in c else "-"
+            lines.append(f"| {r['name']} | {c['batch']} | {c['temperature']:g} | {c['new_tokens']} | "
+                         f"{c['tok_per_s']:.2f} | {ratio:.2f}x | {tau} | {depth} | {share} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--fresh", action="store_true", help="ignore saved engines and rerun all")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(run_one_engine(json.load(sys.stdin))), flush=True)
+        return
+    results = run_matrix(args)
+    command = "python benchmarks/engine.py" + (" --quick" if args.quick else "")
+    text = report(results, command)
+    (RESULTS / ("engine_quick.md" if args.quick else "engine.md")).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
