@@ -126,7 +126,7 @@ def run_matrix(args) -> list[dict]:
     if out_json.exists() and not args.fresh:
         done = {r["name"]: r for r in json.loads(out_json.read_text())["engines"]}
     for config in engine_configs(args.quick):
-        if config["name"] in done:
+        if config["name"] in done and config["name"] not in args.rerun:
             results.append(done[config["name"]])
             continue
         cells = [c for c in config["cells"] if not args.quick or c[0] == 8]
@@ -144,6 +144,15 @@ def run_matrix(args) -> list[dict]:
     return results
 
 
+def tau_standard_error(cell: dict) -> float:
+    """Standard error of tau from the per-depth acceptance rates a_d = P(k >= d):
+    E[k] = sum a_d, E[k^2] = sum (2d - 1) a_d (steps treated as independent)."""
+    rates = cell.get("accepted_per_depth", [])
+    mean = sum(rates)
+    second = sum((2 * d - 1) * a for d, a in enumerate(rates, start=1))
+    return max(second - mean * mean, 0.0) ** 0.5 / max(cell.get("steps", 1), 1) ** 0.5
+
+
 def report(results: list[dict], command: str) -> str:
     base = {(c["batch"], c["temperature"]): c["tok_per_s"] for c in results[0]["cells"]}
     lines = [
@@ -154,7 +163,8 @@ def report(results: list[dict], command: str) -> str:
         "MT-Bench prompts (chat template), ignore_eos. All rows measured in one run, one engine per row, "
         "one process per engine.",
         "",
-        "tau = mean tokens per step = 1 + accepted / drafts (vLLM's spec-decode counters). "
+        "tau = mean tokens per step = 1 + accepted / drafts (vLLM's spec-decode counters), +- its standard "
+        "error (steps treated as independent). "
         "'outside forwards' = share of wall time in tree bookkeeping, verification and KV moves "
         "(everything the package adds except the target and draft forward passes).",
         "",
@@ -165,7 +175,7 @@ def report(results: list[dict], command: str) -> str:
         for c in r["cells"]:
             ratio = c["tok_per_s"] / base[(c["batch"], c["temperature"])] if (c["batch"], c["temperature"]) in base \
                 else float("nan")
-            tau = f"{c['tau']:.2f}" if "tau" in c else "-"
+            tau = f"{c['tau']:.2f} +- {tau_standard_error(c):.2f}" if "tau" in c else "-"
             depth = " / ".join(f"{a:.2f}" for a in c.get("accepted_per_depth", [])) or "-"
             share = f"{100 * c['overhead_share']:.1f}%" if "overhead_share" in c else "-"
             lines.append(f"| {r['name']} | {c['batch']} | {c['temperature']:g} | {c['new_tokens']} | "
@@ -177,6 +187,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--fresh", action="store_true", help="ignore saved engines and rerun all")
+    ap.add_argument("--rerun", nargs="+", default=[], metavar="NAME",
+                    help="rerun these engines (by row name, e.g. 'univer 2x5') and keep the other saved rows")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:

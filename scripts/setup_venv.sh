@@ -4,6 +4,7 @@
 #
 #   VENV=path        where the venv lives (default: <repo>/.venv)
 #   VLLM_BUILD=cpu|cuda   force a build (default: cuda if nvidia-smi sees a GPU)
+#   EXTRAS=test,bench     this package's extras to install (default: test)
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -53,6 +54,7 @@ if ! have_vllm; then
 fi
 
 echo "[setup] installing vllm-univer (editable) ..."
-"${pip[@]}" install --no-build-isolation -e "$repo[test]" 2>/dev/null \
-  || "${pip[@]}" install -e "$repo[test]"
+extras="${EXTRAS:-test}"
+"${pip[@]}" install --no-build-isolation -e "$repo[$extras]" 2>/dev/null \
+  || "${pip[@]}" install -e "$repo[$extras]"
 echo "[setup] ready: $venv"

@@ -8,7 +8,8 @@ after another.
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
 "params": [{...SamplingParams kwargs}, ...]}]}]}. A prompt is a string or a list
 of token ids. Result (the last stdout line, after ``RESULT``): per engine
-{"error": str} or {"calls": [{"outputs": [[token ids], ...]} | {"error": str}],
+{"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs": [[{token: logprob}]]
+per output, when asked for} | {"error": str}],
 "spec": {counter: value}}.
 """
 
@@ -66,7 +67,11 @@ def _run_engine(engine: dict) -> dict:
         try:
             params = [SamplingParams(**p) for p in call["params"]]
             out = llm.generate([_prompt(p) for p in call["prompts"]], params, use_tqdm=False)
-            calls.append({"outputs": [list(o.outputs[0].token_ids) for o in out]})
+            entry = {"outputs": [list(o.outputs[0].token_ids) for o in out]}
+            if any(o.outputs[0].logprobs for o in out):
+                entry["logprobs"] = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
+                                     for o in out]
+            calls.append(entry)
         except Exception as exc:  # noqa: BLE001
             calls.append({"error": f"{type(exc).__name__}: {exc}"})
     result = {"calls": calls, "spec": _spec_counters(llm)}

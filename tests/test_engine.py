@@ -80,6 +80,20 @@ def test_greedy_identity_survives_preemption_and_prefix_caching(models):
     assert results[1]["calls"][0]["outputs"] == results[0]["calls"][0]["outputs"]
 
 
+def test_greedy_identity_with_chunked_prefill_and_cut_trees(models):
+    """A token budget of 40 per step: long prompts are prefilled in chunks beside
+    requests decoding trees, and the scheduler cuts trees short (verified as the
+    tree cut to its last full level)."""
+    target, draft = models
+    rng = random.Random(9)
+    long_prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(60, 120))) for _ in range(6)]
+    job = call(long_prompts, temperature=0.0, max_tokens=60, ignore_eos=True)
+    kw = {"max_num_batched_tokens": 40, "enable_chunked_prefill": True, "max_num_seqs": 6}
+    results = run_engines([engine(target, [job], **kw), engine(target, [job], univer(draft, "2x3"), **kw)])
+    assert "error" not in results[1], results[1].get("error")
+    assert results[1]["calls"][0]["outputs"] == results[0]["calls"][0]["outputs"]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_target_as_its_own_draft_accepts_whole_paths(models, temperature):
     """With q = p every step accepts a full root-to-leaf path: the draft's tree
@@ -146,3 +160,19 @@ def test_stop_and_max_tokens_cut_an_accepted_path(models):
                               univer(target, "1x5"))])[0]
     out = cut["calls"][0]["outputs"][0]
     assert out == full[: full.index(stop_at) + 1]
+
+
+def test_logprobs_are_the_targets(models):
+    """logprobs of generated tokens (and the top alternatives) are the target's
+    raw log-probabilities at each output position, as without speculation."""
+    target, draft = models
+    job = call(prompts(3, seed=5), temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=3)
+    results = run_engines([engine(target, [job]), engine(target, [job], univer(draft, "2x3"))])
+    base, spec = results[0]["calls"][0], results[1]["calls"][0]
+    assert spec["outputs"] == base["outputs"]
+    for out_base, out_spec in zip(base["logprobs"], spec["logprobs"]):
+        assert len(out_base) == len(out_spec) == 40
+        for step_base, step_spec in zip(out_base, out_spec):
+            assert step_base.keys() == step_spec.keys()
+            for token, value in step_base.items():
+                assert abs(step_spec[token] - value) < 1e-4

@@ -48,16 +48,16 @@ def test_bad_request_fails_alone_and_the_engine_goes_on(models):
     calls = [
         {"prompts": ["the tree"], "params": [good]},
         {"prompts": ["the tree"], "params": [{**good, "presence_penalty": 0.5}]},
-        {"prompts": ["the tree"], "params": [{**good, "logprobs": 2}]},
+        {"prompts": ["the tree"], "params": [{**good, "bad_words": ["tree"]}]},
         {"prompts": ["the tree"], "params": [{**good, "min_tokens": 5}]},
         {"prompts": ["the tree"], "params": [good]},
     ]
     result = run_engines([{"kwargs": {"model": target, "max_model_len": 256, "speculative_config": {
         "method": "univer", "model": target, "tree": "2x2"}}, "calls": calls}])[0]
     assert "error" not in result, result.get("error")
-    first, penalty, logprobs, min_tokens, last = result["calls"]
+    first, penalty, bad_words, min_tokens, last = result["calls"]
     assert "presence_penalty is not supported with tree speculative decoding" in penalty["error"]
-    assert "logprobs is not supported" in logprobs["error"]
+    assert "bad_words is not supported" in bad_words["error"]
     assert "min_tokens is not supported" in min_tokens["error"]
     assert last["outputs"] == first["outputs"] and len(first["outputs"][0]) == 20
 

@@ -1,9 +1,8 @@
-"""vLLM 0.32 side of tree speculation (in progress, see docs/engine-integration.md).
+"""vLLM 0.32 side of tree speculation (map: docs/engine-integration.md).
 
-- ``config``: the user-facing ``method: "univer"`` fields (pure pydantic).
-- ``target_probs``: tree rows' target distribution through vLLM's own top-k/top-p.
-- ``cpu_kv_cache``: views of vLLM's CPU paged KV cache for the tree kernels.
-
-The model-runner patches will live next to these, each named after what it
-patches, applied once from the plugin entry point.
+- ``plugin``: the ``vllm.general_plugins`` entry point; applies ``patches`` once.
+- ``config`` (pure pydantic) and ``speculative_config``: ``method: "univer"``.
+- ``tree_runner``, ``tree_drafter``, ``tree_sampler``, ``tree_state``: the step.
+- ``cpu_tree_attention``, ``cpu_kv_cache``: tree rows in vLLM's CPU attention.
+- ``target_probs``, ``request_options``: exactly vLLM's sampling law; refusals.
 """

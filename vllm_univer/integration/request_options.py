@@ -19,7 +19,6 @@ def unsupported_option(params) -> tuple[str, str] | None:
         ("bad_words", bool(getattr(params, "bad_words", None)), "bad_words"),
         ("allowed_token_ids", params.allowed_token_ids is not None, "allowed_token_ids"),
         ("min_tokens", params.min_tokens > 0, "min_tokens"),
-        ("logprobs", params.logprobs is not None, "logprobs"),
         ("structured_outputs", getattr(params, "structured_outputs", None) is not None, "structured outputs"),
         ("logits_processors", bool(getattr(params, "logits_processors", None)), "custom logits processors"),
     )

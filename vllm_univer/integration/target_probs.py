@@ -31,11 +31,18 @@ def tree_target_probs(
     batch, rows, vocab = logits.shape
     greedy = temperature < SAMPLING_EPS
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
-    scaled = (logits.to(torch.float32) / temp.view(batch, 1, 1)).reshape(batch * rows, vocab)
+    # One [B, T, V] float32 buffer, transformed in place (the logits may be a view of vLLM's).
+    scaled = logits.to(torch.float32, copy=True).div_(temp.view(batch, 1, 1)).view(batch * rows, vocab)
     k = top_k.repeat_interleave(rows) if top_k is not None else None
     p = top_p.repeat_interleave(rows) if top_p is not None else None
     scaled = apply_top_k_top_p(scaled, k, p)
-    return scaled.softmax(-1).view(batch, rows, vocab), greedy
+    return softmax_(scaled).view(batch, rows, vocab), greedy
+
+
+def softmax_(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension, in place (rows of -inf-masked logits stay 0)."""
+    x.sub_(x.amax(-1, keepdim=True)).exp_()
+    return x.div_(x.sum(-1, keepdim=True))
 
 
 def check_supported(sampling_metadata) -> None:

@@ -25,7 +25,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from ..drafting import draft_children, top_tokens
 from ..tree import TreeSpec
 from .cpu_tree_attention import TreeAttentionPlan
-from .target_probs import SAMPLING_EPS
+from .target_probs import SAMPLING_EPS, softmax_
 from .tree_state import DraftedTrees, TreeState
 
 
@@ -134,9 +134,12 @@ class TreeDrafter:
         vocab = root_logits.shape[-1]
         tokens = torch.full((reqs, n1), -1, dtype=torch.long, device=device)
         tokens[:, 0] = torch.from_numpy(token_ids[query_start[1:] - 1].astype(np.int64)).to(device)
-        q = torch.zeros(reqs, n1, vocab, dtype=torch.float32, device=device)
+        # Rows of internal nodes are written level by level; leaf rows are never a
+        # draw's law but the verifier reads them at a leaf end node: keep them finite.
+        q = torch.empty(reqs, n1, vocab, dtype=torch.float32, device=device)
+        q[:, self.level_span[tree.max_depth][0]:] = 0.0
         temp = temperature.to(device).view(-1, 1)
-        q[:, 0] = (root_logits.float() / temp).softmax(-1)
+        q[:, 0] = softmax_(root_logits.to(torch.float32, copy=True).div_(temp))
         greedy = greedy.to(device)
         self._draw_children(0, tokens, q, greedy, generators, active)
 
@@ -161,23 +164,26 @@ class TreeDrafter:
             hidden = self._forward(node_ids, rope_pos, rows, slot_pos, np.arange(reqs + 1) * width,
                                    root_pos + last + 1, block_rows, block_size, plan=plan)
             logits = self._logits(hidden).view(reqs, width, vocab)
-            q[:, first:last + 1] = (logits.float() / temp.unsqueeze(-1)).softmax(-1)
+            q[:, first:last + 1] = softmax_(logits.to(torch.float32, copy=True).div_(temp.unsqueeze(-1)))
             self._draw_children(d, tokens, q, greedy, generators, active)
         return tokens, q
 
     def _draw_children(self, depth, tokens, q, greedy, generators, active) -> None:
         """Children of the depth-``depth`` nodes, drawn from their q rows."""
-        any_greedy = bool(greedy.any())
+        any_greedy, all_greedy = bool(greedy.any()), bool(greedy.all())
         row_of = {int(b): r for r, b in enumerate(active)} if generators else {}
         seeded = [(row_of[b], g) for b, g in generators.items() if b in row_of and not bool(greedy[row_of[b]])]
         for parents, kids, m in self.child_groups[depth]:
             parents, kids = parents.to(q.device), kids.to(q.device)
             rows = q[:, parents]  # [R, g, V]
             flat = rows.flatten(0, 1)
-            drawn = draft_children(self.scheme, flat, m).view(rows.shape[0], -1, m)
-            if any_greedy:
-                top = top_tokens(flat, m).view_as(drawn)
-                drawn = torch.where(greedy.view(-1, 1, 1), top, drawn)
+            if all_greedy:
+                drawn = top_tokens(flat, m).view(rows.shape[0], -1, m)
+            else:
+                drawn = draft_children(self.scheme, flat, m).view(rows.shape[0], -1, m)
+                if any_greedy:
+                    top = top_tokens(flat, m).view_as(drawn)
+                    drawn = torch.where(greedy.view(-1, 1, 1), top, drawn)
             # Seeded requests draw from their own generator (outputs independent of the batch).
             for row, generator in seeded:
                 drawn[row] = draft_children(self.scheme, rows[row], m, generator=generator)

@@ -28,6 +28,11 @@ class TreeRunner:
             )
         if runner.uses_mrope:
             raise NotImplementedError("tree speculation does not support M-RoPE models")
+        if runner.model_config.logprobs_mode != "raw_logprobs":
+            raise NotImplementedError(
+                f"tree speculation returns logprobs in vLLM's default 'raw_logprobs' mode only "
+                f"(got logprobs_mode={runner.model_config.logprobs_mode!r})"
+            )
         self.runner = runner
         self.tree = config.tree_spec
         self.state = TreeState()

@@ -52,7 +52,7 @@ class TreeVerificationSampler:
         starts = (num_draft + 1).cumsum(0) - (num_draft + 1)
         node = torch.arange(tree.num_nodes + 1)
         rows = starts.unsqueeze(1) + torch.minimum(node.unsqueeze(0), num_draft.unsqueeze(1))
-        tree_logits = logits[rows.to(device)]  # [B, N+1, V]
+        tree_logits = logits[rows.to(device)]  # [B, N+1, V] (a fresh tensor: transformed in place below)
         temperature = sampling_metadata.temperature
         if temperature is None:  # all greedy
             temperature = torch.zeros(batch, device=device)
@@ -79,7 +79,21 @@ class TreeVerificationSampler:
         with self.timers.measure("kv_moves"):
             self._keep_accepted_kv(batch, end)
         self._update_draft_kv_len(req_ids, num_draft_list, tree.on(device).depth[end])
-        return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=None)
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs = self._logprobs(logits, rows.to(device), end, output, sampling_metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
+
+    def _logprobs(self, logits, node_rows, end, output, num_logprobs):
+        """The target's log-probabilities of every output token, in vLLM's raw
+        mode: output j of a request was sampled at the path's node of depth j
+        (the root for j = 0), so its row is that node's logits row."""
+        path = self.tree.on(end.device).ancestors[end]  # [B, D], -1 past the end
+        at_node = torch.cat([torch.zeros_like(path[:, :1]), path], 1).clamp(min=0)  # [B, D+1]
+        flat_rows = node_rows.gather(1, at_node).flatten()
+        logprobs = self.runner.sampler.compute_logprobs(logits[flat_rows].float())
+        # Padding (-1) entries are dropped by vLLM's parse_output; any valid id will do here.
+        return self.runner.sampler.gather_logprobs(logprobs, num_logprobs, output.flatten().clamp(min=0))
 
     def _trees_for(self, req_ids: list[str], num_draft: list[int], p: torch.Tensor):
         """Tokens [B, N+1] and q [B, N+1, V] of the trees drafted for these requests."""

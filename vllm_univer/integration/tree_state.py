@@ -52,8 +52,12 @@ class TreeState:
         batches = {id(e[0]): e[0] for e in present}
         if len(batches) == 1:
             drafted = present[0][0]
-            index = torch.tensor([e[1] if e is not None else 0 for e in entries], device=drafted.tokens.device)
-            tokens, q = drafted.tokens[index], drafted.draft_probs[index]
+            rows = [e[1] if e is not None else 0 for e in entries]
+            if rows == list(range(drafted.tokens.shape[0])):  # same requests, same order: no copy
+                tokens, q = drafted.tokens, drafted.draft_probs
+            else:
+                index = torch.tensor(rows, device=drafted.tokens.device)
+                tokens, q = drafted.tokens[index], drafted.draft_probs[index]
         else:
             filler = present[0]
             rows = [e if e is not None else filler for e in entries]

@@ -1,0 +1,52 @@
+"""The main job's server launcher (scripts/serve_default.py) on tiny models: it
+prints the URL and a working openai example, serves, and Ctrl-C stops it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from engine_job import ENV  # noqa: E402
+from server_utils import free_port  # noqa: E402
+from tiny_models import build_perturbed_draft, build_tiny_llama  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_main_job_serves_and_stops_on_ctrl_c(tmp_path):
+    target = build_tiny_llama(tmp_path / "target", vocab_size=512, seed=0, logit_scale=8.0)
+    draft = build_perturbed_draft(target, tmp_path / "draft", noise=0.3)
+    port = free_port()
+    env = {**os.environ, **ENV, "TARGET_MODEL": str(target), "DRAFT_MODEL": str(draft), "PORT": str(port),
+           "TREE": "2x3", "DTYPE": "float32", "SERVED_MODEL_NAME": "tiny"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    log = tmp_path / "main.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve_default.py"), "--enforce-eager",
+                                 "--max-model-len", "512"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.time() + 240
+            while "Ready:" not in log.read_text():
+                assert proc.poll() is None, log.read_text()[-3000:]
+                assert time.time() < deadline, "no Ready line"
+                time.sleep(1)
+            text = log.read_text()
+            assert f"http://127.0.0.1:{port}/v1" in text and "from openai import OpenAI" in text
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+            reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the tree"}],
+                                                   max_tokens=16, temperature=1.0)
+            assert reply.usage.completion_tokens > 0
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+            rc = proc.wait(timeout=60)
+    assert rc == 0, log.read_text()[-3000:]

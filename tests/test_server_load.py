@@ -1,0 +1,136 @@
+"""The univer server under load, as OpenAI clients use it (tiny models, CPU build).
+
+One server with tree speculation and one without run side by side on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from server_utils import vllm_server  # noqa: E402
+from tiny_models import WORDS, build_perturbed_draft, build_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("load_models")
+    target = str(build_tiny_llama(root / "target", vocab_size=512, seed=0, logit_scale=8.0))
+    draft = str(build_perturbed_draft(target, root / "draft", noise=0.3))
+    spec = {"method": "univer", "model": draft, "tree": "2x3"}
+    with vllm_server(target, spec, extra_args=("--max-num-seqs", "32"), log_path=root / "spec.log") as spec_url, \
+            vllm_server(target, None, extra_args=("--max-num-seqs", "32"), log_path=root / "base.log") as base_url:
+        yield target, spec_url, base_url
+
+
+def _prompt(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 40)))
+
+
+def _requests(n: int) -> list[dict]:
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        params = {"max_tokens": rng.choice([16, 40, 80, 120]), "extra_body": {"ignore_eos": True}}
+        if i % 2 == 0:
+            params["temperature"] = 0.0
+        else:
+            params.update(temperature=rng.choice([0.7, 1.0, 1.2]), top_p=rng.choice([1.0, 0.9]))
+            if i % 4 == 1:
+                params["seed"] = i
+        out.append({"chat": i % 3 == 0, "prompt": _prompt(rng), "params": params})
+    return out
+
+
+async def _stream(client, model: str, request: dict) -> tuple[str, str, float, int]:
+    """-> (text, finish_reason, latency seconds, chunks)."""
+    start = time.perf_counter()
+    pieces, finish, chunks = [], None, 0
+    if request["chat"]:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": request["prompt"]}], stream=True, **request["params"])
+        async for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+                chunks += 1
+    else:
+        stream = await client.completions.create(model=model, prompt=request["prompt"], stream=True,
+                                                 **request["params"])
+        async for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+                chunks += 1
+    return "".join(pieces), finish, time.perf_counter() - start, chunks
+
+
+async def _disconnect_early(client, model: str, prompt: str) -> None:
+    stream = await client.completions.create(model=model, prompt=prompt, stream=True, max_tokens=200,
+                                             temperature=1.0, extra_body={"ignore_eos": True})
+    seen = 0
+    async for _ in stream:
+        seen += 1
+        if seen == 3:
+            break
+    await stream.close()
+
+
+def test_64_concurrent_streams_complete_and_greedy_ones_match(servers):
+    target, spec_url, base_url = servers
+    requests = _requests(64)
+
+    async def run(url: str, with_disconnects: bool):
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) as client:
+            tasks = [_stream(client, target, r) for r in requests]
+            if with_disconnects:
+                tasks += [_disconnect_early(client, target, f"disconnect {i}") for i in range(8)]
+            return await asyncio.gather(*tasks)
+
+    spec_results = asyncio.run(run(spec_url, True))[:64]
+    base_results = asyncio.run(run(base_url, False))
+    latencies = np.array([r[2] for r in spec_results])
+    print(f"\n64 concurrent streams through univer: p50 {np.percentile(latencies, 50):.2f} s, "
+          f"p99 {np.percentile(latencies, 99):.2f} s")
+    for request, (text, finish, _, chunks), (base_text, _, _, _) in zip(requests, spec_results, base_results):
+        assert finish == "length" and chunks > 0 and text
+        if request["params"]["temperature"] == 0.0:
+            assert text == base_text, request
+    with urllib.request.urlopen(spec_url + "/health", timeout=10) as r:
+        assert r.status == 200  # the early disconnects left the server healthy
+
+
+def test_n_seed_logprobs_and_bad_requests(servers):
+    target, spec_url, base_url = servers
+    spec = openai.OpenAI(base_url=spec_url + "/v1", api_key="none")
+    base = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
+    prompt = "the tree draft token verify"
+
+    many = spec.completions.create(model=target, prompt=prompt, n=3, max_tokens=20, temperature=1.0,
+                                   extra_body={"ignore_eos": True})
+    assert len(many.choices) == 3 and all(c.finish_reason == "length" for c in many.choices)
+
+    seeded = [spec.completions.create(model=target, prompt=prompt, max_tokens=30, temperature=1.0, seed=42,
+                                      extra_body={"ignore_eos": True}).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+    kw = {"model": target, "prompt": prompt, "max_tokens": 20, "temperature": 0.0, "logprobs": 2,
+          "extra_body": {"ignore_eos": True}}
+    with_spec, without = spec.completions.create(**kw).choices[0], base.completions.create(**kw).choices[0]
+    assert with_spec.text == without.text
+    np.testing.assert_allclose(with_spec.logprobs.token_logprobs, without.logprobs.token_logprobs, atol=1e-4)
+
+    for bad in ({"presence_penalty": 0.3}, {"frequency_penalty": 0.3}, {"extra_body": {"min_tokens": 3}}):
+        with pytest.raises(openai.BadRequestError, match="not supported with tree speculative decoding"):
+            spec.completions.create(model=target, prompt=prompt, max_tokens=5, **bad)
+    with pytest.raises(openai.BadRequestError):
+        spec.completions.create(model=target, prompt=prompt, max_tokens=-3)
+    assert spec.completions.create(model=target, prompt=prompt, max_tokens=5).choices[0].text is not None
