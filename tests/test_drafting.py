@@ -64,3 +64,16 @@ def test_top_tokens_order_equals_a_stable_sort_with_heavy_ties():
         probs = torch.randint(0, 4, (5, vocab), generator=gen).float()  # many equal values
         expected = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
         assert torch.equal(top_tokens(probs, k), expected)
+
+
+def test_top_tokens_fast_path_equals_the_exact_rule_on_ties():
+    """The topk(k+1) fast path and argmax (k = 1) give exactly the full-width rule
+    (rank by value, ties to the lower id), including ties across the k-th place."""
+    from vllm_univer.drafting import _top_tokens_exact, top_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        vocab = int(torch.randint(2, 8, (1,), generator=gen))
+        probs = torch.randint(0, 3, (5, vocab), generator=gen).float()
+        for k in range(1, vocab + 1):
+            assert torch.equal(top_tokens(probs, k), _top_tokens_exact(probs, k)), (probs, k)

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_job import run_engines  # noqa: E402
-from tiny_models import WORDS, build_perturbed_draft, build_tiny_llama  # noqa: E402
+from tiny_models import WORDS  # noqa: E402
 
 IRREGULAR = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
 GREEDY_CASES = [
@@ -23,11 +23,8 @@ GREEDY_CASES = [
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine_models")
-    target = build_tiny_llama(root / "target", vocab_size=512, seed=0, logit_scale=8.0)
-    draft = build_perturbed_draft(target, root / "draft", noise=0.5)
-    return str(target), str(draft)
+def models(tiny_pair):
+    return tiny_pair
 
 
 def prompts(n: int, seed: int = 0) -> list[str]:

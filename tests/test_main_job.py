@@ -17,14 +17,12 @@ openai = pytest.importorskip("openai")
 
 from engine_job import ENV  # noqa: E402
 from server_utils import free_port  # noqa: E402
-from tiny_models import build_perturbed_draft, build_tiny_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_main_job_serves_and_stops_on_ctrl_c(tmp_path):
-    target = build_tiny_llama(tmp_path / "target", vocab_size=512, seed=0, logit_scale=8.0)
-    draft = build_perturbed_draft(target, tmp_path / "draft", noise=0.3)
+def test_main_job_serves_and_stops_on_ctrl_c(tiny_pair, tmp_path):
+    target, draft = tiny_pair
     port = free_port()
     env = {**os.environ, **ENV, "TARGET_MODEL": str(target), "DRAFT_MODEL": str(draft), "PORT": str(port),
            "TREE": "2x3", "DTYPE": "float32", "SERVED_MODEL_NAME": "tiny"}

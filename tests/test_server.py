@@ -8,15 +8,11 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from server_utils import get_text, metric_value, vllm_server  # noqa: E402
-from tiny_models import build_perturbed_draft, build_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("server_models")
-    target = build_tiny_llama(root / "target", vocab_size=512, seed=0, logit_scale=8.0)
-    draft = build_perturbed_draft(target, root / "draft", noise=0.3)
-    return str(target), str(draft)
+def models(tiny_pair):
+    return tiny_pair
 
 
 def test_openai_client_against_univer_server(models, tmp_path):

@@ -17,14 +17,13 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from server_utils import vllm_server  # noqa: E402
-from tiny_models import WORDS, build_perturbed_draft, build_tiny_llama  # noqa: E402
+from tiny_models import WORDS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    root = tmp_path_factory.mktemp("load_models")
-    target = str(build_tiny_llama(root / "target", vocab_size=512, seed=0, logit_scale=8.0))
-    draft = str(build_perturbed_draft(target, root / "draft", noise=0.3))
+def servers(tiny_pair, tmp_path_factory):
+    target, draft = tiny_pair
+    root = tmp_path_factory.mktemp("load_logs")
     spec = {"method": "univer", "model": draft, "tree": "2x3"}
     with vllm_server(target, spec, extra_args=("--max-num-seqs", "32"), log_path=root / "spec.log") as spec_url, \
             vllm_server(target, None, extra_args=("--max-num-seqs", "32"), log_path=root / "base.log") as base_url:

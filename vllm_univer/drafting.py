@@ -24,9 +24,26 @@ def top_tokens(probs: torch.Tensor, k: int) -> torch.Tensor:
     """probs [K, V] -> LongTensor [K, k]: the k most likely tokens by rank, ties to the lower id."""
     if k == 0:
         return probs.new_empty(probs.shape[:-1] + (0,), dtype=torch.long)
-    # topk does not promise an order among equal values, and a full stable sort
-    # costs O(V log V) per row. Take every token above the k-th value, then the
-    # lowest ids among the tokens equal to it, then order the k winners.
+    if k == 1:
+        return probs.argmax(-1, keepdim=True)  # argmax returns the first (lowest-id) maximum
+    # topk does not promise an order among equal values. Take the k+1 largest: if
+    # the k-th and (k+1)-th values differ, the chosen set is exact and only ties
+    # inside it need ordering; otherwise (a tie across the boundary, rare) resolve
+    # it exactly over the whole row. One host sync, and only for k >= 2.
+    vocab = probs.shape[-1]
+    vals, idx = torch.topk(probs, min(k + 1, vocab), dim=-1)
+    if vocab > k and bool((vals[..., k - 1] == vals[..., k]).any()):
+        return _top_tokens_exact(probs, k)
+    vals, idx = vals[..., :k], idx[..., :k]
+    by_id = torch.sort(idx, dim=-1).indices
+    vals, idx = vals.gather(-1, by_id), idx.gather(-1, by_id)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices  # ids ascending within ties
+    return idx.gather(-1, order)
+
+
+def _top_tokens_exact(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """``top_tokens`` by full-width passes: every token above the k-th value, then
+    the lowest ids among the tokens equal to it, then the k winners in rank order."""
     kth = torch.topk(probs, k, dim=-1).values[..., -1:]  # [..., 1]
     above = probs > kth
     tied = probs == kth
@@ -34,7 +51,6 @@ def top_tokens(probs: torch.Tensor, k: int) -> torch.Tensor:
     chosen = above | (tied & (tied.cumsum(-1) <= need))
     vocab = probs.shape[-1]
     ids = torch.arange(vocab, device=probs.device)
-    # Rank key: the chosen tokens first, by value (descending) then id (ascending).
     picked = torch.topk(torch.where(chosen, ids, vocab), k, dim=-1, largest=False).values  # k smallest ids
     vals = probs.gather(-1, picked)
     order = torch.sort(vals, dim=-1, descending=True, stable=True).indices  # ids ascending within ties

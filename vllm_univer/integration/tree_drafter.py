@@ -25,7 +25,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from ..drafting import draft_children, top_tokens
 from ..tree import TreeSpec
 from .cpu_tree_attention import TreeAttentionPlan
-from .target_probs import SAMPLING_EPS, softmax_
+from .target_probs import SAMPLING_EPS
 from .tree_state import DraftedTrees, TreeState
 
 
@@ -139,7 +139,7 @@ class TreeDrafter:
         q = torch.empty(reqs, n1, vocab, dtype=torch.float32, device=device)
         q[:, self.level_span[tree.max_depth][0]:] = 0.0
         temp = temperature.to(device).view(-1, 1)
-        q[:, 0] = softmax_(root_logits.to(torch.float32, copy=True).div_(temp))
+        torch.softmax(root_logits.to(torch.float32, copy=True).div_(temp), -1, out=q[:, 0])
         greedy = greedy.to(device)
         self._draw_children(0, tokens, q, greedy, generators, active)
 
@@ -164,7 +164,7 @@ class TreeDrafter:
             hidden = self._forward(node_ids, rope_pos, rows, slot_pos, np.arange(reqs + 1) * width,
                                    root_pos + last + 1, block_rows, block_size, plan=plan)
             logits = self._logits(hidden).view(reqs, width, vocab)
-            q[:, first:last + 1] = softmax_(logits.to(torch.float32, copy=True).div_(temp.unsqueeze(-1)))
+            torch.softmax(logits.to(torch.float32, copy=True).div_(temp.unsqueeze(-1)), -1, out=q[:, first:last + 1])
             self._draw_children(d, tokens, q, greedy, generators, active)
         return tokens, q
 
