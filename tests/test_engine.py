@@ -111,22 +111,25 @@ def test_target_as_its_own_draft_accepts_whole_paths(models, temperature):
 
 
 def test_mixed_batch_greedy_requests_equal_no_speculation(models):
-    """Greedy and sampled requests (different top-p / top-k, seeded and not) in one
-    batch: each greedy one is its non-speculative output; a seeded one repeats."""
+    """Greedy and sampled requests (different top-p / top-k, penalties, seeded and
+    not) in one batch: each greedy one (with or without presence / frequency /
+    repetition penalties, applied per tree path) is its non-speculative output;
+    a seeded one repeats."""
     target, draft = models
     texts = prompts(8, seed=2)
     greedy = {"temperature": 0.0, "max_tokens": 120, "ignore_eos": True}
+    penalized = {**greedy, "presence_penalty": 0.4, "frequency_penalty": 0.3, "repetition_penalty": 1.2}
     sampled = [
         {"temperature": 1.0, "max_tokens": 120, "ignore_eos": True},
         {"temperature": 0.7, "top_p": 0.9, "max_tokens": 120, "ignore_eos": True, "seed": 7},
         {"temperature": 1.3, "top_k": 20, "max_tokens": 120, "ignore_eos": True},
         {"temperature": 0.5, "top_k": 5, "top_p": 0.8, "max_tokens": 120, "ignore_eos": True, "seed": 11},
     ]
-    params = [greedy if i % 2 == 0 else sampled[i // 2] for i in range(8)]
+    params = [(greedy if i % 4 == 0 else penalized) if i % 2 == 0 else sampled[i // 2] for i in range(8)]
     mixed = {"prompts": texts, "params": params}
     alone = {"prompts": texts[1::2], "params": params[1::2]}
     results = run_engines([
-        engine(target, [call(texts[::2], **greedy)]),
+        engine(target, [{"prompts": texts[::2], "params": params[::2]}]),
         engine(target, [mixed, alone], univer(draft, "2x3")),
     ])
     assert "error" not in results[1], results[1].get("error")

@@ -47,7 +47,7 @@ def test_bad_request_fails_alone_and_the_engine_goes_on(models):
     good = {"temperature": 0.0, "max_tokens": 20, "ignore_eos": True}
     calls = [
         {"prompts": ["the tree"], "params": [good]},
-        {"prompts": ["the tree"], "params": [{**good, "presence_penalty": 0.5}]},
+        {"prompts": ["the tree"], "params": [{**good, "allowed_token_ids": [1, 2, 3]}]},
         {"prompts": ["the tree"], "params": [{**good, "bad_words": ["tree"]}]},
         {"prompts": ["the tree"], "params": [{**good, "min_tokens": 5}]},
         {"prompts": ["the tree"], "params": [good]},
@@ -55,8 +55,8 @@ def test_bad_request_fails_alone_and_the_engine_goes_on(models):
     result = run_engines([{"kwargs": {"model": target, "max_model_len": 256, "speculative_config": {
         "method": "univer", "model": target, "tree": "2x2"}}, "calls": calls}])[0]
     assert "error" not in result, result.get("error")
-    first, penalty, bad_words, min_tokens, last = result["calls"]
-    assert "presence_penalty is not supported with tree speculative decoding" in penalty["error"]
+    first, allowed, bad_words, min_tokens, last = result["calls"]
+    assert "allowed_token_ids is not supported with tree speculative decoding" in allowed["error"]
     assert "bad_words is not supported" in bad_words["error"]
     assert "min_tokens is not supported" in min_tokens["error"]
     assert last["outputs"] == first["outputs"] and len(first["outputs"][0]) == 20

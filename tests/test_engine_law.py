@@ -30,6 +30,8 @@ CASES = [  # (verifier, tree, sampling parameters)
     ("traversal", "2x2", {"temperature": 1.0}),
     ("rrsw", "2x2", {"temperature": 1.0}),
     ("univer", [[0], [1], [2], [0, 0], [1, 0]], {"temperature": 0.8, "top_k": 8, "top_p": 0.9}),
+    ("univer", "2x2", {"temperature": 1.0, "presence_penalty": 0.8, "frequency_penalty": 0.5,
+                       "repetition_penalty": 1.5}),
 ]
 
 
@@ -39,6 +41,25 @@ def small_models(tmp_path_factory):
     target = build_tiny_llama(root / "target", vocab_size=VOCAB, seed=0, logit_scale=12.0)
     draft = build_perturbed_draft(target, root / "draft", noise=0.3)
     return str(target), str(draft)
+
+
+def penalized(logits, prompt: list[int], generated, params: dict):
+    """OpenAI / vLLM penalties, written out independently: repetition divides
+    positive (multiplies negative) logits of tokens seen in the prompt or the
+    output; frequency and presence subtract per output count and per output token.
+    logits [P, V] (float64), generated LongTensor [P, n] (the output so far per row)."""
+    import torch
+
+    vocab = logits.shape[-1]
+    counts = torch.zeros_like(logits)
+    if generated.shape[1]:
+        counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=logits.dtype))
+    seen = counts > 0
+    seen[:, prompt] = True
+    rep = params.get("repetition_penalty", 1.0)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - params.get("frequency_penalty", 0.0) * counts
+    return logits - params.get("presence_penalty", 0.0) * (counts > 0).to(logits.dtype)
 
 
 def transformed_probs(logits, temperature: float, top_k: int = -1, top_p: float = 1.0):
@@ -73,7 +94,10 @@ def exact_law_of_tokens(model_path: str, prompt: list[int], params: dict, length
         for step in range(length):
             prefixes = list(itertools.product(range(VOCAB), repeat=step))
             seqs = torch.tensor([prompt + list(p) for p in prefixes])
-            probs = torch.cat([transformed_probs(model(chunk).logits[:, -1], **kw) for chunk in seqs.split(4096)])
+            generated = seqs[:, len(prompt):]
+            probs = torch.cat([
+                transformed_probs(penalized(model(chunk).logits[:, -1], prompt, gen_chunk, params), **kw)
+                for chunk, gen_chunk in zip(seqs.split(4096), generated.split(4096))])
             law = law.view(-1, 1) * probs  # [V**step, V]
     return law.view([VOCAB] * length).numpy()
 

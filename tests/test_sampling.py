@@ -108,3 +108,23 @@ def test_verify_matches_exact_on_drafted_trees(method):
         for s in np.ndindex(*(vocab,) * length)
     ])
     assert chi_square_pvalue(counts, exact) > 1e-4
+
+
+@pytest.mark.parametrize("block", [1, 3, 4, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sample_from_weights_two_stage_law(block, dtype):
+    """The two-stage inverse CDF draws w / sum(w) whatever the block size (full
+    blocks, a short last block, blocks of zeros); zero weights are never drawn."""
+    from vllm_univer.ops import sample_from_weights
+
+    gen = torch.Generator().manual_seed(block)
+    weights = torch.tensor([[0.0, 0.3, 0.0, 0.1, 0.25, 0.0, 0.0, 0.0, 0.35, 0.0],
+                            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0],
+                            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]], dtype=dtype)
+    draws = 40000
+    idx = sample_from_weights(weights.repeat(draws, 1), gen, block=block).view(draws, 3)
+    for row in range(3):
+        counts = np.bincount(idx[:, row].numpy(), minlength=10)
+        law = (weights[row] / weights[row].sum()).double().numpy()
+        assert counts[law == 0].sum() == 0
+        assert chi_square_pvalue(counts, law) > 1e-4, (row, counts)

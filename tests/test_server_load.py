@@ -127,7 +127,8 @@ def test_n_seed_logprobs_and_bad_requests(servers):
     assert with_spec.text == without.text
     np.testing.assert_allclose(with_spec.logprobs.token_logprobs, without.logprobs.token_logprobs, atol=1e-4)
 
-    for bad in ({"presence_penalty": 0.3}, {"frequency_penalty": 0.3}, {"extra_body": {"min_tokens": 3}}):
+    for bad in ({"extra_body": {"min_tokens": 3}}, {"extra_body": {"allowed_token_ids": [1, 2]}},
+                {"extra_body": {"bad_words": ["tree"]}}):
         with pytest.raises(openai.BadRequestError, match="not supported with tree speculative decoding"):
             spec.completions.create(model=target, prompt=prompt, max_tokens=5, **bad)
     with pytest.raises(openai.BadRequestError):

@@ -52,17 +52,49 @@ def test_tree_rows_match_vllm_sampler_law():
         assert chi_square_pvalue(counts, expected / expected.sum()) > 1e-4, (b, node)
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"no_penalties": False}, "penalties"),
-    ({"bad_words_token_ids": {0: [[1]]}}, "bad_words"),
-    ({"allowed_token_ids_mask": torch.zeros(1, 4, dtype=torch.bool)}, "allowed_token_ids"),
-])
-def test_options_that_depend_on_the_path_are_refused(change, match):
+def test_tree_penalties_equal_vllm_penalties_on_each_path():
+    """Every tree row gets vLLM's own penalties for the text it continues: the
+    request's generated tokens plus the tokens on the path to the node."""
     from dataclasses import replace
 
-    from vllm_univer.integration.target_probs import check_supported
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
 
-    meta = _metadata(torch.ones(1), None, None)
-    check_supported(meta)
-    with pytest.raises(ValueError, match=match):
-        check_supported(replace(meta, **change))
+    from vllm_univer import TreeSpec
+    from vllm_univer.integration.target_probs import TreePenalties
+
+    vocab, tree = 20, TreeSpec.parse([[0], [1], [0, 0], [0, 1], [1, 0]])
+    gen = torch.Generator().manual_seed(1)
+    rows = tree.num_nodes + 1
+    logits = torch.randn(2, rows, vocab, generator=gen) * 2
+    tokens = torch.randint(0, vocab, (2, rows), generator=gen)
+    tokens[1, 5] = -1  # a node that does not exist
+    meta = replace(
+        _metadata(torch.ones(2), None, None), no_penalties=False,
+        prompt_token_ids=torch.tensor([[3, 4, 5, vocab], [6, 6, 7, 8]]),
+        presence_penalties=torch.tensor([0.5, 0.0]), frequency_penalties=torch.tensor([0.3, 0.7]),
+        repetition_penalties=torch.tensor([1.3, 1.1]), output_token_ids=[[4, 9, 9], []])
+    ours = logits.clone()
+    TreePenalties(tokens, tree.ancestors, meta, 2).apply(ours)
+    for b in range(2):
+        for node in range(rows):
+            path = [int(tokens[b, a]) for a in tree.ancestors[node].tolist() if a >= 0 and tokens[b, a] >= 0]
+            expected = apply_all_penalties(
+                logits[b, node].clone().unsqueeze(0), meta.prompt_token_ids[b:b + 1],
+                meta.presence_penalties[b:b + 1], meta.frequency_penalties[b:b + 1],
+                meta.repetition_penalties[b:b + 1], [meta.output_token_ids[b] + path])
+            torch.testing.assert_close(ours[b, node], expected[0])
+
+
+def test_options_that_depend_on_the_path_are_refused():
+    from vllm import SamplingParams
+
+    from vllm_univer.integration.request_options import unsupported_option
+
+    assert unsupported_option(SamplingParams(temperature=0.5, top_p=0.9, presence_penalty=0.4, seed=3)) is None
+    for params, name in [
+        (SamplingParams(bad_words=["x"]), "bad_words"),
+        (SamplingParams(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+        (SamplingParams(min_tokens=2), "min_tokens"),
+    ]:
+        parameter, message = unsupported_option(params)
+        assert parameter == name and "not supported with tree speculative decoding" in message

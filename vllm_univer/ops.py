@@ -60,19 +60,41 @@ def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return x.cumsum(-1) - x
 
 
-def sample_from_weights(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_from_weights(weights: torch.Tensor, generator: torch.Generator | None = None,
+                        block: int = 1024) -> torch.Tensor:
     """One index per row of ``weights`` [B, V] >= 0, drawn with P(i) = w_i / sum(w).
 
-    Inverse CDF: the first i with cumsum(w)_i > u * sum(w), u ~ U[0, 1). The
-    cumulative sum is taken in float64 (a [B, V] row, not per node), so tail
-    tokens keep their probability to ~1e-16; a zero-weight token never has a
-    cumsum above the previous one and can never be picked. No host sync.
+    Inverse CDF in two stages, so that no [B, V] float64 cumulative sum is built:
+    u ~ U[0, 1) picks the block of ``block`` tokens whose cumulative block sums
+    (float64) bracket u * sum(w), then the token inside that block from the
+    block's own float64 cumulative sum. Each block's sum is accumulated in the
+    weights' dtype: exact to ~1e-16 for float64 weights, to ~1e-7 relative (the
+    precision of the float32 weights themselves) for float32 ones. A zero-weight
+    token (or block) never has a cumulative sum above the previous one and can
+    never be picked. No host sync.
     """
-    cdf = weights.to(torch.float64).cumsum(-1)
-    total = cdf[..., -1:].contiguous()
+    rows, vocab = weights.shape
+    full = vocab // block
+    sums = [weights[:, :full * block].view(rows, full, block).sum(-1)] if full else []
+    if full * block < vocab:
+        sums.append(weights[:, full * block:].sum(-1, keepdim=True))
+    block_cdf = torch.cat(sums, -1).to(torch.float64).cumsum(-1)  # [B, blocks]
+    total = block_cdf[:, -1:].contiguous()
     u = torch.rand(total.shape, generator=generator, device=weights.device, dtype=torch.float64)
-    idx = torch.searchsorted(cdf, u * total, right=True)
-    # u * total can round up to total (probability ~2^-53): cap at the last token
-    # of positive weight, the first one whose cumsum reaches the total.
-    last_positive = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(idx, last_positive).squeeze(-1)
+    target = u * total
+    # The block: the first whose cumulative sum exceeds the target; u * total can
+    # round up to the total (probability ~2^-53): cap at the last block of positive weight.
+    chosen = torch.minimum(torch.searchsorted(block_cdf, target, right=True),
+                           torch.searchsorted(block_cdf, total, right=False))  # [B, 1]
+    before = torch.where(chosen > 0, block_cdf.gather(1, (chosen - 1).clamp(min=0)), torch.zeros_like(target))
+    # The chosen block's tokens (the last block may be short: pad its columns with zero weight).
+    columns = chosen * block + torch.arange(block, device=weights.device)  # [B, block]
+    inside = columns < vocab
+    inner = weights.gather(1, columns.clamp(max=vocab - 1)).masked_fill(~inside, 0)
+    inner_cdf = inner.to(torch.float64).cumsum(-1)
+    # Inside the block the same rule; rounding between the two sums can put the
+    # remainder at or past the block's end: cap at its last token of positive weight.
+    remainder = (target - before).clamp(min=0)
+    offset = torch.minimum(torch.searchsorted(inner_cdf, remainder, right=True),
+                           torch.searchsorted(inner_cdf, inner_cdf[:, -1:].contiguous(), right=False))
+    return (chosen * block + offset).squeeze(-1)

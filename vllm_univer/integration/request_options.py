@@ -2,8 +2,9 @@
 
 Tree rows at different depths and on different paths continue different
 texts, so options whose logits transform depends on the tokens generated so
-far would need one transform per path. Until they are applied per path they
-are refused per request, before the request reaches the engine. No vLLM import.
+far need one transform per path. Penalties are applied per path
+(``target_probs.TreePenalties``); the options below are not yet, so they are
+refused per request, before the request reaches the engine. No vLLM import.
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ def unsupported_option(params) -> tuple[str, str] | None:
     """(parameter, message) for the first option of ``params`` (vLLM SamplingParams)
     that ``method: "univer"`` cannot honour exactly, else None."""
     checks = (
-        ("presence_penalty", params.presence_penalty != 0.0, "presence_penalty"),
-        ("frequency_penalty", params.frequency_penalty != 0.0, "frequency_penalty"),
-        ("repetition_penalty", params.repetition_penalty != 1.0, "repetition_penalty"),
         ("bad_words", bool(getattr(params, "bad_words", None)), "bad_words"),
         ("allowed_token_ids", params.allowed_token_ids is not None, "allowed_token_ids"),
         ("min_tokens", params.min_tokens > 0, "min_tokens"),

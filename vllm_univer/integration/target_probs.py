@@ -1,20 +1,23 @@
 """The target distribution at every tree node: exactly what vLLM would sample from.
 
 For request b, every node row of the tree gets the request's own sampling
-transforms, in vLLM's order: float32 logits -> temperature -> top-k / top-p
+transforms, in vLLM's order: float32 logits -> presence / frequency /
+repetition penalties (vLLM's ``apply_penalties``, counting the tokens generated
+so far plus the tokens on the path to the node) -> temperature -> top-k / top-p
 (vLLM's ``apply_top_k_top_p``) -> softmax. Temperature-0 requests are flagged
 greedy (the verifier then matches argmaxes). Per-request values are expanded
 to rows with ``repeat_interleave``, not vLLM's CPU stand-in for its Triton
 expand kernel, which returns uninitialised memory in 0.32.0.
 
-Transforms that depend on the tokens generated so far (penalties, bad words,
-min-tokens) differ between tree paths; they are refused by
-``check_supported`` until they are applied per path.
+Other transforms that depend on the tokens generated so far (bad words,
+min-tokens, allowed tokens) are refused per request (``request_options``).
 """
 
 from __future__ import annotations
 
 import torch
+from vllm.model_executor.layers.utils import apply_penalties
+from vllm.utils.torch_utils import make_tensor_with_pad
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 SAMPLING_EPS = 1e-5  # vLLM's threshold for "temperature 0"
@@ -25,6 +28,7 @@ def tree_target_probs(
     temperature: torch.Tensor,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
+    penalties: "TreePenalties | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, T, V] (T tree rows per request), temperature / top_k / top_p [B]
     -> (probs [B, T, V] float32, greedy [B] bool)."""
@@ -32,7 +36,10 @@ def tree_target_probs(
     greedy = temperature < SAMPLING_EPS
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
     # One [B, T, V] float32 buffer, transformed in place (the logits may be a view of vLLM's).
-    scaled = logits.to(torch.float32, copy=True).div_(temp.view(batch, 1, 1)).view(batch * rows, vocab)
+    scaled = logits.to(torch.float32, copy=True)
+    if penalties is not None:
+        penalties.apply(scaled)
+    scaled = scaled.div_(temp.view(batch, 1, 1)).view(batch * rows, vocab)
     k = top_k.repeat_interleave(rows) if top_k is not None else None
     p = top_p.repeat_interleave(rows) if top_p is not None else None
     scaled = apply_top_k_top_p(scaled, k, p)
@@ -45,11 +52,39 @@ def softmax_(x: torch.Tensor) -> torch.Tensor:
     return x.div_(x.sum(-1, keepdim=True))
 
 
-def check_supported(sampling_metadata) -> None:
-    """Raise ValueError naming the first sampling option tree verification cannot honour yet."""
-    if not sampling_metadata.no_penalties:
-        raise ValueError("tree speculation does not support presence/frequency/repetition penalties yet")
-    if sampling_metadata.bad_words_token_ids:
-        raise ValueError("tree speculation does not support bad_words yet")
-    if sampling_metadata.allowed_token_ids_mask is not None:
-        raise ValueError("tree speculation does not support allowed_token_ids yet")
+class TreePenalties:
+    """Presence, frequency and repetition penalties of every tree row.
+
+    The row of node i continues the request's text with the tokens on the path
+    to i, so its output-token counts are the request's generated tokens plus
+    those path tokens; vLLM's own ``apply_penalties`` then does the rest.
+
+    tokens [B, T] (node tokens, -1 = none), ancestors [T, D] (the node at depth
+    j+1 on the path to each node, -1 past it), sampling_metadata: vLLM's.
+    """
+
+    def __init__(self, tokens: torch.Tensor, ancestors: torch.Tensor, sampling_metadata, batch: int):
+        self.tokens, self.ancestors, self.meta, self.batch = tokens, ancestors, sampling_metadata, batch
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """logits [B, T, V] float32, in place."""
+        meta, batch = self.meta, self.batch
+        _, rows, vocab = logits.shape
+        device = logits.device
+        generated = make_tensor_with_pad(meta.output_token_ids[:batch], pad=vocab, device="cpu",
+                                         dtype=torch.int64).to(device)  # [B, Lo]
+        if generated.dim() == 1:  # no request has generated anything yet
+            generated = generated.view(batch, 0)
+        path = self.tokens.gather(1, self.ancestors.clamp(min=0).flatten().unsqueeze(0).expand(batch, -1))
+        path = path.view(batch, rows, -1)
+        path = path.masked_fill((self.ancestors < 0).unsqueeze(0) | (path < 0), vocab)  # [B, T, D]
+        outputs = torch.cat([generated.unsqueeze(1).expand(-1, rows, -1), path], -1).flatten(0, 1)
+        flat = logits.view(batch * rows, vocab)
+        apply_penalties(
+            flat,
+            meta.prompt_token_ids[:batch].repeat_interleave(rows, 0),
+            outputs,
+            meta.presence_penalties[:batch].repeat_interleave(rows),
+            meta.frequency_penalties[:batch].repeat_interleave(rows),
+            meta.repetition_penalties[:batch].repeat_interleave(rows),
+        )

@@ -19,7 +19,7 @@ from vllm.v1.outputs import SamplerOutput
 from .. import verify
 from ..kernels.kv_compaction import accepted_path_moves, move_paged_kv
 from ..tree import TreeSpec
-from .target_probs import tree_target_probs
+from .target_probs import TreePenalties, tree_target_probs
 from .tree_state import TreeState
 
 logger = init_logger(__name__)
@@ -56,14 +56,18 @@ class TreeVerificationSampler:
         temperature = sampling_metadata.temperature
         if temperature is None:  # all greedy
             temperature = torch.zeros(batch, device=device)
-        p, greedy = tree_target_probs(tree_logits, temperature, sampling_metadata.top_k, sampling_metadata.top_p)
 
-        tokens, q = self._trees_for(req_ids, num_draft_list, p)
+        tokens, q = self._trees_for(req_ids, num_draft_list, tree_logits)
         # The scheduler may cut a tree short (token budget, max_model_len); a
         # breadth-first prefix is verified as the tree cut to its last full level.
         keep_depth = torch.searchsorted(self.nodes_through_depth, num_draft + 1, right=True) - 1
         exists = tree.depth.unsqueeze(0) <= keep_depth.unsqueeze(1)
         tokens = tokens.masked_fill(~exists.to(device), -1)
+        penalties = None
+        if not sampling_metadata.no_penalties:
+            penalties = TreePenalties(tokens, tree.on(device).ancestors, sampling_metadata, batch)
+        p, greedy = tree_target_probs(tree_logits, temperature, sampling_metadata.top_k, sampling_metadata.top_p,
+                                      penalties)
 
         result = verify(self.method, tree, tokens, p, q, greedy=greedy, validate=False)
         output, end = result.output_token_ids, result.end_node
@@ -95,15 +99,16 @@ class TreeVerificationSampler:
         # Padding (-1) entries are dropped by vLLM's parse_output; any valid id will do here.
         return self.runner.sampler.gather_logprobs(logprobs, num_logprobs, output.flatten().clamp(min=0))
 
-    def _trees_for(self, req_ids: list[str], num_draft: list[int], p: torch.Tensor):
+    def _trees_for(self, req_ids: list[str], num_draft: list[int], like: torch.Tensor):
         """Tokens [B, N+1] and q [B, N+1, V] of the trees drafted for these requests."""
         tokens, q, found = self.state.gather(req_ids)
         orphans = [r for r, f, n in zip(req_ids, found, num_draft) if n > 0 and not f]
         if orphans:
             # Should not happen; rejecting every draft (Y ~ p at the root) stays lossless.
             logger.warning("tree speculation: no drafted tree for the scheduled drafts of %s", orphans)
-        if tokens is None:
-            return torch.full(p.shape[:2], -1, dtype=torch.long, device=p.device), p
+        if tokens is None:  # no trees at all: any finite q rows will do (never read)
+            return torch.full(like.shape[:2], -1, dtype=torch.long, device=like.device), \
+                torch.zeros(like.shape, dtype=torch.float32, device=like.device)
         return tokens, q
 
     def _keep_accepted_kv(self, batch: int, end: torch.Tensor) -> None:
