@@ -160,8 +160,10 @@ def report(results: list[dict], command: str) -> str:
         "",
         f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} cores, "
         f"{platform.platform()}; Qwen2.5-Coder 1.5B target / 0.5B draft, bfloat16, enforce_eager, "
-        "MT-Bench prompts (chat template), ignore_eos. All rows measured in one run, one engine per row, "
-        "one process per engine.",
+        "MT-Bench prompts (chat template), ignore_eos. One engine per row, one process per engine, one "
+        "engine at a time. Rows are saved in `engine.json`; `--rerun NAME...` replaces the named rows (the "
+        "tree rows here were rerun after the overhead optimisations, the no-speculation and vLLM chain rows "
+        "come from the first run of the same session; their code did not change).",
         "",
         "tau = mean tokens per step = 1 + accepted / drafts (vLLM's spec-decode counters), +- its standard "
         "error (steps treated as independent). "
