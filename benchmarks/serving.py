@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -162,7 +163,8 @@ def main() -> None:
     results: dict[str, list] = {}
     for name in args.configs:
         print(f"[serving] {name} ...", flush=True)
-        proc, url = start_server(target, draft, CONFIGS[name], RESULTS / f"serving_{name}.log")
+        log = Path(tempfile.gettempdir()) / f"vllm_univer_serving_{name}.log"
+        proc, url = start_server(target, draft, CONFIGS[name], log)
         try:
             results[name] = [asyncio.run(drive(url, texts, rate, args.max_tokens, args.temperature))
                              for rate in args.rates]
