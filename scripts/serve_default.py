@@ -41,7 +41,9 @@ def main() -> None:
 
         target, draft = model_dir(DEFAULT_TARGET), model_dir(DEFAULT_DRAFT)
     port = os.environ.get("PORT", "8000")
-    tree, verifier = os.environ.get("TREE", "2x5"), os.environ.get("VERIFIER", "univer")
+    # 2x3: on a CPU every verified token costs target compute, and the 14-node tree
+    # is the faster shape there (benchmarks/results/engine.md).
+    tree, verifier = os.environ.get("TREE", "2x3"), os.environ.get("VERIFIER", "univer")
     spec = {"method": "univer", "model": str(draft), "tree": tree, "verifier": verifier}
     name = os.environ.get("SERVED_MODEL_NAME", "qwen2.5-coder-1.5b")
     cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(target), "--served-model-name", name,
