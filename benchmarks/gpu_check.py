@@ -88,6 +88,19 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
     err = float((got.double() - ref).abs().max())
     ok &= err < 1e-4
     lines.append(f"| tree attention CUDA vs CPU float64 | {'ok' if err < 1e-4 else 'FAIL'}: max error {err:.2e} |")
+
+    # The Triton tree-part kernel against the PyTorch reference (fp32; tl.dot may use TF32 on GPU).
+    from vllm_univer.kernels.tree_attention import tree_self_attention
+    from vllm_univer.kernels.triton_tree_attention import tree_self_attention_triton
+
+    tree = TreeSpec.parse("2x5")
+    t = tree.num_nodes + 1
+    qq, tk, tv = (torch.randn(4, t, h, 128, generator=gen).to(device) for h in (hq, hkv, hkv))
+    ref_out, ref_lse = tree_self_attention(qq.double(), tk.double(), tv.double(), tree.ancestor_mask.to(device))
+    out, lse = tree_self_attention_triton(qq, tk, tv, tree.ancestor_mask)
+    err = max(float((out.double() - ref_out).abs().max()), float((lse.double() - ref_lse).abs().max()))
+    ok &= err < 1e-2
+    lines.append(f"| Triton tree part (2x5, Dh 128) vs float64 | {'ok' if err < 1e-2 else 'FAIL'}: max error {err:.2e} |")
     return ok
 
 
