@@ -65,7 +65,8 @@ def verify(
     with no host sync beyond the optional validation; loops over depth levels
     (and, for rrs/rrsw/traversal, over child slots); vocabulary-sized
     temporaries are a few [B, nodes of one level, V] tensors in float32 (float64
-    only for float64 inputs) and one [B, V] float64 cumulative sum for Y.
+    only for float64 inputs); Y is drawn by a two-stage float64 inverse CDF
+    (``ops.sample_from_weights``), which builds no [B, V] float64 tensor.
     """
     verifier = get_verifier(method)
     if validate:

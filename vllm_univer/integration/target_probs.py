@@ -30,11 +30,10 @@ def tree_target_probs(
     top_p: torch.Tensor | None = None,
     penalties: "TreePenalties | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, T, V] (T tree rows per request), temperature / top_k / top_p [B]
-    -> (probs [B, T, V] float32, greedy [B] bool)."""
+    """logits [B, T, V] (T tree rows per request), temperature / top_k / top_p [B],
+    penalties for the same rows or None -> (probs [B, T, V] float32, greedy [B] bool)."""
     batch, rows, vocab = logits.shape
-    greedy = temperature < SAMPLING_EPS
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
+    temp, greedy = split_greedy(temperature)
     # One [B, T, V] float32 buffer, transformed in place (the logits may be a view of vLLM's).
     scaled = logits.to(torch.float32, copy=True)
     if penalties is not None:
@@ -44,6 +43,13 @@ def tree_target_probs(
     p = top_p.repeat_interleave(rows) if top_p is not None else None
     scaled = apply_top_k_top_p(scaled, k, p)
     return softmax_(scaled).view(batch, rows, vocab), greedy
+
+
+def split_greedy(temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """temperature [B] -> (float32 temperature with greedy rows set to 1, greedy [B] bool),
+    greedy meaning vLLM's temperature 0 (below ``SAMPLING_EPS``)."""
+    greedy = temperature < SAMPLING_EPS
+    return torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32), greedy
 
 
 def softmax_(x: torch.Tensor) -> torch.Tensor:

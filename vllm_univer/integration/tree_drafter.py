@@ -25,7 +25,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from ..drafting import draft_children, top_tokens
 from ..tree import TreeSpec
 from .cpu_tree_attention import TreeAttentionPlan
-from .target_probs import SAMPLING_EPS
+from .target_probs import split_greedy
 from .tree_state import DraftedTrees, TreeState
 
 
@@ -104,14 +104,10 @@ class TreeDrafter:
         return drafts
 
     def _draft_temperature(self, sampling_metadata, active: np.ndarray):
-        index = torch.from_numpy(active)
         temperature = sampling_metadata.temperature
-        if temperature is None:
-            t = torch.ones(len(active))
-            return t, torch.ones(len(active), dtype=torch.bool)
-        t = temperature.cpu()[index].float()
-        greedy = t < SAMPLING_EPS
-        return torch.where(greedy, torch.ones_like(t), t), greedy
+        if temperature is None:  # vLLM leaves it out when every request is greedy
+            return split_greedy(torch.zeros(len(active)))
+        return split_greedy(temperature.cpu()[torch.from_numpy(active)])
 
     def _draft_levels(self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy,
                       generators):

@@ -14,7 +14,7 @@ from .cpu_kv_cache import cpu_kv_views
 from .cpu_tree_attention import TreeAttentionPlan, check_layer_supported
 from .timers import StepTimers
 from .tree_drafter import TreeDrafter
-from .tree_sampler import TreeVerificationSampler
+from .tree_sampler import TreeVerificationSampler, tree_rows
 from .tree_state import TreeState
 
 
@@ -43,7 +43,6 @@ class TreeRunner:
         runner.rejection_sampler = self.sampler
         self._pending_plan: TreeAttentionPlan | None = None
         self._kv_views = None
-        self._depth = self.tree.depth
 
     # ------------------------------------------------------------ KV caches
     def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -88,11 +87,9 @@ class TreeRunner:
         query_start = torch.from_numpy(runner.query_start_loc.np[:batch + 1].astype("int64"))
         computed = torch.from_numpy(runner.input_batch.num_computed_tokens_cpu[:batch].astype("int64"))
         n = num_draft[tree_reqs]
-        node = torch.arange(self.tree.num_nodes + 1)
-        row_valid = node.unsqueeze(0) <= n.unsqueeze(1)  # [R, N+1]
-        first_row = query_start[tree_reqs]
-        rows = first_row.unsqueeze(1) + torch.minimum(node.unsqueeze(0), n.unsqueeze(1))
-        positions = computed[tree_reqs].unsqueeze(1) + self._depth.unsqueeze(0)
+        row_valid = torch.arange(self.tree.num_nodes + 1).unsqueeze(0) <= n.unsqueeze(1)  # [R, N+1]
+        rows = tree_rows(query_start[tree_reqs], n, self.tree.num_nodes)
+        positions = computed[tree_reqs].unsqueeze(1) + self.tree.depth.unsqueeze(0)
         runner.positions[rows[row_valid].to(device)] = positions[row_valid].to(device, runner.positions.dtype)
         self._pending_plan = TreeAttentionPlan(
             query_rows=rows.to(device),

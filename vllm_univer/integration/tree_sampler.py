@@ -25,6 +25,17 @@ from .tree_state import TreeState
 logger = init_logger(__name__)
 
 
+def tree_rows(first_row: torch.Tensor, num_draft: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """Rows of the root and nodes 1..N of each request in a flat batch.
+
+    first_row [R] (the root's row), num_draft [R] (nodes scheduled, a
+    breadth-first prefix) -> [R, N+1]; nodes past the scheduled prefix repeat
+    the last scheduled row (the caller masks or ignores them).
+    """
+    node = torch.arange(num_nodes + 1, device=first_row.device)
+    return first_row.unsqueeze(1) + torch.minimum(node.unsqueeze(0), num_draft.unsqueeze(1))
+
+
 class TreeVerificationSampler:
     def __init__(self, runner, tree: TreeSpec, method: str, state: TreeState, kv_layers, timers):
         self.runner = runner
@@ -49,9 +60,7 @@ class TreeVerificationSampler:
         num_draft = torch.tensor(num_draft_list, dtype=torch.long)
 
         # Rows of each request's root and nodes in ``logits``; missing nodes repeat a valid row.
-        starts = (num_draft + 1).cumsum(0) - (num_draft + 1)
-        node = torch.arange(tree.num_nodes + 1)
-        rows = starts.unsqueeze(1) + torch.minimum(node.unsqueeze(0), num_draft.unsqueeze(1))
+        rows = tree_rows((num_draft + 1).cumsum(0) - (num_draft + 1), num_draft, tree.num_nodes)
         tree_logits = logits[rows.to(device)]  # [B, N+1, V] (a fresh tensor: transformed in place below)
         temperature = sampling_metadata.temperature
         if temperature is None:  # all greedy
@@ -119,11 +128,12 @@ class TreeVerificationSampler:
         request, src, dst = accepted_path_moves(context_lens, path)
         if request.numel() == 0:
             return
-        block_table = input_batch.block_table[0].get_cpu_tensor()[:batch]
+        device = end.device
+        block_table = input_batch.block_table[0].get_cpu_tensor()[:batch].to(device)
+        request, src, dst = request.to(device), src.to(device), dst.to(device)
         for keys, values in self.kv_layers():
-            bt = block_table.to(keys.device)
-            move_paged_kv(keys, bt, request.to(keys.device), src.to(keys.device), dst.to(keys.device))
-            move_paged_kv(values, bt, request.to(keys.device), src.to(keys.device), dst.to(keys.device))
+            move_paged_kv(keys, block_table, request, src, dst)
+            move_paged_kv(values, block_table, request, src, dst)
 
     def _update_draft_kv_len(self, req_ids, num_draft, accepted: torch.Tensor) -> None:
         """The draft cache now holds the context, the root and the accepted nodes
