@@ -6,8 +6,9 @@ Run on a CUDA machine from the repository root (about 5 minutes on one H200):
 
 1. Correctness on CUDA: every verifier's sampled outcomes (float32, batched)
    against its exact law (``outcome_law``) by a chi-square test; tree attention
-   on CUDA against the float64 CPU result.
-2. Timings: ``verify`` per method for B in {1, 16, 64}, trees 1x5 / 2x5 / 3x3,
+   on CUDA against the float64 CPU result; the Triton paged tree-attention kernel
+   of the engine's CUDA path (float32 and bfloat16) against float64.
+2. Timings: that kernel against the PyTorch gather path per layer; then ``verify`` per method for B in {1, 16, 64}, trees 1x5 / 2x5 / 3x3,
    V in {32000, 151936}, with CUDA events; peak extra memory over the inputs.
    vLLM is not installed on the device, so the baseline is our own ``token``
    verifier on a chain with the same number of rows.
@@ -29,6 +30,7 @@ from verifier_overhead import make_inputs  # noqa: E402
 
 from vllm_univer import METHODS, TreeSpec, outcome_law, verify  # noqa: E402
 from vllm_univer.kernels import tree_attention  # noqa: E402
+from vllm_univer.kernels.tree_attention import gather_paged  # noqa: E402
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -48,6 +50,35 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     except ImportError:  # Wilson-Hilferty normal approximation of the chi-square tail
         z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
         return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def paged_inputs(device, dtype, gen, reqs=4, context=300, spec="2x5", hq=12, hkv=2, dh=128, bs=16):
+    """A paged cache and tree queries like one verification forward of ``reqs`` requests."""
+    tree = TreeSpec.parse(spec)
+    t = tree.num_nodes + 1
+    lens = torch.randint(1, context, (reqs,), generator=gen)
+    per_req = -(-(context + t) // bs)
+    table = torch.randperm(reqs * per_req, generator=gen).view(reqs, per_req).int()
+    kv = torch.randn(reqs * per_req, hkv, bs, 2 * dh, generator=gen)
+    keys, values = kv.to(device, dtype).transpose(1, 2).split(dh, dim=-1)
+    tokens = reqs * t + 5
+    rows = torch.randperm(tokens, generator=gen)[:reqs * t].view(reqs, t)
+    query = torch.randn(tokens, hq, dh, generator=gen).to(device, dtype)
+    return tree, query, keys, values, table.to(device), lens.to(device), rows.to(device)
+
+
+def paged_kernel_error(device, dtype, gen) -> float:
+    from vllm_univer.kernels.triton_paged_tree_attention import paged_tree_attention_triton
+
+    tree, query, keys, values, table, lens, rows = paged_inputs(device, dtype, gen)
+    mask = tree.ancestor_mask.to(device)
+    output = torch.zeros_like(query)
+    paged_tree_attention_triton(query, keys, values, table, lens, rows, mask, output)
+    positions = lens.unsqueeze(1) + torch.arange(mask.shape[1], device=device)
+    ref = tree_attention(query[rows].double(), gather_paged(keys, table, positions).double(),
+                         gather_paged(values, table, positions).double(), keys.double(), values.double(),
+                         table, lens, mask)
+    return float((output[rows].double() - ref).abs().max())
 
 
 def correctness(device: torch.device, lines: list[str]) -> bool:
@@ -89,19 +120,59 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
     ok &= err < 1e-4
     lines.append(f"| tree attention CUDA vs CPU float64 | {'ok' if err < 1e-4 else 'FAIL'}: max error {err:.2e} |")
 
-    # The Triton tree-part kernel against the PyTorch reference (fp32; tl.dot may use TF32 on GPU).
-    from vllm_univer.kernels.tree_attention import tree_self_attention
-    from vllm_univer.kernels.triton_tree_attention import tree_self_attention_triton
-
-    tree = TreeSpec.parse("2x5")
-    t = tree.num_nodes + 1
-    qq, tk, tv = (torch.randn(4, t, h, 128, generator=gen).to(device) for h in (hq, hkv, hkv))
-    ref_out, ref_lse = tree_self_attention(qq.double(), tk.double(), tv.double(), tree.ancestor_mask.to(device))
-    out, lse = tree_self_attention_triton(qq, tk, tv, tree.ancestor_mask)
-    err = max(float((out.double() - ref_out).abs().max()), float((lse.double() - ref_lse).abs().max()))
-    ok &= err < 1e-2
-    lines.append(f"| Triton tree part (2x5, Dh 128) vs float64 | {'ok' if err < 1e-2 else 'FAIL'}: max error {err:.2e} |")
+    # The Triton paged tree-attention kernel (the CUDA engine path) against float64,
+    # in float32 and bfloat16, rows interleaved with ordinary rows of the forward.
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        err = paged_kernel_error(device, dtype, gen)
+        ok &= err < tol
+        lines.append(f"| Triton paged tree attention (2x5, Dh 128, {str(dtype)[6:]}) vs float64 | "
+                     f"{'ok' if err < tol else 'FAIL'}: max error {err:.2e} |")
     return ok
+
+
+def attention_timings(device: torch.device, lines: list[str]) -> None:
+    """Paged tree attention per verification forward: the Triton kernel vs the PyTorch path."""
+    from vllm_univer.kernels.triton_paged_tree_attention import paged_tree_attention_triton
+
+    lines += ["", "## Tree attention per layer on CUDA (ms, median of 10, bf16, Hq 12, Hkv 2, Dh 128)", "",
+              "| requests | context | tree | Triton paged kernel | PyTorch gather + masked | ratio |",
+              "|---|---|---|---|---|---|"]
+    gen = torch.Generator().manual_seed(1)
+    for reqs, context in ((1, 512), (16, 512), (64, 2048)):
+        for spec in ("2x5", "3x3"):
+            tree, query, keys, values, table, lens, rows = paged_inputs(device, torch.bfloat16, gen, reqs,
+                                                                         context, spec)
+            mask = tree.ancestor_mask.to(device)
+            output = torch.zeros_like(query)
+            positions = lens.unsqueeze(1) + torch.arange(mask.shape[1], device=device)
+
+            def triton_path():
+                paged_tree_attention_triton(query, keys, values, table, lens, rows, mask, output)
+
+            def torch_path():
+                tk = gather_paged(keys, table, positions)
+                tv = gather_paged(values, table, positions)
+                output[rows] = tree_attention(query[rows], tk, tv, keys, values, table, lens, mask,
+                                              max_context_len=context)
+
+            t_triton, t_torch = cuda_median_ms(triton_path), cuda_median_ms(torch_path)
+            lines.append(f"| {reqs} | {context} | {spec} | {t_triton:.3f} | {t_torch:.3f} | "
+                         f"{t_torch / t_triton:.1f}x |")
+            print(lines[-1], flush=True)
+
+
+def cuda_median_ms(fn) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def timings(device: torch.device, lines: list[str]) -> None:
@@ -110,18 +181,7 @@ def timings(device: torch.device, lines: list[str]) -> None:
               "| V | B | tree | token chain (same rows) | " + " | ".join(methods) +
               " | univer / chain per row | univer peak extra / inputs |", "|---" * (6 + len(methods)) + "|"]
 
-    def run(fn):
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+    run = cuda_median_ms
 
     for vocab in (32000, 151936):
         for batch in (1, 16, 64):
@@ -162,6 +222,7 @@ def main() -> None:
              "Command: `python benchmarks/gpu_check.py`", ""]
     ok = correctness(device, lines)
     print("\n".join(lines), flush=True)
+    attention_timings(device, lines)
     timings(device, lines)
     out = Path(args.out) / "gpu_check.md"
     out.parent.mkdir(parents=True, exist_ok=True)

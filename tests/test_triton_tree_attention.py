@@ -1,5 +1,6 @@
-"""The Triton tree-part kernel equals the PyTorch reference (run by Triton's
-interpreter on CPU, in a subprocess so that TRITON_INTERPRET is set before import)."""
+"""The Triton paged tree-attention kernel (the CUDA path) equals the PyTorch
+reference, run by Triton's interpreter on CPU (in a subprocess, so that
+TRITON_INTERPRET is set before Triton is imported)."""
 
 from __future__ import annotations
 
@@ -15,30 +16,80 @@ pytest.importorskip("triton")
 CHECK = textwrap.dedent("""
     import torch
     from vllm_univer import TreeSpec
-    from vllm_univer.kernels.tree_attention import tree_self_attention
-    from vllm_univer.kernels.triton_tree_attention import tree_self_attention_triton
+    from vllm_univer.kernels.tree_attention import gather_paged, tree_attention
+    from vllm_univer.kernels.triton_paged_tree_attention import paged_tree_attention_triton
 
     gen = torch.Generator().manual_seed(0)
-    cases = [("2x3", 4, 2, 32), ([[0], [1], [2], [0, 0], [0, 1], [2, 0]], 2, 2, 40), ("1x4", 4, 1, 64),
-             ("3x2", 2, 1, 128)]
-    for spec, q_heads, kv_heads, head_size in cases:
+    BLOCK, BLOCKS = 16, 64
+
+    def paged_cache(kv_heads, head_size, dtype, transposed_keys):
+        # vLLM's logical layout [blocks, Hkv, block, 2*Dh]; views [blocks, block, Hkv, Dh].
+        kv = torch.randn(BLOCKS, kv_heads, BLOCK, 2 * head_size, generator=gen).to(dtype)
+        keys, values = kv.transpose(1, 2).split(head_size, dim=-1)
+        if transposed_keys:  # keys stored [Dh, block] inside (block, head), as vLLM's CPU 'vec' ISA does
+            store = torch.randn(BLOCKS, kv_heads, head_size, BLOCK, generator=gen).to(dtype)
+            keys = store.permute(0, 3, 1, 2)
+        return keys, values
+
+    def check(spec, q_heads, kv_heads, head_size, context, level=None, dtype=torch.float32, transposed=False,
+              cut=None, atol=2e-5):
         tree = TreeSpec.parse(spec)
-        t = tree.num_nodes + 1
-        q = torch.randn(3, t, q_heads, head_size, generator=gen)
-        k = torch.randn(3, t, kv_heads, head_size, generator=gen)
-        v = torch.randn(3, t, kv_heads, head_size, generator=gen)
-        ref_out, ref_lse = tree_self_attention(q, k, v, tree.ancestor_mask, scale=0.2)
-        out, lse = tree_self_attention_triton(q, k, v, tree.ancestor_mask, scale=0.2)
-        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
-        # A wrong mask (siblings visible) must not pass.
-        wrong, _ = tree_self_attention_triton(q, k, v, torch.ones_like(tree.ancestor_mask).tril(), scale=0.2)
-        assert (wrong - ref_out).abs().max() > 1e-3 or tree.is_chain
+        mask = tree.ancestor_mask
+        if level is not None:  # drafting one level: its nodes query the tree keys up to the level's end
+            first, last = level
+            mask = mask[first:last + 1, :last + 1]
+        num_q, num_k = mask.shape
+        reqs = len(context)
+        keys, values = paged_cache(kv_heads, head_size, dtype, transposed)
+        perm = torch.randperm(BLOCKS, generator=gen)
+        need = [-(-(c + num_k) // BLOCK) for c in context]
+        table = torch.zeros(reqs, max(need) + 2, dtype=torch.int32)
+        used = 0
+        for r, n in enumerate(need):
+            table[r, :n] = perm[used:used + n]
+            used += n
+        context_lens = torch.tensor(context)
+        # Tree rows interleaved with ordinary rows of the same forward.
+        tokens = reqs * num_q + 7
+        rows = torch.randperm(tokens, generator=gen)[:reqs * num_q].view(reqs, num_q)
+        query = torch.randn(tokens, q_heads, head_size, generator=gen).to(dtype)
+        valid = None
+        if cut is not None:
+            valid = torch.arange(num_q).unsqueeze(0) < torch.tensor(cut).unsqueeze(1)
+        output = torch.full_like(query, 7.0)
+        paged_tree_attention_triton(query, keys, values, table, context_lens, rows, mask, output, scale=0.3,
+                                    row_valid=valid)
+        positions = context_lens.unsqueeze(1) + torch.arange(num_k)
+        tree_k = gather_paged(keys, table, positions)
+        tree_v = gather_paged(values, table, positions)
+        ref = tree_attention(query[rows].double(), tree_k.double(), tree_v.double(), keys.double(),
+                             values.double(), table, context_lens, mask, scale=0.3)
+        written = torch.zeros(tokens, dtype=torch.bool)
+        done = rows if valid is None else rows[valid]
+        written[done.flatten()] = True
+        got = output[rows].double()
+        sel = torch.ones_like(rows, dtype=torch.bool) if valid is None else valid
+        torch.testing.assert_close(got[sel], ref[sel], atol=atol, rtol=atol)
+        assert (output[~written] == 7.0).all(), "rows outside the plan were written"
+        # A causal mask over the tree (siblings visible) gives a different answer.
+        if not tree.is_chain and level is None:
+            causal = torch.ones_like(mask).tril()
+            wrong = torch.full_like(query, 7.0)
+            paged_tree_attention_triton(query, keys, values, table, context_lens, rows, causal, wrong, scale=0.3)
+            assert (wrong[rows].double() - ref).abs().max() > 1e-3
+
+    check("2x3", 4, 2, 32, [1, 17, 40])
+    check([[0], [1], [2], [0, 0], [0, 1], [2, 0]], 2, 2, 40, [31, 5])
+    check("1x4", 6, 1, 64, [50])
+    check("3x2", 2, 1, 128, [16, 33], transposed=True)
+    check("2x5", 4, 2, 32, [3, 70, 20], level=(3, 6))  # drafting: depth-2 nodes over keys 0..6
+    check("2x3", 4, 2, 32, [9, 48], cut=[5, 3])  # trees the scheduler cut short
+    check("2x3", 4, 2, 64, [12, 37], dtype=torch.float16, atol=2e-3)
     print("OK")
 """)
 
 
-def test_triton_tree_part_equals_reference_in_interpreter():
+def test_triton_paged_tree_attention_equals_reference_in_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

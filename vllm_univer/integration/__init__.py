@@ -3,6 +3,8 @@
 - ``plugin``: the ``vllm.general_plugins`` entry point; applies ``patches`` once.
 - ``config`` (pure pydantic) and ``speculative_config``: ``method: "univer"``.
 - ``tree_runner``, ``tree_drafter``, ``tree_sampler``, ``tree_state``: the step.
-- ``cpu_tree_attention``, ``cpu_kv_cache``: tree rows in vLLM's CPU attention.
+- ``tree_attention_plan``: what a tree forward tells the attention backends;
+  ``cpu_tree_attention``, ``cuda_tree_attention``, ``kv_cache_views``: tree rows in
+  vLLM's CPU, FlashAttention and Triton backends, over views of their caches.
 - ``target_probs``, ``request_options``: exactly vLLM's sampling law; refusals.
 """

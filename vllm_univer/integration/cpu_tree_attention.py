@@ -1,68 +1,17 @@
-"""Tree attention inside vLLM's CPU attention backend.
+"""Tree rows inside vLLM's CPU attention backend.
 
-vLLM's CPU kernel (``cpu_attention_with_kv_cache``) knows causal masks only. A
-forward that carries tree tokens attaches a ``TreeAttentionPlan`` to its
-attention metadata (``metadata.tree_plan``); the patched backend lets vLLM write
-the new keys/values into the paged cache as usual, runs vLLM's kernel for the
-ordinary rows of the batch, then recomputes the tree rows with
-``kernels.tree_attention`` over zero-copy views of the same cache.
+vLLM's CPU kernel (``cpu_attention_with_kv_cache``) knows causal masks only; the
+tree rows of a ``TreeAttentionPlan`` are computed with ``kernels.tree_attention``
+(PyTorch) over zero-copy views of the same cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..kernels.tree_attention import gather_paged, tree_attention
-from .cpu_kv_cache import cpu_kv_views
-
-
-@dataclass
-class TreeAttentionPlan:
-    """Which rows of a forward are tree tokens, and what each may see.
-
-    query_rows: LongTensor [R, Tq], rows of the forward's flat token batch, per
-        tree request (padding rows repeat a valid row and are not written back).
-    row_valid: BoolTensor [R, Tq] or None (all valid).
-    request_index: LongTensor [R], each tree request's row in the metadata's block table.
-    context_lens: LongTensor [R], L: cached tokens every tree token sees in full.
-    mask: BoolTensor [Tq, Tk], query j may see tree key k (ancestors and itself).
-    keys_from_rows: True when the tree keys are the query rows' own new keys
-        (verification: Tk = Tq); False when they are read from the cache at
-        positions L .. L+Tk-1 (drafting one level: earlier levels are cached).
-    covers_all_rows: every row of the forward is a tree row (skip vLLM's kernel).
-    max_context_len: Python int bound on context_lens (avoids a host sync).
-    """
-
-    query_rows: torch.Tensor
-    row_valid: torch.Tensor | None
-    request_index: torch.Tensor
-    context_lens: torch.Tensor
-    mask: torch.Tensor
-    keys_from_rows: bool
-    covers_all_rows: bool
-    max_context_len: int
-
-
-def check_layer_supported(impl) -> None:
-    """Refuse attention features the tree kernels do not implement, at start-up."""
-    unsupported = []
-    if getattr(impl, "sliding_window", -1) not in (-1, None):
-        unsupported.append("sliding windows")
-    if getattr(impl, "logits_soft_cap", 0):
-        unsupported.append("logit soft-capping")
-    if getattr(impl, "alibi_slopes", None) is not None:
-        unsupported.append("ALiBi")
-    if getattr(impl, "sinks", None) is not None:
-        unsupported.append("attention sinks")
-    if getattr(impl, "is_fp8_kv_cache", False):
-        unsupported.append("fp8 KV cache")
-    if unsupported:
-        raise NotImplementedError(
-            f"tree speculation (method 'univer') does not support {', '.join(unsupported)} "
-            "in the CPU attention backend yet"
-        )
+from .kv_cache_views import cpu_kv_views
+from .tree_attention_plan import TreeAttentionPlan
 
 
 def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, output,

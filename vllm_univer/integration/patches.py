@@ -28,7 +28,7 @@ def patch_engine_args_create_speculative_config() -> None:
     """``EngineArgs.create_speculative_config``: accept ``method: "univer"``."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from .speculative_config import create_univer_speculative_config
+    from .speculative_config import check_engine_options, create_univer_speculative_config
 
     def make(original):
         def create_speculative_config(self, target_model_config, target_parallel_config):
@@ -39,6 +39,7 @@ def patch_engine_args_create_speculative_config() -> None:
                 raise ValueError('method "univer" needs synchronous scheduling; drop --async-scheduling')
             # Trees are drafted after each step's bookkeeping, from committed tokens.
             self.async_scheduling = False
+            check_engine_options(self)
             spec = {k.replace("-", "_"): v for k, v in spec.items()}
             return create_univer_speculative_config(
                 spec, target_model_config=target_model_config, target_parallel_config=target_parallel_config)
@@ -49,7 +50,7 @@ def patch_engine_args_create_speculative_config() -> None:
 
 def patch_model_runner() -> None:
     """``GPUModelRunner`` (also the base of ``CPUModelRunner``): attach a ``TreeRunner``
-    after construction, rewrite tree positions after ``_prepare_inputs``, hand the
+    after construction, check the attention layers once the KV cache exists, rewrite tree positions after ``_prepare_inputs``, hand the
     tree attention plan to ``_build_attention_metadata``'s result, and draft trees in
     ``propose_draft_token_ids``. Its ``rejection_sampler`` becomes the tree verifier."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -62,6 +63,13 @@ def patch_model_runner() -> None:
             original(self, vllm_config, device, *args, **kwargs)
             self.univer = TreeRunner(self) if is_univer(self.speculative_config) else None
         return __init__
+
+    def make_initialize_kv_cache(original):
+        def initialize_kv_cache(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if getattr(self, "univer", None) is not None:
+                self.univer.check_layers()  # refuse unsupported layers at start-up, not on the first step
+        return initialize_kv_cache
 
     def make_prepare_inputs(original):
         def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -88,30 +96,68 @@ def patch_model_runner() -> None:
         return propose_draft_token_ids
 
     _wraps_once(GPUModelRunner, "__init__", make_init)
+    _wraps_once(GPUModelRunner, "initialize_kv_cache", make_initialize_kv_cache)
     _wraps_once(GPUModelRunner, "_prepare_inputs", make_prepare_inputs)
     _wraps_once(GPUModelRunner, "_build_attention_metadata", make_build_attention_metadata)
     _wraps_once(GPUModelRunner, "propose_draft_token_ids", make_propose)
 
 
-def patch_cpu_attention_forward() -> None:
-    """``CPUAttentionBackendImpl.forward``: exact tree attention for rows named by
-    the metadata's ``tree_plan`` (vLLM's CPU kernel is causal-only)."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+def patch_attention_forwards() -> None:
+    """``CPUAttentionBackendImpl.forward``, ``FlashAttentionImpl.forward``,
+    ``TritonAttentionImpl.forward``: exact tree attention for rows named by the
+    metadata's ``tree_plan`` (vLLM's kernels are causal-only). vLLM's kernel still
+    runs for the other rows unless the plan covers every row."""
+    import importlib
 
-    from .cpu_tree_attention import forward_tree_rows
+    from . import cpu_tree_attention, cuda_tree_attention
+    from .tree_attention_plan import BACKENDS
+
+    tree_rows_by_backend = {
+        "cpu": cpu_tree_attention.forward_tree_rows,
+        "flash_attn": cuda_tree_attention.forward_tree_rows,
+        "triton_attn": cuda_tree_attention.forward_tree_rows,
+    }
+
+    def make_for(forward_tree_rows):
+        def make(original):
+            def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+                plan = getattr(attn_metadata, "tree_plan", None)
+                if plan is None:
+                    return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                                    **kwargs)
+                if not plan.covers_all_rows:
+                    original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+                forward_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output, plan)
+                return output
+            return forward
+        return make
+
+    for kind, (module_name, class_name) in BACKENDS.items():
+        try:
+            impl_class = getattr(importlib.import_module(module_name), class_name)
+        except ImportError:  # a backend this vLLM build does not ship
+            continue
+        _wraps_once(impl_class, "forward", make_for(tree_rows_by_backend[kind]))
+
+
+def patch_vllm_config_v2_model_runner() -> None:
+    """``VllmConfig._get_v2_model_runner_unsupported_features``: tree speculation
+    lives in the V1 model runner (``GPUModelRunner``), which vLLM 0.32 no longer
+    picks by default on CUDA; listing "univer" as unsupported by V2 makes vLLM fall
+    back to V1 with its own log line."""
+    from vllm.config import VllmConfig
+
+    from .speculative_config import is_univer
 
     def make(original):
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-            plan = getattr(attn_metadata, "tree_plan", None)
-            if plan is None:
-                return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-            if not plan.covers_all_rows:
-                original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-            forward_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output, plan)
-            return output
-        return forward
+        def _get_v2_model_runner_unsupported_features(self):
+            unsupported = original(self)
+            if is_univer(self.speculative_config):
+                unsupported.append(f"speculative method '{METHOD_NAME}'")
+            return unsupported
+        return _get_v2_model_runner_unsupported_features
 
-    _wraps_once(CPUAttentionBackendImpl, "forward", make)
+    _wraps_once(VllmConfig, "_get_v2_model_runner_unsupported_features", make)
 
 
 def patch_input_processor_validate_params() -> None:
@@ -168,7 +214,8 @@ def patch_cpu_expand_kernel() -> None:
 ALL_PATCHES = (
     patch_engine_args_create_speculative_config,
     patch_model_runner,
-    patch_cpu_attention_forward,
+    patch_attention_forwards,
+    patch_vllm_config_v2_model_runner,
     patch_input_processor_validate_params,
     patch_cpu_expand_kernel,
 )

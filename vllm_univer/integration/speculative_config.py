@@ -34,6 +34,33 @@ def is_univer(speculative_config: Any) -> bool:
     return isinstance(speculative_config, UniverSpeculativeConfig)
 
 
+def check_engine_options(engine_args) -> None:
+    """Engine-wide options tree speculation needs, set on vLLM's ``EngineArgs``
+    before it builds the ``VllmConfig``.
+
+    * The V1 model runner: trees live in ``GPUModelRunner`` (vLLM falls back to
+      it by itself, see ``patches.patch_vllm_config_v2_model_runner``); an explicit
+      ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused.
+    * No full CUDA graphs: a captured attention call would replay without the
+      step's tree plan. Unset ``cudagraph_mode`` becomes PIECEWISE (attention runs
+      eagerly between graph pieces); an explicit FULL mode is refused.
+    """
+    from vllm import envs
+    from vllm.config import CUDAGraphMode
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ValueError(f'method "{METHOD_NAME}" runs in the V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER')
+    compilation = engine_args.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is None:
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    elif mode.has_full_cudagraphs():
+        raise ValueError(
+            f'method "{METHOD_NAME}" computes tree attention outside CUDA graphs; cudagraph_mode {mode.name} '
+            "captures attention. Use -cc.cudagraph_mode=PIECEWISE (or NONE)."
+        )
+
+
 def create_univer_speculative_config(spec: dict[str, Any], **engine_fields) -> UniverSpeculativeConfig:
     """Build the engine config from the user's dict (``method`` already "univer").
 
@@ -43,4 +70,5 @@ def create_univer_speculative_config(spec: dict[str, Any], **engine_fields) -> U
     return UniverSpeculativeConfig(**theirs, **engine_fields, tree=ours.tree, verifier=ours.verifier)
 
 
-__all__ = ["METHOD_NAME", "UniverSpeculativeConfig", "create_univer_speculative_config", "is_univer"]
+__all__ = ["METHOD_NAME", "UniverSpeculativeConfig", "check_engine_options", "create_univer_speculative_config",
+           "is_univer"]

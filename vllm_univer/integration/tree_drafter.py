@@ -24,7 +24,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from ..drafting import draft_children, top_tokens
 from ..tree import TreeSpec
-from .cpu_tree_attention import TreeAttentionPlan
+from .tree_attention_plan import TreeAttentionPlan
 from .target_probs import split_greedy
 from .tree_state import DraftedTrees, TreeState
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_kv_cache import cpu_kv_views
-from .cpu_tree_attention import TreeAttentionPlan, check_layer_supported
+from .kv_cache_views import layer_kv_views
+from .tree_attention_plan import TreeAttentionPlan, check_layer_supported
 from .timers import StepTimers
 from .tree_drafter import TreeDrafter
 from .tree_sampler import TreeVerificationSampler, tree_rows
@@ -21,11 +21,6 @@ from .tree_state import TreeState
 class TreeRunner:
     def __init__(self, runner):
         config = runner.speculative_config.univer
-        if runner.device.type != "cpu":
-            raise NotImplementedError(
-                "tree speculation (method 'univer') runs inside vLLM's CPU build for now; the CUDA "
-                "attention path for tree tokens is not wired into the engine yet"
-            )
         if runner.uses_mrope:
             raise NotImplementedError("tree speculation does not support M-RoPE models")
         if runner.model_config.logprobs_mode != "raw_logprobs":
@@ -45,24 +40,35 @@ class TreeRunner:
         self._kv_views = None
 
     # ------------------------------------------------------------ KV caches
+    def attention_layers(self):
+        """Every attention layer of the target and the draft, each cache once."""
+        from vllm.model_executor.layers.attention import Attention
+
+        runner = self.runner
+        if len(runner.kv_cache_config.kv_cache_groups) != 1:
+            raise NotImplementedError("tree speculation needs a single KV cache group (no hybrid models)")
+        seen = set()
+        for layer in runner.compilation_config.static_forward_context.values():
+            if not isinstance(layer, Attention):
+                continue
+            cache = layer.kv_cache
+            if not isinstance(cache, torch.Tensor) or cache.numel() == 0 or cache.data_ptr() in seen:
+                continue
+            seen.add(cache.data_ptr())
+            yield layer
+
+    def check_layers(self) -> None:
+        """Refuse attention backends and layer features tree attention does not support."""
+        for layer in self.attention_layers():
+            check_layer_supported(layer.impl)
+
     def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) views of every attention layer's cache, target and draft."""
         if self._kv_views is None:
-            from vllm.model_executor.layers.attention import Attention
-
-            runner = self.runner
-            if len(runner.kv_cache_config.kv_cache_groups) != 1:
-                raise NotImplementedError("tree speculation needs a single KV cache group (no hybrid models)")
-            views, seen = [], set()
-            for layer in runner.compilation_config.static_forward_context.values():
-                if not isinstance(layer, Attention):
-                    continue
+            views = []
+            for layer in self.attention_layers():
                 check_layer_supported(layer.impl)
-                cache = layer.kv_cache
-                if not isinstance(cache, torch.Tensor) or cache.numel() == 0 or cache.data_ptr() in seen:
-                    continue
-                seen.add(cache.data_ptr())
-                views.append(cpu_kv_views(cache, layer.isa))
+                views.append(layer_kv_views(layer.impl, layer.kv_cache, getattr(layer, "isa", None)))
             self._kv_views = views
         return self._kv_views
 

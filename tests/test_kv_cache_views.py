@@ -10,7 +10,7 @@ vllm_ops = pytest.importorskip("vllm._custom_ops")
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from vllm_univer import TreeSpec  # noqa: E402
-from vllm_univer.integration.cpu_kv_cache import cpu_kv_views  # noqa: E402
+from vllm_univer.integration.kv_cache_views import cpu_kv_views  # noqa: E402
 from vllm_univer.kernels import move_paged_kv, tree_attention  # noqa: E402
 
 BLOCK, HEADS, DH = 32, 2, 64

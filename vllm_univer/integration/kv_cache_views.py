@@ -1,6 +1,11 @@
-"""Views of vLLM's CPU paged KV cache in the layout the tree kernels read.
+"""Views of vLLM's paged KV cache in the layout the tree kernels read:
+keys and values each ``[num_blocks, block_size, num_kv_heads, head_size]``,
+strided views of the layer's one cache tensor (writes go through).
 
-vLLM 0.32's CPU attention keeps one tensor per layer,
+vLLM 0.32 keeps one tensor per layer, logically
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]``. The CUDA backends
+(FlashAttention, Triton) read it as ``kv_cache.transpose(1, 2).split(head_size, -1)``
+(``standard_kv_views``). The CPU attention keeps the same tensor,
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, viewed as
 ``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` and split into a key
 half and a value half. With the ``vec`` ISA (x86 without AMX, block size a
@@ -36,3 +41,20 @@ def cpu_kv_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.
     values = kv_cache.as_strided((num_blocks, block_size, heads, head_size), (s_block, head_size, s_head, 1),
                                  storage_offset=kv_cache.storage_offset() + block_size * head_size)
     return keys, values
+
+
+def standard_kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA backends' split: [num_blocks, H, block_size, 2*Dh] -> (keys, values),
+    each [num_blocks, block_size, H, Dh] (whatever the physical stride order)."""
+    keys, values = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return keys, values
+
+
+def layer_kv_views(impl, kv_cache: torch.Tensor, isa: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) of one attention layer's cache, for the backend that owns it.
+    ``isa``: the CPU backend's attention ISA (``layer.isa``), None elsewhere."""
+    from .tree_attention_plan import backend_kind
+
+    if backend_kind(impl) == "cpu":
+        return cpu_kv_views(kv_cache, isa)
+    return standard_kv_views(kv_cache, impl.head_size)

@@ -1,0 +1,136 @@
+"""Triton kernel: tree attention straight over a paged KV cache (the CUDA path).
+
+Same law as ``tree_attention.tree_attention``, in one pass and without gathering
+the context: a request with L cached context tokens has its tree keys cached at
+positions L .. L+Tk-1 (tree key j at L + j); tree query t sees every context
+position < L and the tree keys j with ``ancestor_mask[t, j]``. Softmax is online
+(flash-attention style, float32 statistics), keys are read through the block
+table, and the result is written into the engine's output tensor at the query's
+own row, so ordinary rows of the same forward are left to the engine's kernel.
+
+One program per (request, KV head, tile of BLOCK_M query rows), where a query
+row is one (tree token, query head of the KV head's group) pair: grouped-query
+attention reads every key once per group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_tree_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, context_lens_ptr, query_rows_ptr, row_valid_ptr, mask_ptr,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh,
+    stride_bt, stride_qr, stride_rv,
+    num_queries, num_tree_keys, head_size, groups, block_size, scale,
+    HAS_ROW_VALID: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = m // groups  # tree query of each row
+    head = kv_head * groups + m % groups
+    row_ok = t < num_queries
+    if HAS_ROW_VALID:
+        row_ok = row_ok & (tl.load(row_valid_ptr + req * stride_rv + t, mask=row_ok, other=0) != 0)
+    token = tl.load(query_rows_ptr + req * stride_qr + t, mask=row_ok, other=0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_size
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    context_len = tl.load(context_lens_ptr + req)
+    total = context_len + num_tree_keys
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, total, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        in_range = pos < total
+        block = tl.load(block_table_ptr + req * stride_bt + pos // block_size, mask=in_range, other=0).to(tl.int64)
+        offset = pos % block_size
+        kv_ok = in_range[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
+                    + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
+                    + d[None, :] * stride_vd, mask=kv_ok, other=0.0)
+        if IEEE_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N], float32 accumulation
+        tree_key = pos - context_len
+        in_tree = in_range & (tree_key >= 0)
+        ancestor = tl.load(mask_ptr + t[:, None] * num_tree_keys + tree_key[None, :],
+                           mask=row_ok[:, None] & in_tree[None, :], other=0) != 0
+        visible = ((pos < context_len)[None, :] & row_ok[:, None]) | ancestor
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def paged_tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                block_table: torch.Tensor, context_lens: torch.Tensor, query_rows: torch.Tensor,
+                                ancestor_mask: torch.Tensor, output: torch.Tensor, scale: float | None = None,
+                                row_valid: torch.Tensor | None = None) -> None:
+    """Write exact tree attention into ``output`` at the tree queries' rows.
+
+    query [tokens, Hq, Dh] and output [tokens, Hq, Dh]: a forward's flat batch
+        (last dimension contiguous); only rows named by ``query_rows`` are written.
+    key_cache / value_cache [num_blocks, block_size, Hkv, Dh]: any strided view
+        (vLLM's ``kv_cache.transpose(1, 2).split(head_size, -1)``).
+    block_table [R, max_blocks] (int): the tree requests' rows of the block table.
+    context_lens [R] (int): L per request; tree key j is cached at position L + j.
+    query_rows [R, Tq] (long): flat row of tree query t of request r.
+    ancestor_mask [Tq, Tk] bool: query t sees tree key j.
+    row_valid [R, Tq] bool or None: rows to compute (others are left untouched).
+    """
+    tokens, heads, head_size = query.shape
+    kv_heads = key_cache.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
+    num_reqs, num_queries = query_rows.shape
+    if ancestor_mask.shape[0] != num_queries:
+        raise ValueError(f"ancestor_mask has {ancestor_mask.shape[0]} rows for {num_queries} tree queries")
+    if query.stride(-1) != 1 or output.stride(-1) != 1:
+        raise ValueError("query and output need a contiguous last dimension")
+    if num_reqs == 0:
+        return
+    num_tree_keys = ancestor_mask.shape[1]
+    groups = heads // kv_heads
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_size)
+    mask = ancestor_mask.to(device=query.device, dtype=torch.int8).contiguous()
+    rows = query_rows.to(torch.int64)
+    valid = row_valid.to(torch.int8) if row_valid is not None else rows  # dummy pointer when absent
+    block_m = 32 if num_queries * groups > 16 else 16
+    block_d = max(16, triton.next_power_of_2(head_size))
+    grid = (num_reqs, kv_heads, triton.cdiv(num_queries * groups, block_m))
+    _paged_tree_attention_kernel[grid](
+        query, key_cache, value_cache, output, block_table, context_lens, rows, valid, mask,
+        query.stride(0), query.stride(1),
+        *key_cache.stride(), *value_cache.stride(),
+        output.stride(0), output.stride(1),
+        block_table.stride(0), rows.stride(0), valid.stride(0),
+        num_queries, num_tree_keys, head_size, groups, key_cache.shape[1], scale,
+        HAS_ROW_VALID=row_valid is not None, IEEE_DOT=query.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=block_d,
+    )
