@@ -104,7 +104,8 @@ class TreeRunner:
             context_lens=computed[tree_reqs].to(device),
             mask=self.tree.ancestor_mask.to(device),
             keys_from_rows=True,
-            covers_all_rows=False,
+            # A batch of tree decodes only: vLLM's causal kernel would compute rows we overwrite.
+            covers_all_rows=int(query_start[batch]) == int((n + 1).sum()),
             max_context_len=int(computed[tree_reqs].max()),
         )
 
