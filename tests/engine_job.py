@@ -55,8 +55,17 @@ def _spec_counters(llm) -> dict:
     return counters
 
 
+def _sampling_params(kwargs: dict):
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if "structured_outputs" in kwargs:
+        kwargs = {**kwargs, "structured_outputs": StructuredOutputsParams(**kwargs["structured_outputs"])}
+    return SamplingParams(**kwargs)
+
+
 def _run_engine(engine: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     try:
         llm = LLM(**{**BASE_KWARGS, **engine["kwargs"]})
@@ -65,7 +74,7 @@ def _run_engine(engine: dict) -> dict:
     calls = []
     for call in engine["calls"]:
         try:
-            params = [SamplingParams(**p) for p in call["params"]]
+            params = [_sampling_params(p) for p in call["params"]]
             out = llm.generate([_prompt(p) for p in call["prompts"]], params, use_tqdm=False)
             entry = {"outputs": [list(o.outputs[0].token_ids) for o in out]}
             if any(o.outputs[0].logprobs for o in out):

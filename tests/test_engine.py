@@ -141,6 +141,37 @@ def test_mixed_batch_greedy_requests_equal_no_speculation(models):
     assert mixed_out[3] == alone_out[1] and mixed_out[7] == alone_out[3]
 
 
+def test_path_dependent_options_equal_no_speculation(models):
+    """allowed_token_ids, bad_words and min_tokens, applied per tree path: greedy
+    requests equal their non-speculative output (and differ from the output
+    without the option, so the option bites); a sampled request stays inside its
+    allowed tokens."""
+    target, draft = models
+    texts = prompts(4, seed=6)
+    base = {"temperature": 0.0, "max_tokens": 60, "ignore_eos": True}
+    allowed = list(range(3, 200))
+    bad = ["the", "tree draft", "red", " a"]
+    early_stop = {"min_tokens": 25, "stop_token_ids": list(range(3, 120))}
+    params = [
+        {**base, "allowed_token_ids": allowed},
+        {**base, "bad_words": bad},
+        {**base, **early_stop},
+        {**base, "allowed_token_ids": allowed, "bad_words": bad, **early_stop, "repetition_penalty": 1.2},
+    ]
+    options = {"prompts": texts, "params": params}
+    sampled = call(texts, temperature=1.0, max_tokens=60, ignore_eos=True, allowed_token_ids=allowed[::3])
+    results = run_engines([
+        engine(target, [options, call(texts, **base)]),
+        engine(target, [options, sampled], univer(draft, "2x3")),
+    ])
+    assert "error" not in results[1], results[1].get("error")
+    reference, plain = results[0]["calls"][0]["outputs"], results[0]["calls"][1]["outputs"]
+    assert results[1]["calls"][0]["outputs"] == reference
+    assert all(ref != p for ref, p in zip(reference, plain))
+    assert 25 <= len(reference[2]) < 60  # min_tokens held the stop tokens back, then one stopped it
+    assert all(set(out) <= set(allowed[::3]) and len(out) == 60 for out in results[1]["calls"][1]["outputs"])
+
+
 def test_stop_and_max_tokens_cut_an_accepted_path(models):
     """max_tokens and stop tokens in the middle of an accepted path end the request there."""
     target, _ = models

@@ -82,13 +82,38 @@ def transformed_probs(logits, temperature: float, top_k: int = -1, top_p: float 
     return probs
 
 
+def masked(logits, generated, params: dict):
+    """allowed_token_ids, bad words (as token ids) and min_tokens as vLLM defines
+    them, written out independently: only generated tokens count for bad words;
+    stop tokens are banned while fewer than min_tokens tokens were generated."""
+    import torch
+
+    logits = logits.clone()
+    if "allowed_token_ids" in params:
+        banned = torch.ones(logits.shape[-1], dtype=torch.bool)
+        banned[params["allowed_token_ids"]] = False
+        logits[:, banned] = float("-inf")
+    n = generated.shape[1]
+    for word in params.get("bad_words_ids", []):
+        prefix = word[:-1]
+        if len(prefix) > n:
+            continue
+        hit = (generated[:, n - len(prefix):] == torch.tensor(prefix)).all(-1)  # all() of nothing: True
+        logits[hit, word[-1]] = float("-inf")
+    if n < params.get("min_tokens", 0):
+        logits[:, params["stop_token_ids"]] = float("-inf")
+    return logits
+
+
 def exact_law_of_tokens(model_path: str, prompt: list[int], params: dict, length: int = 4) -> np.ndarray:
-    """P(t1 .. t_length | prompt) as an array [VOCAB] * length (float64)."""
+    """P(t1 .. t_length | prompt) as an array [VOCAB] * length (float64); a text
+    that ended on a stop token continues with that token (``counts_of`` pads so)."""
     import torch
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(model_path).double().eval()
     kw = {"temperature": params["temperature"], "top_k": params.get("top_k", -1), "top_p": params.get("top_p", 1.0)}
+    stops = params.get("stop_token_ids", [])
     law = torch.ones(1, dtype=torch.float64)
     with torch.no_grad():
         for step in range(length):
@@ -96,16 +121,21 @@ def exact_law_of_tokens(model_path: str, prompt: list[int], params: dict, length
             seqs = torch.tensor([prompt + list(p) for p in prefixes])
             generated = seqs[:, len(prompt):]
             probs = torch.cat([
-                transformed_probs(penalized(model(chunk).logits[:, -1], prompt, gen_chunk, params), **kw)
+                transformed_probs(penalized(masked(model(chunk).logits[:, -1], gen_chunk, params), prompt, gen_chunk,
+                                            params), **kw)
                 for chunk, gen_chunk in zip(seqs.split(4096), generated.split(4096))])
+            for stop in stops:  # ended texts repeat their stop token
+                ended = (generated == stop).any(-1)
+                probs[ended] = torch.nn.functional.one_hot(torch.tensor(stop), VOCAB).double()
             law = law.view(-1, 1) * probs  # [V**step, V]
     return law.view([VOCAB] * length).numpy()
 
 
 def counts_of(outputs: list[list[int]], length: int = 4) -> np.ndarray:
+    """Counts of the first ``length`` tokens; a text that stopped early is padded with its last (stop) token."""
     counts = np.zeros([VOCAB] * length)
     for out in outputs:
-        counts[tuple(out[:length])] += 1
+        counts[tuple((out + [out[-1]] * length)[:length])] += 1
     return counts
 
 
@@ -139,3 +169,60 @@ def test_generated_law_equals_target_law(small_models):
                 pvalue = chi_square_pvalue(counts.sum(axis=axes).ravel(), law.sum(axis=axes).ravel())
                 assert pvalue > 1e-3, (verifier, tree, params, i, axes, pvalue)
                 assert chi_square_pvalue(counts.sum(axis=axes).ravel(), wrong.sum(axis=axes).ravel()) < 1e-6
+
+
+def test_path_options_law_equals_target_law(small_models):
+    """allowed_token_ids, bad_words and min_tokens at temperature 1: the generated
+    law is the target's under those options (applied per tree path, drafts
+    inside the allowed set), and not the law without the bad words or without
+    min_tokens (the options bite and the test would see them ignored)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    from vllm import SamplingParams
+    from vllm.tokenizers import get_tokenizer
+
+    target, draft = small_models
+    letters = list(range(3, 27))  # single-character tokens of the 32-token vocabulary
+    tok = AutoTokenizer.from_pretrained(target)
+    model = LlamaForCausalLM.from_pretrained(target).double().eval()
+    with torch.no_grad():
+        first = model(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    ranked = [t for t in first.argsort(descending=True).tolist() if t in letters]
+    stop, c, e = ranked[:3]  # stop: the likeliest first token; c, e: the next ones
+    with torch.no_grad():
+        after_c = model(torch.tensor([PROMPTS[0] + [c]])).logits[0, -1]
+    d = next(t for t in after_c.argsort(descending=True).tolist()
+             if t in letters and t != stop and tok.encode(tok.decode([c, t]), add_special_tokens=False) == [c, t])
+    bad_words = [tok.decode([c, d]), tok.decode([e])]
+    checked = SamplingParams(bad_words=bad_words)
+    checked.update_from_tokenizer(get_tokenizer(target))
+    exact = {"temperature": 1.0, "allowed_token_ids": letters, "bad_words_ids": checked.bad_words_token_ids,
+             "min_tokens": 2, "stop_token_ids": [stop]}
+    assert [c, d] in exact["bad_words_ids"] and [e] in exact["bad_words_ids"]
+    sampling = {"temperature": 1.0, "allowed_token_ids": letters, "bad_words": bad_words, "min_tokens": 2,
+                "stop_token_ids": [stop], "max_tokens": 4, "ignore_eos": True}
+    prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
+    result = run_engines([{
+        "kwargs": {"model": target, "max_model_len": 64, "max_num_seqs": 64,
+                   "speculative_config": {"method": "univer", "model": draft, "tree": "2x2"}},
+        "calls": [{"prompts": prompts, "params": [sampling] * len(prompts)}],
+    }])[0]
+    assert "error" not in result, result.get("error")
+    outputs = result["calls"][0]["outputs"]
+    assert all(set(out) <= set(letters) for out in outputs)
+    for i, prompt in enumerate(PROMPTS):
+        counts = counts_of(outputs[i * REQUESTS_PER_PROMPT:(i + 1) * REQUESTS_PER_PROMPT])
+        law = exact_law_of_tokens(target, prompt, exact)
+        for axes in ((3,), (0, 1)):
+            observed = counts.sum(axis=axes).ravel()
+            pvalue = chi_square_pvalue(observed, law.sum(axis=axes).ravel())
+            assert pvalue > 1e-3, (i, axes, pvalue)
+        if i == 0:  # the options were chosen to bite on prompt 0
+            wrong_laws = {
+                "draft": exact_law_of_tokens(draft, prompt, exact),
+                "no bad words": exact_law_of_tokens(target, prompt, {**exact, "bad_words_ids": []}),
+                "no min_tokens": exact_law_of_tokens(target, prompt, {**exact, "min_tokens": 0}),
+            }
+            for name, wrong in wrong_laws.items():
+                pvalue = chi_square_pvalue(counts.sum(axis=(3,)).ravel(), wrong.sum(axis=(3,)).ravel())
+                assert pvalue < 1e-6, (name, pvalue)

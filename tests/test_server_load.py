@@ -127,10 +127,14 @@ def test_n_seed_logprobs_and_bad_requests(servers):
     assert with_spec.text == without.text
     np.testing.assert_allclose(with_spec.logprobs.token_logprobs, without.logprobs.token_logprobs, atol=1e-4)
 
-    for bad in ({"extra_body": {"min_tokens": 3}}, {"extra_body": {"allowed_token_ids": [1, 2]}},
-                {"extra_body": {"bad_words": ["tree"]}}):
-        with pytest.raises(openai.BadRequestError, match="not supported with tree speculative decoding"):
-            spec.completions.create(model=target, prompt=prompt, max_tokens=5, **bad)
+    # Options applied per tree path: the greedy text is the non-speculative server's.
+    options = {"model": target, "prompt": prompt, "max_tokens": 20, "temperature": 0.0, "extra_body": {
+        "ignore_eos": True, "min_tokens": 3, "allowed_token_ids": list(range(3, 300)), "bad_words": ["tree"]}}
+    assert spec.completions.create(**options).choices[0].text == base.completions.create(**options).choices[0].text
+
+    with pytest.raises(openai.BadRequestError, match="not supported with tree speculative decoding"):
+        spec.completions.create(model=target, prompt=prompt, max_tokens=5,
+                                extra_body={"structured_outputs": {"regex": "(the )+"}})
     with pytest.raises(openai.BadRequestError):
         spec.completions.create(model=target, prompt=prompt, max_tokens=-3)
     assert spec.completions.create(model=target, prompt=prompt, max_tokens=5).choices[0].text is not None

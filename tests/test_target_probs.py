@@ -90,11 +90,60 @@ def test_options_that_depend_on_the_path_are_refused():
 
     from vllm_univer.integration.request_options import unsupported_option
 
-    assert unsupported_option(SamplingParams(temperature=0.5, top_p=0.9, presence_penalty=0.4, seed=3)) is None
-    for params, name in [
-        (SamplingParams(bad_words=["x"]), "bad_words"),
-        (SamplingParams(allowed_token_ids=[1, 2]), "allowed_token_ids"),
-        (SamplingParams(min_tokens=2), "min_tokens"),
-    ]:
-        parameter, message = unsupported_option(params)
-        assert parameter == name and "not supported with tree speculative decoding" in message
+    honoured = SamplingParams(temperature=0.5, top_p=0.9, presence_penalty=0.4, seed=3, bad_words=["x"],
+                              allowed_token_ids=[1, 2], min_tokens=2)
+    assert unsupported_option(honoured) is None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    parameter, message = unsupported_option(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")))
+    assert parameter == "structured_outputs" and "not supported with tree speculative decoding" in message
+
+
+def test_path_masks_equal_vllm_on_each_path():
+    """Allowed tokens, bad words and min_tokens on every tree row equal vLLM's own
+    treatment of the one row it samples, whose output is the request's output
+    followed by the path to the node."""
+    from dataclasses import replace
+
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+    from vllm.v1.sample.ops.bad_words import apply_bad_words
+
+    from vllm_univer import TreeSpec
+    from vllm_univer.integration.path_masks import TreePathMasks
+
+    vocab, tree = 12, TreeSpec.parse([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]])
+    rows = tree.num_nodes + 1
+    gen = torch.Generator().manual_seed(2)
+    batch = 4
+    logits = torch.randn(batch, rows, vocab, generator=gen)
+    # Small vocabulary, repeated tokens: bad-word prefixes match on some paths and not others.
+    tokens = torch.randint(0, 4, (batch, rows), generator=gen)
+    tokens[3, 7] = -1  # a node that does not exist
+    outputs = [[1, 2], [], [3, 3, 1], [0]]
+    bad_words = {0: [[2, 1], [5]], 1: [[0, 1, 2]], 3: [[0, 2, 3], [1, 1]]}
+    allowed = torch.zeros(batch, vocab, dtype=torch.bool)
+    allowed[2, 8:] = True  # request 2 may not use tokens 8..11
+    min_tokens = MinTokensLogitsProcessor(None, torch.device("cpu"), False)
+    min_tokens.min_toks = {1: (2, outputs[1], {9, 10}, False), 2: (5, outputs[2], {11}, False)}
+    meta = replace(_metadata(torch.ones(batch), None, None), output_token_ids=outputs, bad_words_token_ids=bad_words,
+                   allowed_token_ids_mask=allowed, logitsprocs=LogitsProcessors([min_tokens]))
+    assert TreePathMasks.needed(meta)
+    ours = logits.clone()
+    TreePathMasks(tokens, tree.ancestors, tree.depth, meta, batch).apply(ours)
+
+    stops = {b: (state[0], state[2]) for b, state in min_tokens.min_toks.items()}
+    banned_somewhere = 0
+    for b in range(batch):
+        for node in range(rows):
+            path = [int(tokens[b, a]) for a in tree.ancestors[node].tolist() if a >= 0]
+            if any(t < 0 for t in path):
+                continue  # the row of a node that does not exist is never read
+            past = outputs[b] + path
+            expected = logits[b, node].clone().unsqueeze(0)
+            expected.masked_fill_(allowed[b:b + 1], float("-inf"))
+            apply_bad_words(expected, {0: bad_words[b]} if b in bad_words else {}, [past])
+            if b in stops and len(past) < stops[b][0]:
+                expected[0, sorted(stops[b][1])] = float("-inf")
+            torch.testing.assert_close(ours[b, node], expected[0])
+            banned_somewhere += int(torch.isinf(expected).sum())
+    assert banned_somewhere > 20  # the bans do bite on this tree

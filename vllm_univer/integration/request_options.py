@@ -2,9 +2,12 @@
 
 Tree rows at different depths and on different paths continue different
 texts, so options whose logits transform depends on the tokens generated so
-far need one transform per path. Penalties are applied per path
-(``target_probs.TreePenalties``); the options below are not yet, so they are
-refused per request, before the request reaches the engine. No vLLM import.
+far need one transform per path. Penalties (``target_probs.TreePenalties``),
+allowed tokens, bad words and min_tokens (``path_masks.TreePathMasks``) have
+one; structured outputs (a grammar state per path) do not, so they are refused
+per request, before the request reaches the engine. (Custom logits processors
+are engine-wide in vLLM 0.32 and refused at start-up by ``TreeRunner``.)
+No vLLM import.
 """
 
 from __future__ import annotations
@@ -14,11 +17,7 @@ def unsupported_option(params) -> tuple[str, str] | None:
     """(parameter, message) for the first option of ``params`` (vLLM SamplingParams)
     that ``method: "univer"`` cannot honour exactly, else None."""
     checks = (
-        ("bad_words", bool(getattr(params, "bad_words", None)), "bad_words"),
-        ("allowed_token_ids", params.allowed_token_ids is not None, "allowed_token_ids"),
-        ("min_tokens", params.min_tokens > 0, "min_tokens"),
         ("structured_outputs", getattr(params, "structured_outputs", None) is not None, "structured outputs"),
-        ("logits_processors", bool(getattr(params, "logits_processors", None)), "custom logits processors"),
     )
     for parameter, refused, what in checks:
         if refused:

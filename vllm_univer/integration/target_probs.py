@@ -1,19 +1,23 @@
 """The target distribution at every tree node: exactly what vLLM would sample from.
 
 For request b, every node row of the tree gets the request's own sampling
-transforms, in vLLM's order: float32 logits -> presence / frequency /
-repetition penalties (vLLM's ``apply_penalties``, counting the tokens generated
-so far plus the tokens on the path to the node) -> temperature -> top-k / top-p
-(vLLM's ``apply_top_k_top_p``) -> softmax. Temperature-0 requests are flagged
+transforms, in vLLM's order: float32 logits -> allowed tokens, bad words and
+min_tokens on the row's path (``path_masks.TreePathMasks``) -> presence /
+frequency / repetition penalties (vLLM's ``apply_penalties``, counting the
+tokens generated so far plus the tokens on the path to the node) -> temperature
+-> top-k / top-p (vLLM's ``apply_top_k_top_p``) -> softmax. Temperature-0 requests are flagged
 greedy (the verifier then matches argmaxes). Per-request values are expanded
 to rows with ``repeat_interleave``, not vLLM's CPU stand-in for its Triton
 expand kernel, which returns uninitialised memory in 0.32.0.
 
-Other transforms that depend on the tokens generated so far (bad words,
-min-tokens, allowed tokens) are refused per request (``request_options``).
+Structured outputs and custom logits processors are refused per request
+(``request_options``); min_p and logit_bias are refused by vLLM itself for any
+speculative decoding.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from vllm.model_executor.layers.utils import apply_penalties
@@ -28,16 +32,18 @@ def tree_target_probs(
     temperature: torch.Tensor,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
-    penalties: "TreePenalties | None" = None,
+    path_transforms: Sequence = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, T, V] (T tree rows per request), temperature / top_k / top_p [B],
-    penalties for the same rows or None -> (probs [B, T, V] float32, greedy [B] bool)."""
+    path_transforms: objects whose ``apply(logits)`` transforms float32 [B, T, V]
+    logits in place, in order (``TreePathMasks``, ``TreePenalties``)
+    -> (probs [B, T, V] float32, greedy [B] bool)."""
     batch, rows, vocab = logits.shape
     temp, greedy = split_greedy(temperature)
     # One [B, T, V] float32 buffer, transformed in place (the logits may be a view of vLLM's).
     scaled = logits.to(torch.float32, copy=True)
-    if penalties is not None:
-        penalties.apply(scaled)
+    for transform in path_transforms:
+        transform.apply(scaled)
     scaled = scaled.div_(temp.view(batch, 1, 1)).view(batch * rows, vocab)
     k = top_k.repeat_interleave(rows) if top_k is not None else None
     p = top_p.repeat_interleave(rows) if top_p is not None else None

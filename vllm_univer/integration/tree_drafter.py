@@ -10,8 +10,8 @@ For each request whose step produced a token (the new root, at position R):
   ancestors only (``TreeAttentionPlan`` read from the draft layers' cache).
 
 The children of every node are drawn from its exact draft row q with the
-verifier's scheme (temperature > 0: q = softmax(logits / T); temperature 0: the
-top tokens). Trees and q rows are kept for the next step's verifier.
+verifier's scheme (temperature > 0: q = softmax(logits / T) over the request's
+allowed tokens; temperature 0: the top tokens). Trees and q rows are kept for the next step's verifier.
 Loops run over depth levels and over the (few) distinct child counts of a level.
 """
 
@@ -93,8 +93,11 @@ class TreeDrafter:
         block_rows = block_table.get_cpu_tensor()[torch.from_numpy(active)]
         temperature, greedy = self._draft_temperature(sampling_metadata, active)
 
+        banned = sampling_metadata.allowed_token_ids_mask
+        if banned is not None:  # draft inside the allowed set: other drafts would always be rejected
+            banned = banned[torch.from_numpy(active).to(banned.device)]
         tokens, q = self._draft_levels(active, root_pos, start, level0, block_rows, block_size, temperature,
-                                       greedy, sampling_metadata.generators)
+                                       greedy, sampling_metadata.generators, banned)
         for r, req_id in zip(root_pos.tolist(), active_ids):
             self.state.draft_kv_len[req_id] = r + 1  # the context and the root
         self.state.add(DraftedTrees(active_ids, tokens, q))
@@ -110,7 +113,7 @@ class TreeDrafter:
         return split_greedy(temperature.cpu()[torch.from_numpy(active)])
 
     def _draft_levels(self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy,
-                      generators):
+                      generators, banned):
         tree, runner = self.tree, self.runner
         device = runner.device
         reqs = len(active)
@@ -135,7 +138,7 @@ class TreeDrafter:
         q = torch.empty(reqs, n1, vocab, dtype=torch.float32, device=device)
         q[:, self.level_span[tree.max_depth][0]:] = 0.0
         temp = temperature.to(device).view(-1, 1)
-        torch.softmax(root_logits.to(torch.float32, copy=True).div_(temp), -1, out=q[:, 0])
+        torch.softmax(_masked(root_logits.to(torch.float32, copy=True).div_(temp), banned), -1, out=q[:, 0])
         greedy = greedy.to(device)
         self._draw_children(0, tokens, q, greedy, generators, active)
 
@@ -160,7 +163,9 @@ class TreeDrafter:
             hidden = self._forward(node_ids, rope_pos, rows, slot_pos, np.arange(reqs + 1) * width,
                                    root_pos + last + 1, block_rows, block_size, plan=plan)
             logits = self._logits(hidden).view(reqs, width, vocab)
-            torch.softmax(logits.to(torch.float32, copy=True).div_(temp.unsqueeze(-1)), -1, out=q[:, first:last + 1])
+            scaled = logits.to(torch.float32, copy=True).div_(temp.unsqueeze(-1))
+            torch.softmax(_masked(scaled, None if banned is None else banned.unsqueeze(1)), -1,
+                          out=q[:, first:last + 1])
             self._draw_children(d, tokens, q, greedy, generators, active)
         return tokens, q
 
@@ -236,6 +241,12 @@ class TreeDrafter:
         if isinstance(hidden, tuple):
             hidden = hidden[0]
         return hidden
+
+
+def _masked(logits: torch.Tensor, banned: torch.Tensor | None) -> torch.Tensor:
+    """Logits with the request's disallowed tokens at -inf (in place), q's support
+    then the allowed set; ``banned`` broadcasts against ``logits``."""
+    return logits if banned is None else logits.masked_fill_(banned, float("-inf"))
 
 
 def _as_lists(sampled_token_ids) -> list[list[int]]:

@@ -28,6 +28,7 @@ class TreeRunner:
                 f"tree speculation returns logprobs in vLLM's default 'raw_logprobs' mode only "
                 f"(got logprobs_mode={runner.model_config.logprobs_mode!r})"
             )
+        _refuse_custom_logits_processors(runner.input_batch.logitsprocs)
         self.runner = runner
         self.tree = config.tree_spec
         self.state = TreeState()
@@ -122,3 +123,22 @@ class TreeRunner:
     def propose(self, sampled_token_ids, sampling_metadata):
         with self.timers.measure("draft"):
             return self.drafter.propose(sampled_token_ids, sampling_metadata)
+
+
+def _refuse_custom_logits_processors(logitsprocs) -> None:
+    """vLLM's built-in processors are honoured per tree path (min_tokens) or refused
+    per request by vLLM for speculative decoding (min_p, logit_bias); a custom
+    processor's state follows one text, not every path of a tree."""
+    from vllm.v1.sample.logits_processor.builtin import (
+        LogitBiasLogitsProcessor,
+        MinPLogitsProcessor,
+        MinTokensLogitsProcessor,
+    )
+
+    builtin = (LogitBiasLogitsProcessor, MinPLogitsProcessor, MinTokensLogitsProcessor)
+    custom = sorted({type(p).__name__ for p in logitsprocs.all if not isinstance(p, builtin)})
+    if custom:
+        raise NotImplementedError(
+            f"tree speculation (method 'univer') cannot apply custom logits processors per tree path "
+            f"({', '.join(custom)}); start the engine without --logits-processors"
+        )

@@ -19,6 +19,7 @@ from vllm.v1.outputs import SamplerOutput
 from .. import verify
 from ..kernels.kv_compaction import accepted_path_moves, move_paged_kv
 from ..tree import TreeSpec
+from .path_masks import TreePathMasks
 from .target_probs import TreePenalties, tree_target_probs
 from .tree_state import TreeState
 
@@ -72,11 +73,8 @@ class TreeVerificationSampler:
         keep_depth = torch.searchsorted(self.nodes_through_depth, num_draft + 1, right=True) - 1
         exists = tree.depth.unsqueeze(0) <= keep_depth.unsqueeze(1)
         tokens = tokens.masked_fill(~exists.to(device), -1)
-        penalties = None
-        if not sampling_metadata.no_penalties:
-            penalties = TreePenalties(tokens, tree.on(device).ancestors, sampling_metadata, batch)
         p, greedy = tree_target_probs(tree_logits, temperature, sampling_metadata.top_k, sampling_metadata.top_p,
-                                      penalties)
+                                      self._path_transforms(tokens, sampling_metadata, batch))
 
         result = verify(self.method, tree, tokens, p, q, greedy=greedy, validate=False)
         output, end = result.output_token_ids, result.end_node
@@ -96,6 +94,16 @@ class TreeVerificationSampler:
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, rows.to(device), end, output, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
+
+    def _path_transforms(self, tokens, sampling_metadata, batch: int) -> list:
+        """vLLM's logits transforms that depend on the text a row continues, in vLLM's order."""
+        tree = self.tree.on(tokens.device)
+        transforms = []
+        if TreePathMasks.needed(sampling_metadata):
+            transforms.append(TreePathMasks(tokens, tree.ancestors, tree.depth, sampling_metadata, batch))
+        if not sampling_metadata.no_penalties:
+            transforms.append(TreePenalties(tokens, tree.ancestors, sampling_metadata, batch))
+        return transforms
 
     def _logprobs(self, logits, node_rows, end, output, num_logprobs):
         """The target's log-probabilities of every output token, in vLLM's raw
