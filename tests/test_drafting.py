@@ -77,3 +77,4 @@ def test_top_tokens_fast_path_equals_the_exact_rule_on_ties():
         probs = torch.randint(0, 3, (5, vocab), generator=gen).float()
         for k in range(1, vocab + 1):
             assert torch.equal(top_tokens(probs, k), _top_tokens_exact(probs, k)), (probs, k)
+

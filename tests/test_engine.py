@@ -172,6 +172,26 @@ def test_path_dependent_options_equal_no_speculation(models):
     assert all(set(out) <= set(allowed[::3]) and len(out) == 60 for out in results[1]["calls"][1]["outputs"])
 
 
+def test_sampled_request_joining_an_all_greedy_batch(models):
+    """All-greedy steps keep no draft q (argmax matching never reads it); when a
+    sampled request joins (max_num_seqs=2: it starts when a greedy one finishes),
+    the greedy trees drafted without q are verified in a mixed step. Greedy outputs
+    stay the non-speculative ones; the sampled request runs to its length."""
+    target, draft = models
+    texts = prompts(4, seed=8)
+    params = [{"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in (15, 90)]
+    params += [{"temperature": 1.0, "max_tokens": 40, "ignore_eos": True, "seed": s} for s in (1, 2)]
+    job = {"prompts": texts, "params": params}
+    results = run_engines([
+        engine(target, [{"prompts": texts[:2], "params": params[:2]}]),
+        engine(target, [job], univer(draft, "2x3"), max_num_seqs=2),
+    ])
+    assert "error" not in results[1], results[1].get("error")
+    out = results[1]["calls"][0]["outputs"]
+    assert out[:2] == results[0]["calls"][0]["outputs"]
+    assert [len(o) for o in out[2:]] == [40, 40]
+
+
 def test_stop_and_max_tokens_cut_an_accepted_path(models):
     """max_tokens and stop tokens in the middle of an accepted path end the request there."""
     target, _ = models

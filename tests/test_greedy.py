@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from law_utils import PathModel, batch_tensors, enumerate_trees
-from vllm_univer import METHODS, TreeSpec, outcome_law, scheme_for, verify
+from vllm_univer import METHODS, TreeSpec, outcome_law, scheme_for, verify, verify_greedy
 
 
 def _argmax_walk(tree, tokens, p):
@@ -42,6 +42,10 @@ def test_greedy_flag_is_argmax_matching(method):
     greedy = torch.ones(tokens.shape[0], dtype=torch.bool)
     out = verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(0), greedy=greedy)
     assert torch.equal(out.output_token_ids, _argmax_walk(tree, tokens, p))
+    # The engine's all-greedy path: the same from the argmax alone.
+    fast = verify_greedy(tree, tokens, p.argmax(-1))
+    assert torch.equal(fast.output_token_ids, out.output_token_ids)
+    assert torch.equal(fast.end_node, out.end_node) and torch.equal(fast.num_accepted, out.num_accepted)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -5,7 +5,7 @@ The verifier core (this namespace) is pure PyTorch and does not import vLLM:
     from vllm_univer import TreeSpec, draft_children, verify, outcome_law, METHODS
 """
 
-from .api import VerifyOutput, outcome_law, verify
+from .api import VerifyOutput, outcome_law, verify, verify_greedy
 from .drafting import SCHEMES, draft_children
 from .tree import MAX_TREE_NODES, TreeSpec
 from .verifiers import METHODS, scheme_for
@@ -22,4 +22,5 @@ __all__ = [
     "outcome_law",
     "scheme_for",
     "verify",
+    "verify_greedy",
 ]

@@ -94,15 +94,37 @@ def verify(
     next_token = sample_from_weights(torch.where(empty, p_end, residual), generator)
 
     if greedy is not None:
-        argmax_rows = p.argmax(-1)  # [B, N+1]
-        parent_argmax = argmax_rows[:, tt.parent.clamp(min=0)]
-        match = (tokens == parent_argmax) & (tokens >= 0)
-        match[:, 0] = False
-        greedy_end = decide_descent(tt, match.to(dtype), uniforms, tree.max_depth)
+        greedy_end, greedy_next = _argmax_matching(tt, tokens, p.argmax(-1), tree.max_depth)
         end = torch.where(greedy, greedy_end, end)
-        next_token = torch.where(greedy, argmax_rows.gather(1, end.unsqueeze(-1)).squeeze(-1), next_token)
+        next_token = torch.where(greedy, greedy_next, next_token)
 
     return _assemble(tt, tokens, end, next_token, tree.max_depth)
+
+
+def verify_greedy(tree: TreeSpec, draft_token_ids: torch.Tensor, target_argmax: torch.Tensor) -> VerifyOutput:
+    """Temperature-0 verification of a batch: ``verify`` with every row greedy,
+    from the target's argmax alone (no probabilities, no randomness).
+
+    draft_token_ids: LongTensor [B, N+1] as in ``verify``; target_argmax:
+    LongTensor [B, N+1], the token greedy decoding picks after node i (argmax of
+    its processed logits, as vLLM's greedy sampler takes it). Descends into the
+    first child whose token is its parent's argmax; the next token is the end
+    node's argmax.
+    """
+    tt = tree.on(target_argmax.device)
+    tokens = draft_token_ids.long()
+    end, next_token = _argmax_matching(tt, tokens, target_argmax, tree.max_depth)
+    return _assemble(tt, tokens, end, next_token, tree.max_depth)
+
+
+def _argmax_matching(tt, tokens: torch.Tensor, argmax_rows: torch.Tensor, max_depth: int):
+    """(end node [B], next token [B]) of argmax matching; argmax_rows [B, N+1]."""
+    parent_argmax = argmax_rows[:, tt.parent.clamp(min=0)]
+    match = (tokens == parent_argmax) & (tokens >= 0)
+    match[:, 0] = False
+    # 0/1 weights: any uniform in [0, 1) takes the first matching child.
+    end = decide_descent(tt, match.float(), torch.zeros_like(match, dtype=torch.float32), max_depth)
+    return end, argmax_rows.gather(1, end.unsqueeze(-1)).squeeze(-1)
 
 
 def _assemble(tt, tokens: torch.Tensor, end: torch.Tensor, next_token: torch.Tensor, max_depth: int) -> VerifyOutput:

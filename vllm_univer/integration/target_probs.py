@@ -40,15 +40,22 @@ def tree_target_probs(
     -> (probs [B, T, V] float32, greedy [B] bool)."""
     batch, rows, vocab = logits.shape
     temp, greedy = split_greedy(temperature)
-    # One [B, T, V] float32 buffer, transformed in place (the logits may be a view of vLLM's).
-    scaled = logits.to(torch.float32, copy=True)
-    for transform in path_transforms:
-        transform.apply(scaled)
+    scaled = processed_logits(logits, path_transforms)
     scaled = scaled.div_(temp.view(batch, 1, 1)).view(batch * rows, vocab)
     k = top_k.repeat_interleave(rows) if top_k is not None else None
     p = top_p.repeat_interleave(rows) if top_p is not None else None
     scaled = apply_top_k_top_p(scaled, k, p)
     return softmax_(scaled).view(batch, rows, vocab), greedy
+
+
+def processed_logits(logits: torch.Tensor, path_transforms: Sequence = ()) -> torch.Tensor:
+    """logits [B, T, V] -> a float32 copy with the path transforms applied in order:
+    what vLLM's greedy sampler takes the argmax of, and samples from after temperature.
+    One [B, T, V] float32 buffer, transformed in place (the logits may be a view of vLLM's)."""
+    scaled = logits.to(torch.float32, copy=True)
+    for transform in path_transforms:
+        transform.apply(scaled)
+    return scaled
 
 
 def split_greedy(temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

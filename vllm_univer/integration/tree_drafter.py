@@ -133,14 +133,17 @@ class TreeDrafter:
         vocab = root_logits.shape[-1]
         tokens = torch.full((reqs, n1), -1, dtype=torch.long, device=device)
         tokens[:, 0] = torch.from_numpy(token_ids[query_start[1:] - 1].astype(np.int64)).to(device)
-        # Rows of internal nodes are written level by level; leaf rows are never a
-        # draw's law but the verifier reads them at a leaf end node: keep them finite.
-        q = torch.empty(reqs, n1, vocab, dtype=torch.float32, device=device)
-        q[:, self.level_span[tree.max_depth][0]:] = 0.0
-        temp = temperature.to(device).view(-1, 1)
-        torch.softmax(_masked(root_logits.to(torch.float32, copy=True).div_(temp), banned), -1, out=q[:, 0])
         greedy = greedy.to(device)
-        self._draw_children(0, tokens, q, greedy, generators, active)
+        all_greedy = bool(greedy.all())
+        q = None
+        if not all_greedy:
+            # Rows of internal nodes are written level by level; leaf rows are never a
+            # draw's law but the verifier reads them at a leaf end node: keep them finite.
+            q = torch.empty(reqs, n1, vocab, dtype=torch.float32, device=device)
+            q[:, self.level_span[tree.max_depth][0]:] = 0.0
+        temp = temperature.to(device).view(-1, 1)
+        self._draw_children(0, tokens, self._level_rows(q, 0, root_logits.unsqueeze(1), temp.unsqueeze(-1), banned),
+                            greedy, generators, active)
 
         context = torch.from_numpy(root_pos).to(device)
         for d in range(1, tree.max_depth):
@@ -163,20 +166,33 @@ class TreeDrafter:
             hidden = self._forward(node_ids, rope_pos, rows, slot_pos, np.arange(reqs + 1) * width,
                                    root_pos + last + 1, block_rows, block_size, plan=plan)
             logits = self._logits(hidden).view(reqs, width, vocab)
-            scaled = logits.to(torch.float32, copy=True).div_(temp.unsqueeze(-1))
-            torch.softmax(_masked(scaled, None if banned is None else banned.unsqueeze(1)), -1,
-                          out=q[:, first:last + 1])
-            self._draw_children(d, tokens, q, greedy, generators, active)
+            self._draw_children(d, tokens, self._level_rows(q, d, logits, temp.unsqueeze(-1), banned),
+                                greedy, generators, active)
         return tokens, q
 
-    def _draw_children(self, depth, tokens, q, greedy, generators, active) -> None:
-        """Children of the depth-``depth`` nodes, drawn from their q rows."""
+    def _level_rows(self, q, depth: int, logits: torch.Tensor, temp: torch.Tensor, banned) -> torch.Tensor:
+        """What the children of the depth-``depth`` nodes are drawn from, [R, width, V]:
+        their q rows (softmax(logits / T) over the allowed tokens, written into ``q``),
+        or, when every request is greedy (``q`` None), the masked logits themselves
+        (the top tokens are the same; no softmax, no q kept)."""
+        banned = None if banned is None else banned.unsqueeze(1)
+        if q is None:
+            return _masked(logits, banned)
+        first, last = self.level_span[depth]
+        scaled = logits.to(torch.float32, copy=True).div_(temp)
+        torch.softmax(_masked(scaled, banned), -1, out=q[:, first:last + 1])
+        return q[:, first:last + 1]
+
+    def _draw_children(self, depth, tokens, level_rows, greedy, generators, active) -> None:
+        """Children of the depth-``depth`` nodes, drawn from their rows ``level_rows``
+        [R, width, V] (q; or logits when every request is greedy)."""
         any_greedy, all_greedy = bool(greedy.any()), bool(greedy.all())
         row_of = {int(b): r for r, b in enumerate(active)} if generators else {}
         seeded = [(row_of[b], g) for b, g in generators.items() if b in row_of and not bool(greedy[row_of[b]])]
+        first = self.level_span[depth][0]
         for parents, kids, m in self.child_groups[depth]:
-            parents, kids = parents.to(q.device), kids.to(q.device)
-            rows = q[:, parents]  # [R, g, V]
+            parents, kids = parents.to(level_rows.device), kids.to(level_rows.device)
+            rows = level_rows[:, parents - first]  # [R, g, V]
             flat = rows.flatten(0, 1)
             if all_greedy:
                 drawn = top_tokens(flat, m).view(rows.shape[0], -1, m)

@@ -16,11 +16,11 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
-from .. import verify
+from .. import verify, verify_greedy
 from ..kernels.kv_compaction import accepted_path_moves, move_paged_kv
 from ..tree import TreeSpec
 from .path_masks import TreePathMasks
-from .target_probs import TreePenalties, tree_target_probs
+from .target_probs import TreePenalties, processed_logits, tree_target_probs
 from .tree_state import TreeState
 
 logger = init_logger(__name__)
@@ -67,25 +67,22 @@ class TreeVerificationSampler:
         if temperature is None:  # all greedy
             temperature = torch.zeros(batch, device=device)
 
-        tokens, q = self._trees_for(req_ids, num_draft_list, tree_logits)
+        tokens, q, q_missing = self._trees_for(req_ids, num_draft_list, tree_logits)
         # The scheduler may cut a tree short (token budget, max_model_len); a
         # breadth-first prefix is verified as the tree cut to its last full level.
         keep_depth = torch.searchsorted(self.nodes_through_depth, num_draft + 1, right=True) - 1
         exists = tree.depth.unsqueeze(0) <= keep_depth.unsqueeze(1)
         tokens = tokens.masked_fill(~exists.to(device), -1)
-        p, greedy = tree_target_probs(tree_logits, temperature, sampling_metadata.top_k, sampling_metadata.top_p,
-                                      self._path_transforms(tokens, sampling_metadata, batch))
-
-        result = verify(self.method, tree, tokens, p, q, greedy=greedy, validate=False)
+        transforms = self._path_transforms(tokens, sampling_metadata, batch)
+        if sampling_metadata.all_greedy:
+            # Argmax matching needs neither probabilities nor q: the argmax of the
+            # processed logits, as vLLM's greedy sampler takes it.
+            argmax = (processed_logits(tree_logits, transforms) if transforms else tree_logits).argmax(-1)
+            result = verify_greedy(tree, tokens, argmax)
+        else:
+            result = self._verify_sampled(tokens, q, q_missing, tree_logits, temperature, transforms,
+                                          sampling_metadata, batch)
         output, end = result.output_token_ids, result.end_node
-        # Seeded requests draw from their own generator, so their outputs do not
-        # depend on the rest of the batch.
-        for row, generator in sampling_metadata.generators.items():
-            if row >= batch:
-                continue
-            one = verify(self.method, tree, tokens[row:row + 1], p[row:row + 1], q[row:row + 1],
-                         generator=generator, greedy=greedy[row:row + 1], validate=False)
-            output[row], end[row] = one.output_token_ids[0], one.end_node[0]
 
         with self.timers.measure("kv_moves"):
             self._keep_accepted_kv(batch, end)
@@ -94,6 +91,28 @@ class TreeVerificationSampler:
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, rows.to(device), end, output, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
+
+    def _verify_sampled(self, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata,
+                        batch: int):
+        tree = self.tree
+        p, greedy = tree_target_probs(tree_logits, temperature, sampling_metadata.top_k, sampling_metadata.top_p,
+                                      transforms)
+        # Trees drafted in an all-greedy step have no q; they belong to greedy
+        # requests, whose outcome is argmax matching, so any valid rows will do.
+        if q is None:
+            q = p
+        elif q_missing is not None:
+            q = torch.where(q_missing.view(-1, 1, 1), p, q)
+        result = verify(self.method, tree, tokens, p, q, greedy=greedy, validate=False)
+        # Seeded requests draw from their own generator, so their outputs do not
+        # depend on the rest of the batch.
+        for row, generator in sampling_metadata.generators.items():
+            if row >= batch:
+                continue
+            one = verify(self.method, tree, tokens[row:row + 1], p[row:row + 1], q[row:row + 1],
+                         generator=generator, greedy=greedy[row:row + 1], validate=False)
+            result.output_token_ids[row], result.end_node[row] = one.output_token_ids[0], one.end_node[0]
+        return result
 
     def _path_transforms(self, tokens, sampling_metadata, batch: int) -> list:
         """vLLM's logits transforms that depend on the text a row continues, in vLLM's order."""
@@ -117,16 +136,15 @@ class TreeVerificationSampler:
         return self.runner.sampler.gather_logprobs(logprobs, num_logprobs, output.flatten().clamp(min=0))
 
     def _trees_for(self, req_ids: list[str], num_draft: list[int], like: torch.Tensor):
-        """Tokens [B, N+1] and q [B, N+1, V] of the trees drafted for these requests."""
-        tokens, q, found = self.state.gather(req_ids)
+        """Tokens [B, N+1], q [B, N+1, V] (or None) and the rows drafted without q."""
+        tokens, q, found, q_missing = self.state.gather(req_ids)
         orphans = [r for r, f, n in zip(req_ids, found, num_draft) if n > 0 and not f]
         if orphans:
             # Should not happen; rejecting every draft (Y ~ p at the root) stays lossless.
             logger.warning("tree speculation: no drafted tree for the scheduled drafts of %s", orphans)
-        if tokens is None:  # no trees at all: any finite q rows will do (never read)
-            return torch.full(like.shape[:2], -1, dtype=torch.long, device=like.device), \
-                torch.zeros(like.shape, dtype=torch.float32, device=like.device)
-        return tokens, q
+        if tokens is None:  # no trees at all: q is never read
+            return torch.full(like.shape[:2], -1, dtype=torch.long, device=like.device), None, None
+        return tokens, q, q_missing
 
     def _keep_accepted_kv(self, batch: int, end: torch.Tensor) -> None:
         """Move each accepted path to consecutive slots in every layer's cache."""

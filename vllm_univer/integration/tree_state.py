@@ -15,12 +15,14 @@ class DraftedTrees:
     """The trees proposed at the end of one step, for the next step's verifier.
 
     tokens: LongTensor [B, N+1], node tokens (column 0 = the root; -1 = no node).
-    draft_probs: FloatTensor [B, N+1, V], row i = q node i's children were drawn from.
+    draft_probs: FloatTensor [B, N+1, V], row i = q node i's children were drawn
+        from; None when every request of the batch was greedy (argmax matching
+        never reads q, and the drafter then never builds it).
     """
 
     req_ids: list[str]
     tokens: torch.Tensor
-    draft_probs: torch.Tensor
+    draft_probs: torch.Tensor | None
 
 
 @dataclass
@@ -37,34 +39,46 @@ class TreeState:
         for row, req_id in enumerate(drafted.req_ids):
             self.trees[req_id] = (drafted, row)
 
-    def gather(self, req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
-        """Trees of ``req_ids`` -> (tokens [B, N+1], q [B, N+1, V], found [B]).
+    def gather(self, req_ids: list[str]):
+        """Trees of ``req_ids`` -> (tokens [B, N+1], q [B, N+1, V] or None, found [B],
+        q_missing BoolTensor [B] or None).
 
         One gather when the requests were drafted together (the usual case);
         requests without a tree get tokens -1 (only the root exists) and q rows
-        copied from another request (never read: a root without children).
+        copied from another request (never read: a root without children). q is
+        None when no tree has one; otherwise rows of trees drafted without q are
+        zero and flagged in ``q_missing`` (greedy requests: the caller fills them).
         """
         entries = [self.trees.get(r) for r in req_ids]
         found = [e is not None for e in entries]
         present = [e for e in entries if e is not None]
         if not present:
-            return None, None, found
+            return None, None, found, None
         batches = {id(e[0]): e[0] for e in present}
+        q_missing = None
         if len(batches) == 1:
             drafted = present[0][0]
             rows = [e[1] if e is not None else 0 for e in entries]
+            q = drafted.draft_probs
             if rows == list(range(drafted.tokens.shape[0])):  # same requests, same order: no copy
-                tokens, q = drafted.tokens, drafted.draft_probs
+                tokens = drafted.tokens
             else:
                 index = torch.tensor(rows, device=drafted.tokens.device)
-                tokens, q = drafted.tokens[index], drafted.draft_probs[index]
+                tokens = drafted.tokens[index]
+                q = q[index] if q is not None else None
         else:
             filler = present[0]
             rows = [e if e is not None else filler for e in entries]
             tokens = torch.stack([b.tokens[i] for b, i in rows])
-            q = torch.stack([b.draft_probs[i] for b, i in rows])
+            with_q = [b.draft_probs for b, _ in rows if b.draft_probs is not None]
+            if not with_q:
+                q = None
+            else:
+                zero = torch.zeros_like(with_q[0][0])
+                q = torch.stack([b.draft_probs[i] if b.draft_probs is not None else zero for b, i in rows])
+                q_missing = torch.tensor([b.draft_probs is None for b, _ in rows], device=tokens.device)
         missing = torch.tensor([not f for f in found], device=tokens.device)
-        return tokens.masked_fill(missing.unsqueeze(1), -1), q, found
+        return tokens.masked_fill(missing.unsqueeze(1), -1), q, found, q_missing
 
     def forget_except(self, live_req_ids: list[str]) -> None:
         live = set(live_req_ids)
