@@ -30,6 +30,9 @@ ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 BASE_KWARGS = {"dtype": "float32", "enforce_eager": True, "block_size": 32, "seed": 0, "disable_log_stats": False}
+# On a GPU machine, scripts/gpu_engine_check.sh reruns the engine tests per attention backend.
+if os.environ.get("UNIVER_TEST_ATTENTION_BACKEND"):
+    BASE_KWARGS["attention_backend"] = os.environ["UNIVER_TEST_ATTENTION_BACKEND"]
 
 
 def run_engines(engines: list[dict], timeout: float = 1200) -> list[dict]:

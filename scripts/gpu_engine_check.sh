@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The CUDA engine check, for a GPU machine that can install vLLM's CUDA wheel
+# (the lent device machine cannot: no network, and the wheel is over its 64 MiB
+# carry limit). About 30 minutes on one H200:
+#   1. the kernels and the CUDA backends' hook (also run on CPU by the test suite);
+#   2. the engine tests on CUDA through vLLM's FlashAttention backend: greedy
+#      identity for every verifier and tree, preemption, chunked prefill, mixed
+#      batches, the goodness-of-fit law tests, errors, a real server;
+#   3. the same with the Triton attention backend (greedy identity only);
+#   4. the kernel timings (benchmarks/gpu_check.py) and the engine benchmark on
+#      the real Qwen pair, written to benchmarks/results/*_gpu.md.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+nvidia-smi >/dev/null || { echo "no GPU visible (nvidia-smi failed)" >&2; exit 1; }
+bash scripts/setup_venv.sh  # the CUDA build when nvidia-smi sees a GPU
+py="${VENV:-$repo/.venv}/bin/python"
+"$py" -m pytest -q tests/test_triton_tree_attention.py tests/test_cuda_tree_attention.py
+UNIVER_TEST_ATTENTION_BACKEND=FLASH_ATTN "$py" -m pytest -q tests/test_engine.py tests/test_engine_law.py tests/test_engine_errors.py \
+    tests/test_engine_options.py tests/test_server.py
+UNIVER_TEST_ATTENTION_BACKEND=TRITON_ATTN "$py" -m pytest -q tests/test_engine.py -k "every_verifier"
+PYTHONPATH=. "$py" benchmarks/gpu_check.py --out benchmarks/results
+"$py" benchmarks/engine.py --tag gpu
