@@ -32,7 +32,7 @@ CHECK = textwrap.dedent("""
         return keys, values
 
     def check(spec, q_heads, kv_heads, head_size, context, level=None, dtype=torch.float32, transposed=False,
-              cut=None, atol=2e-5):
+              cut=None, atol=2e-5, splits=None):
         tree = TreeSpec.parse(spec)
         mask = tree.ancestor_mask
         if level is not None:  # drafting one level: its nodes query the tree keys up to the level's end
@@ -58,7 +58,7 @@ CHECK = textwrap.dedent("""
             valid = torch.arange(num_q).unsqueeze(0) < torch.tensor(cut).unsqueeze(1)
         output = torch.full_like(query, 7.0)
         paged_tree_attention_triton(query, keys, values, table, context_lens, rows, mask, output, scale=0.3,
-                                    row_valid=valid)
+                                    row_valid=valid, max_context_len=max(context), num_splits=splits)
         positions = context_lens.unsqueeze(1) + torch.arange(num_k)
         tree_k = gather_paged(keys, table, positions)
         tree_v = gather_paged(values, table, positions)
@@ -85,6 +85,10 @@ CHECK = textwrap.dedent("""
     check("2x5", 4, 2, 32, [3, 70, 20], level=(3, 6))  # drafting: depth-2 nodes over keys 0..6
     check("2x3", 4, 2, 32, [9, 48], cut=[5, 3])  # trees the scheduler cut short
     check("2x3", 4, 2, 64, [12, 37], dtype=torch.float16, atol=2e-3)
+    # Keys split across programs (flash-decoding), merged by log-sum-exp; a split may see no key.
+    check("2x3", 4, 2, 32, [1, 17, 90], splits=3)
+    check("2x5", 4, 2, 32, [3, 70, 20], level=(3, 6), splits=4)
+    check("2x3", 4, 2, 32, [9, 48], cut=[5, 3], splits=5)
     print("OK")
 """)
 

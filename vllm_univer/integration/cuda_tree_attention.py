@@ -28,4 +28,5 @@ def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, o
         query.view(-1, heads, head_size), key_cache, value_cache,
         attn_metadata.block_table[plan.request_index], plan.context_lens, plan.query_rows, plan.mask,
         output.view(-1, heads, head_size), scale=impl.scale, row_valid=plan.row_valid,
+        max_context_len=plan.max_context_len,
     )

@@ -10,7 +10,9 @@ own row, so ordinary rows of the same forward are left to the engine's kernel.
 
 One program per (request, KV head, tile of BLOCK_M query rows), where a query
 row is one (tree token, query head of the KV head's group) pair: grouped-query
-attention reads every key once per group.
+attention reads every key once per group. When that is too few programs for the
+GPU (a few requests over long contexts), the keys are split across programs
+(flash-decoding) and the partial results merged by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ def _paged_tree_attention_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh,
     stride_bt, stride_qr, stride_rv,
-    num_queries, num_tree_keys, head_size, groups, block_size, scale,
-    HAS_ROW_VALID: tl.constexpr, IEEE_DOT: tl.constexpr,
+    part_out_ptr, part_lse_ptr, stride_pr, stride_ps, stride_pt, stride_ph, stride_lr, stride_ls, stride_lt,
+    num_queries, num_tree_keys, head_size, groups, block_size, scale, keys_per_split,
+    HAS_ROW_VALID: tl.constexpr, IEEE_DOT: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     t = m // groups  # tree query of each row
     head = kv_head * groups + m % groups
@@ -50,12 +54,14 @@ def _paged_tree_attention_kernel(
 
     context_len = tl.load(context_lens_ptr + req)
     total = context_len + num_tree_keys
+    first_key = split * keys_per_split  # this program's share of the key positions
+    end_key = tl.minimum(first_key + keys_per_split, total)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, total, BLOCK_N):
+    for start in range(first_key, end_key, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        in_range = pos < total
+        in_range = pos < end_key
         block = tl.load(block_table_ptr + req * stride_bt + pos // block_size, mask=in_range, other=0).to(tl.int64)
         offset = pos % block_size
         kv_ok = in_range[:, None] & d_ok[None, :]
@@ -84,14 +90,22 @@ def _paged_tree_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tile = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=tile)
+    else:  # a partial result and its log-sum-exp, merged by the caller
+        tl.store(part_out_ptr + req * stride_pr + split * stride_ps + t[:, None] * stride_pt
+                 + head[:, None] * stride_ph + d[None, :], out, mask=tile)
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + req * stride_lr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
 
 
 def paged_tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                 block_table: torch.Tensor, context_lens: torch.Tensor, query_rows: torch.Tensor,
                                 ancestor_mask: torch.Tensor, output: torch.Tensor, scale: float | None = None,
-                                row_valid: torch.Tensor | None = None) -> None:
+                                row_valid: torch.Tensor | None = None, max_context_len: int | None = None,
+                                num_splits: int | None = None) -> None:
     """Write exact tree attention into ``output`` at the tree queries' rows.
 
     query [tokens, Hq, Dh] and output [tokens, Hq, Dh]: a forward's flat batch
@@ -103,6 +117,10 @@ def paged_tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, va
     query_rows [R, Tq] (long): flat row of tree query t of request r.
     ancestor_mask [Tq, Tk] bool: query t sees tree key j.
     row_valid [R, Tq] bool or None: rows to compute (others are left untouched).
+    max_context_len: a Python bound on context_lens (no host sync); with it, few
+        requests over long contexts split their keys across programs (``num_splits``,
+        default chosen from the device's multiprocessor count), each writing a
+        partial result that is merged by log-sum-exp.
     """
     tokens, heads, head_size = query.shape
     kv_heads = key_cache.shape[2]
@@ -121,16 +139,53 @@ def paged_tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, va
     mask = ancestor_mask.to(device=query.device, dtype=torch.int8).contiguous()
     rows = query_rows.to(torch.int64)
     valid = row_valid.to(torch.int8) if row_valid is not None else rows  # dummy pointer when absent
-    block_m = 32 if num_queries * groups > 16 else 16
+    block_m, block_n = (32 if num_queries * groups > 16 else 16), 32
     block_d = max(16, triton.next_power_of_2(head_size))
-    grid = (num_reqs, kv_heads, triton.cdiv(num_queries * groups, block_m))
-    _paged_tree_attention_kernel[grid](
+    tiles = triton.cdiv(num_queries * groups, block_m)
+    if num_splits is None:
+        num_splits = _num_splits(query.device, num_reqs * kv_heads * tiles, max_context_len)
+    max_keys = (max_context_len if max_context_len is not None else 1 << 30) + num_tree_keys
+    keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n if num_splits > 1 \
+        else 1 << 30
+    part_out = part_lse = output  # unused pointers when one program walks all keys
+    if num_splits > 1:
+        part_out = torch.empty(num_reqs, num_splits, num_queries, heads, head_size, device=query.device,
+                               dtype=torch.float32)
+        part_lse = torch.empty(num_reqs, num_splits, num_queries, heads, device=query.device, dtype=torch.float32)
+    _paged_tree_attention_kernel[(num_reqs, kv_heads * num_splits, tiles)](
         query, key_cache, value_cache, output, block_table, context_lens, rows, valid, mask,
         query.stride(0), query.stride(1),
         *key_cache.stride(), *value_cache.stride(),
         output.stride(0), output.stride(1),
         block_table.stride(0), rows.stride(0), valid.stride(0),
-        num_queries, num_tree_keys, head_size, groups, key_cache.shape[1], scale,
-        HAS_ROW_VALID=row_valid is not None, IEEE_DOT=query.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=block_d,
+        part_out, part_lse, *(part_out.stride()[:4] if num_splits > 1 else (0, 0, 0, 0)),
+        *(part_lse.stride()[:3] if num_splits > 1 else (0, 0, 0)),
+        num_queries, num_tree_keys, head_size, groups, key_cache.shape[1], scale, keys_per_split,
+        HAS_ROW_VALID=row_valid is not None, IEEE_DOT=query.dtype == torch.float32, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
     )
+    if num_splits > 1:
+        merged = _merge_splits(part_out, part_lse)  # [R, Tq, Hq, Dh]
+        if row_valid is None:
+            keep, merged = rows.flatten(), merged.flatten(0, 1)
+        else:
+            keep, merged = rows[row_valid], merged[row_valid]
+        output[keep] = merged.to(output.dtype)
+
+
+def _num_splits(device: torch.device, programs: int, max_context_len: int | None) -> int:
+    """Key splits so that few requests over long contexts still fill the GPU:
+    about two programs per multiprocessor, at least 256 keys per split, at most 16."""
+    if device.type != "cuda" or max_context_len is None:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(2 * sms, max(programs, 1))
+    return int(max(1, min(16, wanted, max_context_len // 256)))
+
+
+def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
+    """part_out [R, S, Tq, Hq, Dh], part_lse [R, S, Tq, Hq] (-inf: split saw no key)
+    -> the attention over all keys, [R, Tq, Hq, Dh] float32."""
+    lse = torch.logsumexp(part_lse, dim=1, keepdim=True)  # every row sees a key: finite
+    weights = torch.exp(part_lse - lse).nan_to_num_(0.0)
+    return (part_out * weights.unsqueeze(-1)).sum(1)
