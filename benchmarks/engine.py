@@ -1,4 +1,4 @@
-"""Tree speculation through vLLM, side by side, on the real Qwen pair (CPU build here).
+"""Tree speculation through vLLM, side by side, on the real Qwen pair (CPU or CUDA build).
 
 For each engine configuration (no speculation, vLLM's own ``draft_model`` chain
 with k = 5, ``univer`` with each verifier) one engine runs, in its own process,
@@ -15,7 +15,7 @@ the same MT-Bench prompts (chat template, round robin over categories) at each
 
     python benchmarks/engine.py                       # the default matrix (about 40 min on 2 cores)
     python benchmarks/engine.py --quick               # one prompt batch, fewer engines
-Results: ``benchmarks/results/engine.md`` and ``engine.json``.
+Results: ``benchmarks/results/engine.md`` and ``engine.json`` (``--tag gpu``: ``engine_gpu.*``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def run_matrix(args) -> list[dict]:
     target, draft = str(model_dir(DEFAULT_TARGET)), str(model_dir(DEFAULT_DRAFT))
     texts = [p["turns"][0] for p in prompts("mtbench", limit=8)]
     results = []
-    out_json = RESULTS / ("engine_quick.json" if args.quick else "engine.json")
+    out_json = RESULTS / f"{results_stem(args)}.json"
     done = {}
     if out_json.exists() and not args.fresh:
         done = {r["name"]: r for r in json.loads(out_json.read_text())["engines"]}
@@ -141,7 +141,20 @@ def run_matrix(args) -> list[dict]:
         results.append(json.loads(line[len("RESULT "):]))
         print(json.dumps(results[-1]["cells"]), flush=True)
         out_json.write_text(json.dumps({"engines": results, "command": " ".join(sys.argv)}, indent=1))
+    out_json.write_text(json.dumps({"engines": results, "command": " ".join(sys.argv)}, indent=1))
     return results
+
+
+def results_stem(args) -> str:
+    return "engine" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
+
+
+def device_label() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"CUDA build, {torch.cuda.get_device_name()}"
+    return f"CPU build, {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
 
 
 def tau_standard_error(cell: dict) -> float:
@@ -156,14 +169,12 @@ def tau_standard_error(cell: dict) -> float:
 def report(results: list[dict], command: str) -> str:
     base = {(c["batch"], c["temperature"]): c["tok_per_s"] for c in results[0]["cells"]}
     lines = [
-        "# Tree speculation through vLLM 0.32 (CPU build): speed and acceptance",
+        "# Tree speculation through vLLM 0.32: speed and acceptance",
         "",
-        f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} cores, "
-        f"{platform.platform()}; Qwen2.5-Coder 1.5B target / 0.5B draft, bfloat16, enforce_eager, "
-        "MT-Bench prompts (chat template), ignore_eos. One engine per row, one process per engine, one "
-        "engine at a time. Rows are saved in `engine.json`; `--rerun NAME...` replaces the named rows (the "
-        "tree rows here were rerun after the overhead optimisations, the no-speculation and vLLM chain rows "
-        "come from the first run of the same session; their code did not change).",
+        f"Command: `{command}`. Machine: {device_label()}; Qwen2.5-Coder 1.5B target / 0.5B draft, bfloat16, "
+        "enforce_eager, MT-Bench prompts (chat template), ignore_eos. One engine per row, one process per "
+        "engine, one engine at a time. Rows are saved in the JSON file beside this one; `--rerun NAME...` "
+        "replaces the named rows.",
         "",
         "tau = mean tokens per step = 1 + accepted / drafts (vLLM's spec-decode counters), +- its standard "
         "error (steps treated as independent). "
@@ -191,15 +202,17 @@ def main() -> None:
     ap.add_argument("--fresh", action="store_true", help="ignore saved engines and rerun all")
     ap.add_argument("--rerun", nargs="+", default=[], metavar="NAME",
                     help="rerun these engines (by row name, e.g. 'univer 2x5') and keep the other saved rows")
+    ap.add_argument("--tag", default="", help="suffix of the results files (e.g. 'gpu')")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one_engine(json.load(sys.stdin))), flush=True)
         return
     results = run_matrix(args)
-    command = "python benchmarks/engine.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/engine.py" + (" --quick" if args.quick else "") + \
+        (f" --tag {args.tag}" if args.tag else "")
     text = report(results, command)
-    (RESULTS / ("engine_quick.md" if args.quick else "engine.md")).write_text(text)
+    (RESULTS / f"{results_stem(args)}.md").write_text(text)
     print(text)
 
 
