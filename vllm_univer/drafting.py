@@ -104,13 +104,18 @@ def draft_children(
         return (probs.unsqueeze(1) / noise).argmax(-1)
 
     if scheme == "wor":
-        # Gumbel-top-m == sequential sampling without replacement, in sampling order.
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        noise.clamp_(min=torch.finfo(probs.dtype).tiny)
-        keys = probs / noise
-        order = torch.topk(keys, m, dim=-1).indices
-        exists = probs.gather(-1, order) > 0
-        return torch.where(exists, order, torch.full_like(order, -1))
+        # Sequential sampling without replacement, its definition: child j ~ q
+        # restricted to the tokens not drawn yet. Each draw is one two-stage
+        # inverse CDF (``sample_from_weights``): m passes over the vocabulary and
+        # no [K, V] random numbers (Gumbel-top-m would draw V of them per row).
+        remaining = probs.clone()
+        kids = []
+        for _ in range(m):
+            exists = remaining.sum(-1) > 0
+            child = torch.where(exists, sample_from_weights(remaining, generator), -1)
+            remaining.scatter_(1, child.clamp(min=0).unsqueeze(-1), 0.0)  # an empty row stays empty
+            kids.append(child)
+        return torch.stack(kids, -1)
 
     # topk1
     top = top_tokens(probs, m - 1)
