@@ -99,9 +99,8 @@ def draft_children(
         raise ValueError(f"scheme {scheme!r} cannot draw {m} distinct children from a vocabulary of {vocab}")
 
     if scheme in ("chain", "iid"):
-        noise = torch.empty(probs.shape[0], m, vocab, dtype=probs.dtype, device=probs.device)
-        noise.exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
-        return (probs.unsqueeze(1) / noise).argmax(-1)
+        # m independent inverse-CDF draws (no [K, m, V] random numbers).
+        return torch.stack([sample_from_weights(probs, generator) for _ in range(m)], -1)
 
     if scheme == "wor":
         # Sequential sampling without replacement, its definition: child j ~ q
