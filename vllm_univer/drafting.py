@@ -116,9 +116,10 @@ def draft_children(
             kids.append(child)
         return torch.stack(kids, -1)
 
-    # topk1
+    # topk1: slot 0 from q off the top set (``residual_draft``'s law; the inverse
+    # CDF needs no normalisation, so q is zeroed on the top set and sampled as is).
     top = top_tokens(probs, m - 1)
-    q_bar, exists = residual_draft(probs, top)
-    sampled = sample_from_weights(q_bar, generator)
-    sampled = torch.where(exists, sampled, torch.full_like(sampled, -1))
+    off_top = probs.clone().scatter_(1, top, 0.0)
+    exists = off_top.sum(-1) > 0
+    sampled = torch.where(exists, sample_from_weights(off_top, generator), -1)
     return torch.cat([sampled.unsqueeze(-1), top], dim=-1)
