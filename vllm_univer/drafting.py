@@ -110,8 +110,7 @@ def draft_children(
         remaining = probs.clone()
         kids = []
         for _ in range(m):
-            exists = remaining.sum(-1) > 0
-            child = torch.where(exists, sample_from_weights(remaining, generator), -1)
+            child = _draw_or_missing(remaining, generator)
             remaining.scatter_(1, child.clamp(min=0).unsqueeze(-1), 0.0)  # an empty row stays empty
             kids.append(child)
         return torch.stack(kids, -1)
@@ -119,7 +118,11 @@ def draft_children(
     # topk1: slot 0 from q off the top set (``residual_draft``'s law; the inverse
     # CDF needs no normalisation, so q is zeroed on the top set and sampled as is).
     top = top_tokens(probs, m - 1)
-    off_top = probs.clone().scatter_(1, top, 0.0)
-    exists = off_top.sum(-1) > 0
-    sampled = torch.where(exists, sample_from_weights(off_top, generator), -1)
+    sampled = _draw_or_missing(probs.clone().scatter_(1, top, 0.0), generator)
     return torch.cat([sampled.unsqueeze(-1), top], dim=-1)
+
+
+def _draw_or_missing(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """weights [K, V] >= 0 (unnormalised) -> [K]: one token with P(i) = w_i / sum(w),
+    -1 for a row without mass (the child does not exist)."""
+    return torch.where(weights.sum(-1) > 0, sample_from_weights(weights, generator), -1)

@@ -50,8 +50,9 @@ def patch_engine_args_create_speculative_config() -> None:
 
 def patch_model_runner() -> None:
     """``GPUModelRunner`` (also the base of ``CPUModelRunner``): attach a ``TreeRunner``
-    after construction, check the attention layers once the KV cache exists, rewrite tree positions after ``_prepare_inputs``, hand the
-    tree attention plan to ``_build_attention_metadata``'s result, and draft trees in
+    after construction, check the attention layers once the KV cache exists,
+    rewrite tree positions after ``_prepare_inputs``, hand the tree attention plan
+    to ``_build_attention_metadata``'s result, and draft trees in
     ``propose_draft_token_ids``. Its ``rejection_sampler`` becomes the tree verifier."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

@@ -5,14 +5,14 @@ transforms, in vLLM's order: float32 logits -> allowed tokens, bad words and
 min_tokens on the row's path (``path_masks.TreePathMasks``) -> presence /
 frequency / repetition penalties (vLLM's ``apply_penalties``, counting the
 tokens generated so far plus the tokens on the path to the node) -> temperature
--> top-k / top-p (vLLM's ``apply_top_k_top_p``) -> softmax. Temperature-0 requests are flagged
-greedy (the verifier then matches argmaxes). Per-request values are expanded
+-> top-k / top-p (vLLM's ``apply_top_k_top_p``) -> softmax. Temperature-0
+requests are flagged greedy (the verifier then matches argmaxes). Per-request values are expanded
 to rows with ``repeat_interleave``, not vLLM's CPU stand-in for its Triton
 expand kernel, which returns uninitialised memory in 0.32.0.
 
-Structured outputs and custom logits processors are refused per request
-(``request_options``); min_p and logit_bias are refused by vLLM itself for any
-speculative decoding.
+Structured outputs are refused per request (``request_options``), custom
+logits processors at start-up (``tree_runner``); min_p and logit_bias are
+refused by vLLM itself for any speculative decoding.
 """
 
 from __future__ import annotations

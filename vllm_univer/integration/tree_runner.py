@@ -67,8 +67,7 @@ class TreeRunner:
         """(keys, values) views of every attention layer's cache, target and draft."""
         if self._kv_views is None:
             views = []
-            for layer in self.attention_layers():
-                check_layer_supported(layer.impl)
+            for layer in self.attention_layers():  # already checked by ``check_layers`` at start-up
                 views.append(layer_kv_views(layer.impl, layer.kv_cache, getattr(layer, "isa", None)))
             self._kv_views = views
         return self._kv_views
@@ -87,7 +86,6 @@ class TreeRunner:
         tree_reqs = torch.nonzero(num_draft > 0).flatten()
         if tree_reqs.numel() == 0:
             return
-        self.kv_layers()  # refuse unsupported layers before the first tree forward
         runner = self.runner
         device = runner.positions.device
         batch = num_draft.shape[0]
