@@ -172,6 +172,55 @@ def test_path_dependent_options_equal_no_speculation(models):
     assert all(set(out) <= set(allowed[::3]) and len(out) == 60 for out in results[1]["calls"][1]["outputs"])
 
 
+def test_structured_outputs_equal_no_speculation(models):
+    """Structured outputs (regexes, a JSON schema, a choice) with one grammar state
+    per tree node: greedy requests equal their non-speculative output, beside an
+    unconstrained request, with vLLM's default grammar backend (xgrammar) and
+    with guidance. The target drafts for itself, so drafts the grammar allows are
+    accepted deep into the tree and the others are rejected. A sampled request
+    stays inside its grammar."""
+    import json
+
+    import regex
+    from transformers import AutoTokenizer
+
+    target, _ = models
+    texts = prompts(5, seed=9)
+    words = "([a-z]+ )*[a-z]+"
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    base = {"temperature": 0.0, "max_tokens": 60}
+    params = [
+        {**base, "structured_outputs": {"regex": words}},
+        {**base, "structured_outputs": {"regex": "((tree|draft|token|accept) ){30}"}},
+        {**base, "structured_outputs": {"json": json.dumps(schema)}},
+        {**base, "structured_outputs": {"choice": ["tree draft", "token accept", "red blue green"]}},
+        {**base, "ignore_eos": True},
+    ]
+    constrained = {"prompts": texts, "params": params}
+    sampled = call(texts, temperature=1.0, max_tokens=40, structured_outputs={"regex": words})
+    guidance = {"structured_outputs_config": {"backend": "guidance"}}
+    results = run_engines([
+        engine(target, [constrained]),
+        engine(target, [constrained, sampled], univer(target, "2x3")),
+        engine(target, [constrained], **guidance),  # backends may differ: each has its own reference
+        engine(target, [constrained], univer(target, "2x3"), **guidance),
+    ])
+    for result in results:
+        assert "error" not in result, result.get("error")
+        assert all("error" not in c for c in result["calls"]), result["calls"]
+    reference = results[0]["calls"][0]["outputs"]
+    tok = AutoTokenizer.from_pretrained(target)
+    assert regex.fullmatch(words, tok.decode(reference[0], skip_special_tokens=True))
+    assert tok.decode(reference[3], skip_special_tokens=True) in ("tree draft", "token accept", "red blue green")
+    assert results[1]["calls"][0]["outputs"] == reference
+    assert results[3]["calls"][0]["outputs"] == results[2]["calls"][0]["outputs"]
+    for result in results[1::2]:  # whole paths of depth 3 were accepted
+        assert result["spec"]["vllm:spec_decode_num_accepted_tokens_per_pos"][2] > 0, result["spec"]
+    for out in results[1]["calls"][1]["outputs"]:
+        assert regex.fullmatch(words, tok.decode(out, skip_special_tokens=True), partial=True), out
+
+
 def test_sampled_request_joining_an_all_greedy_batch(models):
     """All-greedy steps keep no draft q (argmax matching never reads it); when a
     sampled request joins (max_num_seqs=2: it starts when a greedy one finishes),

@@ -102,6 +102,30 @@ def masked(logits, generated, params: dict):
         logits[hit, word[-1]] = float("-inf")
     if n < params.get("min_tokens", 0):
         logits[:, params["stop_token_ids"]] = float("-inf")
+    if "regex" in params:
+        logits = grammar_masked(logits, generated, params["regex"], params["token_texts"], params["stop_token_ids"])
+    return logits
+
+
+def grammar_masked(logits, generated, pattern: str, token_texts: list[str], stops: list[int]):
+    """A regex grammar as structured outputs define it, by partial matching with
+    the ``regex`` module: a token is allowed iff the text so far plus the token's
+    text can still be completed to a match; a stop token iff the text is a full
+    match; special tokens (empty text) never. A row that allows nothing has
+    probability 0 (its prefix left the grammar) and is left as it is."""
+    import regex
+    import torch
+
+    logits = logits.clone()
+    for row, prefix in enumerate(generated.tolist()):
+        text = "".join(token_texts[t] for t in prefix)
+        allowed = torch.tensor([
+            (regex.fullmatch(pattern, text) is not None) if token in stops
+            else bool(token_texts[token]) and regex.fullmatch(pattern, text + token_texts[token], partial=True)
+            is not None
+            for token in range(logits.shape[-1])])
+        if allowed.any():
+            logits[row, ~allowed] = float("-inf")
     return logits
 
 
@@ -226,3 +250,35 @@ def test_path_options_law_equals_target_law(small_models):
             for name, wrong in wrong_laws.items():
                 pvalue = chi_square_pvalue(counts.sum(axis=(3,)).ravel(), wrong.sum(axis=(3,)).ravel())
                 assert pvalue < 1e-6, (name, pvalue)
+
+
+def test_structured_output_law_equals_target_law(small_models):
+    """Structured outputs (a regex) at temperature 1, one grammar state per tree
+    node: the generated law is the target's under the grammar, written out with
+    partial regex matching, and not the grammar-masked draft's law. The regex
+    makes every node's mask depend on its path (letters alternate between the
+    halves of the alphabet), and the stop token is allowed only after a full match."""
+    from transformers import AutoTokenizer
+
+    target, draft = small_models
+    tok = AutoTokenizer.from_pretrained(target)
+    special = set(tok.all_special_ids)
+    token_texts = ["" if t in special else tok.decode([t]) for t in range(VOCAB)]
+    pattern = "([a-m][n-z])+"
+    exact = {"temperature": 1.0, "regex": pattern, "token_texts": token_texts, "stop_token_ids": [tok.eos_token_id]}
+    sampling = {"temperature": 1.0, "max_tokens": 4, "structured_outputs": {"regex": pattern}}
+    prompt = PROMPTS[0]
+    result = run_engines([{
+        "kwargs": {"model": target, "max_model_len": 64, "max_num_seqs": 64,
+                   "speculative_config": {"method": "univer", "model": draft, "tree": "2x2"}},
+        "calls": [{"prompts": [prompt] * REQUESTS_PER_PROMPT, "params": [sampling] * REQUESTS_PER_PROMPT}],
+    }])[0]
+    assert "error" not in result, result.get("error")
+    spec = result["spec"]
+    assert spec["vllm:spec_decode_num_accepted_tokens"] > 0.2 * spec["vllm:spec_decode_num_drafts"]
+    counts = counts_of(result["calls"][0]["outputs"])
+    law = exact_law_of_tokens(target, prompt, exact)
+    wrong = exact_law_of_tokens(draft, prompt, exact)
+    for axes in ((3,), (0, 1)):
+        assert chi_square_pvalue(counts.sum(axis=axes).ravel(), law.sum(axis=axes).ravel()) > 1e-3, axes
+    assert chi_square_pvalue(counts.sum(axis=(3,)).ravel(), wrong.sum(axis=(3,)).ravel()) < 1e-6

@@ -30,9 +30,12 @@ def test_openai_client_against_univer_server(models, tmp_path):
         pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
         assert len(pieces) > 1 and "".join(pieces)
 
-        with pytest.raises(openai.BadRequestError, match="structured outputs is not supported"):
-            client.completions.create(model=target, prompt="the", max_tokens=5,
-                                      extra_body={"structured_outputs": {"regex": "(the )+"}})
+        choices = ["tree draft", "token accept"]
+        chosen = client.completions.create(model=target, prompt="the", max_tokens=20,
+                                           extra_body={"structured_outputs": {"choice": choices}})
+        assert chosen.choices[0].text in choices
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=target, prompt="the", max_tokens=-1)
         again = client.completions.create(model=target, prompt="the tree draft", max_tokens=40, temperature=0,
                                           extra_body={"ignore_eos": True})
         assert again.choices[0].text == completion.choices[0].text

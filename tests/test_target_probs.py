@@ -86,17 +86,24 @@ def test_tree_penalties_equal_vllm_penalties_on_each_path():
 
 
 def test_options_that_depend_on_the_path_are_refused():
+    """Every per-path option is honoured; structured outputs too, unless the grammar
+    starts only where a reasoning parser sees the reasoning end."""
     from vllm import SamplingParams
+    from vllm.config import StructuredOutputsConfig
+    from vllm.sampling_params import StructuredOutputsParams
 
     from vllm_univer.integration.request_options import unsupported_option
 
     honoured = SamplingParams(temperature=0.5, top_p=0.9, presence_penalty=0.4, seed=3, bad_words=["x"],
                               allowed_token_ids=[1, 2], min_tokens=2)
+    structured = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
     assert unsupported_option(honoured) is None
-    from vllm.sampling_params import StructuredOutputsParams
-
-    parameter, message = unsupported_option(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")))
-    assert parameter == "structured_outputs" and "not supported with tree speculative decoding" in message
+    assert unsupported_option(structured, StructuredOutputsConfig()) is None
+    assert unsupported_option(structured, StructuredOutputsConfig(reasoning_parser="deepseek_r1",
+                                                                  enable_in_reasoning=True)) is None
+    assert unsupported_option(honoured, StructuredOutputsConfig(reasoning_parser="deepseek_r1")) is None
+    parameter, message = unsupported_option(structured, StructuredOutputsConfig(reasoning_parser="deepseek_r1"))
+    assert parameter == "structured_outputs" and "reasoning parser" in message
 
 
 def test_path_masks_equal_vllm_on_each_path():

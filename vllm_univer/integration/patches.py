@@ -174,7 +174,7 @@ def patch_input_processor_validate_params() -> None:
         def _validate_params(self, params, *args, **kwargs):
             result = original(self, params, *args, **kwargs)
             if is_univer(self.speculative_config) and isinstance(params, SamplingParams):
-                problem = unsupported_option(params)
+                problem = unsupported_option(params, self.structured_outputs_config)
                 if problem is not None:
                     from vllm.exceptions import VLLMValidationError
 
@@ -184,6 +184,45 @@ def patch_input_processor_validate_params() -> None:
         return _validate_params
 
     _wraps_once(InputProcessor, "_validate_params", make)
+
+
+def patch_structured_output_manager() -> None:
+    """``StructuredOutputManager.grammar_bitmask`` and ``.validate_tokens``: a tree's
+    draft tokens are its nodes in breadth-first order, not a chain. Each node gets
+    the bitmask of the grammar state after its own path (``tree_grammar``), and
+    drafts are not cut at the first token the grammar refuses as if they were a
+    chain (the grammar-masked target law gives such nodes probability 0)."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from .speculative_config import is_univer
+    from .tree_grammar import TreeGrammarBitmask, tree_grammar_bitmask
+
+    def tree_of(manager) -> TreeGrammarBitmask | None:
+        spec = manager.vllm_config.speculative_config
+        if not is_univer(spec):
+            return None
+        if getattr(manager, "_univer_tree_bitmask", None) is None:
+            manager._univer_tree_bitmask = TreeGrammarBitmask(spec.univer.tree_spec)
+        return manager._univer_tree_bitmask
+
+    def make_grammar_bitmask(original):
+        def grammar_bitmask(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens):
+            tree = tree_of(self)
+            if tree is None or not structured_output_request_ids:
+                return original(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+            return tree_grammar_bitmask(self, tree, requests, structured_output_request_ids,
+                                        scheduled_spec_decode_tokens)
+        return grammar_bitmask
+
+    def make_validate_tokens(original):
+        def validate_tokens(self, request, spec_tokens):
+            if tree_of(self) is not None:
+                return spec_tokens
+            return original(self, request, spec_tokens)
+        return validate_tokens
+
+    _wraps_once(StructuredOutputManager, "grammar_bitmask", make_grammar_bitmask)
+    _wraps_once(StructuredOutputManager, "validate_tokens", make_validate_tokens)
 
 
 def patch_cpu_expand_kernel() -> None:
@@ -218,5 +257,6 @@ ALL_PATCHES = (
     patch_attention_forwards,
     patch_vllm_config_v2_model_runner,
     patch_input_processor_validate_params,
+    patch_structured_output_manager,
     patch_cpu_expand_kernel,
 )

@@ -3,27 +3,35 @@
 Tree rows at different depths and on different paths continue different
 texts, so options whose logits transform depends on the tokens generated so
 far need one transform per path. Penalties (``target_probs.TreePenalties``),
-allowed tokens, bad words and min_tokens (``path_masks.TreePathMasks``) have
-one; structured outputs (a grammar state per path) do not, so they are refused
-per request, before the request reaches the engine. (Custom logits processors
-are engine-wide in vLLM 0.32 and refused at start-up by ``TreeRunner``.)
+allowed tokens, bad words and min_tokens (``path_masks.TreePathMasks``) and
+structured outputs (``tree_grammar``: a grammar state per node) have one.
+Structured outputs that start only once a reasoning parser sees the end of
+the reasoning do not: where reasoning ends differs between paths, so they are
+refused per request, before the request reaches the engine. (Custom logits
+processors are engine-wide in vLLM 0.32 and refused at start-up by ``TreeRunner``.)
 No vLLM import.
 """
 
 from __future__ import annotations
 
 
-def unsupported_option(params) -> tuple[str, str] | None:
+def unsupported_option(params, structured_outputs_config=None) -> tuple[str, str] | None:
     """(parameter, message) for the first option of ``params`` (vLLM SamplingParams)
-    that ``method: "univer"`` cannot honour exactly, else None."""
-    checks = (
-        ("structured_outputs", getattr(params, "structured_outputs", None) is not None, "structured outputs"),
+    that ``method: "univer"`` cannot honour exactly, else None.
+
+    structured_outputs_config: the engine's (vLLM ``StructuredOutputsConfig``), or None.
+    """
+    grammar_after_reasoning = (
+        getattr(params, "structured_outputs", None) is not None
+        and structured_outputs_config is not None
+        and bool(getattr(structured_outputs_config, "reasoning_parser", ""))
+        and not getattr(structured_outputs_config, "enable_in_reasoning", False)
     )
-    for parameter, refused, what in checks:
-        if refused:
-            return parameter, (
-                f"{what} is not supported with tree speculative decoding (method 'univer'): "
-                "its effect depends on the tokens generated so far, which differ between tree paths; "
-                "send the request without it or use a server without --speculative-config"
-            )
+    if grammar_after_reasoning:
+        return "structured_outputs", (
+            "structured outputs with a reasoning parser are not supported with tree speculative decoding "
+            "(method 'univer'): the grammar starts where reasoning ends, which differs between tree paths; "
+            "send the request without structured outputs, start the server with "
+            "--structured-outputs-config.enable_in_reasoning=true, or without --reasoning-parser"
+        )
     return None
