@@ -10,9 +10,10 @@ requests are flagged greedy (the verifier then matches argmaxes). Per-request va
 to rows with ``repeat_interleave``, not vLLM's CPU stand-in for its Triton
 expand kernel, which returns uninitialised memory in 0.32.0.
 
-Structured outputs are refused per request (``request_options``), custom
-logits processors at start-up (``tree_runner``); min_p and logit_bias are
-refused by vLLM itself for any speculative decoding.
+Structured outputs arrive already applied: vLLM masks the logits with one
+grammar bitmask row per tree node (``tree_grammar``) before the sampler runs.
+Custom logits processors are refused at start-up (``tree_runner``); min_p and
+logit_bias are refused by vLLM itself for any speculative decoding.
 """
 
 from __future__ import annotations
