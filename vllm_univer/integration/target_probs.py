@@ -34,14 +34,16 @@ def tree_target_probs(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     path_transforms: Sequence = (),
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, T, V] (T tree rows per request), temperature / top_k / top_p [B],
     path_transforms: objects whose ``apply(logits)`` transforms float32 [B, T, V]
-    logits in place, in order (``TreePathMasks``, ``TreePenalties``)
+    logits in place, in order (``TreePathMasks``, ``TreePenalties``), out: an
+    optional float32 [B, T, V] buffer the probabilities are computed in
     -> (probs [B, T, V] float32, greedy [B] bool)."""
     batch, rows, vocab = logits.shape
     temp, greedy = split_greedy(temperature)
-    scaled = processed_logits(logits, path_transforms)
+    scaled = processed_logits(logits, path_transforms, out)
     scaled = scaled.div_(temp.view(batch, 1, 1)).view(batch * rows, vocab)
     k = top_k.repeat_interleave(rows) if top_k is not None else None
     p = top_p.repeat_interleave(rows) if top_p is not None else None
@@ -49,11 +51,13 @@ def tree_target_probs(
     return softmax_(scaled).view(batch, rows, vocab), greedy
 
 
-def processed_logits(logits: torch.Tensor, path_transforms: Sequence = ()) -> torch.Tensor:
+def processed_logits(logits: torch.Tensor, path_transforms: Sequence = (),
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, T, V] -> a float32 copy with the path transforms applied in order:
     what vLLM's greedy sampler takes the argmax of, and samples from after temperature.
-    One [B, T, V] float32 buffer, transformed in place (the logits may be a view of vLLM's)."""
-    scaled = logits.to(torch.float32, copy=True)
+    One [B, T, V] float32 buffer (``out`` if given), transformed in place (the
+    logits may be a view of vLLM's)."""
+    scaled = logits.to(torch.float32, copy=True) if out is None else out.copy_(logits)
     for transform in path_transforms:
         transform.apply(scaled)
     return scaled

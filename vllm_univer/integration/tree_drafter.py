@@ -25,7 +25,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from ..drafting import draft_children, top_tokens
 from ..tree import TreeSpec
 from .tree_attention_plan import TreeAttentionPlan
-from .target_probs import split_greedy
+from .step_buffer import StepBuffer
+from .target_probs import softmax_, split_greedy
 from .tree_state import DraftedTrees, TreeState
 
 
@@ -50,6 +51,7 @@ class TreeDrafter:
                 parents = torch.nonzero(num_children[first:last + 1] == m).flatten() + first
                 groups.append((parents, tree.children[parents, :m], m))
             self.child_groups.append(groups)
+        self.q_rows = StepBuffer(runner.device)  # the draft rows q, [B, N+1, V]
 
     # ------------------------------------------------------------------ step
     def propose(self, sampled_token_ids, sampling_metadata) -> list[list[int]]:
@@ -139,7 +141,8 @@ class TreeDrafter:
         if not all_greedy:
             # Rows of internal nodes are written level by level; leaf rows are never a
             # draw's law but the verifier reads them at a leaf end node: keep them finite.
-            q = torch.empty(reqs, n1, vocab, dtype=torch.float32, device=device)
+            batch_ids = self.runner.input_batch.req_ids
+            q = self._q_buffer((reqs, n1, vocab), {batch_ids[i] for i in active})
             q[:, self.level_span[tree.max_depth][0]:] = 0.0
         temp = temperature.to(device).view(-1, 1)
         self._draw_children(0, tokens, self._level_rows(q, 0, root_logits.unsqueeze(1), temp.unsqueeze(-1), banned),
@@ -179,9 +182,16 @@ class TreeDrafter:
         if q is None:
             return _masked(logits, banned)
         first, last = self.level_span[depth]
-        scaled = logits.to(torch.float32, copy=True).div_(temp)
-        torch.softmax(_masked(scaled, banned), -1, out=q[:, first:last + 1])
-        return q[:, first:last + 1]
+        rows = q[:, first:last + 1]
+        return softmax_(_masked(rows.copy_(logits).div_(temp), banned))
+
+    def _q_buffer(self, shape: tuple[int, int, int], replaced: set[str]) -> torch.Tensor:
+        """This step's q rows, in the buffer kept across steps unless a tree that
+        is not ``replaced`` this step (a request the scheduler skipped) still reads the old rows."""
+        if any(self.q_rows.holds(drafted.draft_probs)
+               for req_id, (drafted, _) in self.state.trees.items() if req_id not in replaced):
+            self.q_rows.release()
+        return self.q_rows.get(shape)
 
     def _draw_children(self, depth, tokens, level_rows, greedy, generators, active) -> None:
         """Children of the depth-``depth`` nodes, drawn from their rows ``level_rows``

@@ -20,6 +20,7 @@ from .. import verify, verify_greedy
 from ..kernels.kv_compaction import accepted_path_moves, move_paged_kv
 from ..tree import TreeSpec
 from .path_masks import TreePathMasks
+from .step_buffer import StepBuffer
 from .target_probs import TreePenalties, processed_logits, tree_target_probs
 from .tree_state import TreeState
 
@@ -48,6 +49,7 @@ class TreeVerificationSampler:
         # nodes_through_depth[d] = number of nodes (root included) at depth <= d.
         counts = torch.bincount(tree.depth, minlength=tree.max_depth + 1)
         self.nodes_through_depth = counts.cumsum(0)
+        self.probs_buffer = StepBuffer(runner.device)  # the target probabilities, [B, N+1, V]
 
     def __call__(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
         with self.timers.measure("verify"):
@@ -62,7 +64,10 @@ class TreeVerificationSampler:
 
         # Rows of each request's root and nodes in ``logits``; missing nodes repeat a valid row.
         rows = tree_rows((num_draft + 1).cumsum(0) - (num_draft + 1), num_draft, tree.num_nodes)
-        tree_logits = logits[rows.to(device)]  # [B, N+1, V] (a fresh tensor: transformed in place below)
+        if bool((num_draft == tree.num_nodes).all()) and logits.shape[0] == rows.numel():
+            tree_logits = logits.view(batch, tree.num_nodes + 1, -1)  # every tree whole: rows in order, no copy
+        else:
+            tree_logits = logits[rows.to(device)]  # [B, N+1, V]
         temperature = sampling_metadata.temperature
         if temperature is None:  # all greedy
             temperature = torch.zeros(batch, device=device)
@@ -77,7 +82,10 @@ class TreeVerificationSampler:
         if sampling_metadata.all_greedy:
             # Argmax matching needs neither probabilities nor q: the argmax of the
             # processed logits, as vLLM's greedy sampler takes it.
-            argmax = (processed_logits(tree_logits, transforms) if transforms else tree_logits).argmax(-1)
+            if transforms:
+                tree_logits = processed_logits(tree_logits, transforms,
+                                               out=self.probs_buffer.get(tuple(tree_logits.shape)))
+            argmax = tree_logits.argmax(-1)
             result = verify_greedy(tree, tokens, argmax)
         else:
             result = self._verify_sampled(tokens, q, q_missing, tree_logits, temperature, transforms,
@@ -95,15 +103,18 @@ class TreeVerificationSampler:
     def _verify_sampled(self, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata,
                         batch: int):
         tree = self.tree
-        p, greedy = tree_target_probs(tree_logits, temperature, sampling_metadata.top_k, sampling_metadata.top_p,
-                                      transforms)
+        with self.timers.measure("target_probs"):
+            p, greedy = tree_target_probs(tree_logits, temperature, sampling_metadata.top_k,
+                                          sampling_metadata.top_p, transforms,
+                                          out=self.probs_buffer.get(tuple(tree_logits.shape)))
         # Trees drafted in an all-greedy step have no q; they belong to greedy
         # requests, whose outcome is argmax matching, so any valid rows will do.
         if q is None:
             q = p
         elif q_missing is not None:
             q = torch.where(q_missing.view(-1, 1, 1), p, q)
-        result = verify(self.method, tree, tokens, p, q, greedy=greedy, validate=False)
+        with self.timers.measure("verifier"):
+            result = verify(self.method, tree, tokens, p, q, greedy=greedy, validate=False)
         # Seeded requests draw from their own generator, so their outputs do not
         # depend on the rest of the batch.
         for row, generator in sampling_metadata.generators.items():
