@@ -55,6 +55,30 @@ def continue_prob(mass: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, mass / safe, torch.ones_like(den)).clamp(0.0, 1.0)
 
 
+# Elements of one chunk's temporaries on CPU (4 MB of float32): small enough to be
+# reused by the allocator, unlike fresh [.., V] temporaries that are page-faulted in.
+_CPU_CHUNK_ELEMENTS = 1 << 20
+
+
+def sum_of_min(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """sum_y min(a(y), b_scale * b(y)) over the last dim.
+
+    a, b [..., V]; b_scale broadcasts against [..., 1] -> [..., 1]. On CPU the
+    vocabulary is walked in chunks (no [.., V] temporary); elsewhere one pass.
+    """
+    vocab = a.shape[-1]
+    rows = max(1, a.numel() // max(vocab, 1))
+    chunk = vocab if a.device.type != "cpu" else max(1024, _CPU_CHUNK_ELEMENTS // rows)
+    if chunk >= vocab:
+        return torch.minimum(a, b * b_scale).sum(-1, keepdim=True)
+    total = None
+    for start in range(0, vocab, chunk):
+        end = start + chunk
+        part = torch.minimum(a[..., start:end], b[..., start:end] * b_scale).sum(-1, keepdim=True)
+        total = part if total is None else total.add_(part)
+    return total
+
+
 def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Cumulative sum along the last dim, excluding the current element."""
     return x.cumsum(-1) - x

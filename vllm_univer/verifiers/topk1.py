@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..drafting import residual_draft
-from ..ops import gather_tokens, token_set_mask
+from ..ops import gather_tokens, sum_of_min, token_set_mask
 from .base import NodeBatch
 
 
@@ -44,7 +44,7 @@ class Topk1Node:
         min(q/Z, s p) = min(q, s Z p) / Z; the terms of the top tokens are subtracted.
         """
         factor = scale * self.q_off_top
-        full = torch.minimum(nodes.q, nodes.p * factor).sum(-1, keepdim=True)
+        full = sum_of_min(nodes.q, nodes.p, factor)
         on_top = torch.minimum(gather_tokens(nodes.q, self.top), self.p_top * factor).sum(-1, keepdim=True)
         carried = ((full - on_top) / self.q_off_top).clamp(min=0)
         return carried * self.has_sampled
