@@ -15,6 +15,9 @@ the same MT-Bench prompts (chat template, round robin over categories) at each
 
     python benchmarks/engine.py                       # the default matrix (about 40 min on 2 cores)
     python benchmarks/engine.py --quick               # one prompt batch, fewer engines
+
+The full matrix also runs structured outputs (a JSON schema, ``(JSON)`` rows) without speculation,
+with vLLM's chain and with univer 2x3; those rows are compared with the JSON row without speculation.
 Results: ``benchmarks/results/engine.md`` and ``engine.json`` (``--tag gpu``: ``engine_gpu.*``).
 """
 
@@ -38,6 +41,12 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_CPU_K
 
 SPEED_CELLS = [(8, 1.0, 32), (8, 0.0, 32), (1, 1.0, 64), (1, 0.0, 64)]  # (batch, temperature, new tokens)
 ACCEPTANCE_CELLS = [(8, 1.0, 32)]
+# Structured outputs rows: every request answers in this JSON schema (the text may end early).
+JSON_CELLS = [(8, 0.0, 64), (8, 1.0, 64)]
+JSON_SCHEMA = {"type": "object", "properties": {"summary": {"type": "string"},
+                                               "steps": {"type": "array", "items": {"type": "string"}}},
+               "required": ["summary", "steps"]}
+JSON_HINT = "\n\nAnswer in JSON with a one-sentence summary and a list of steps."
 
 
 def engine_configs(quick: bool) -> list[dict]:
@@ -57,6 +66,8 @@ def engine_configs(quick: bool) -> list[dict]:
                      "cells": ACCEPTANCE_CELLS} for v in tree_verifiers[1:]]
         configs += [{"name": f"{v} 1x5", "spec": {"method": "univer", "tree": "1x5", "verifier": v},
                      "cells": ACCEPTANCE_CELLS} for v in ("token", "block")]
+        configs += [{**c, "name": f"{c['name']} (JSON)", "cells": JSON_CELLS, "json": True}
+                    for c in configs[:2] + configs[3:4]]  # no speculation, vLLM's chain, univer 2x3
     return configs
 
 
@@ -83,12 +94,18 @@ def run_one_engine(job: dict) -> dict:
     llm = LLM(model=job["target"], speculative_config=spec, dtype="bfloat16", enforce_eager=True,
               max_model_len=2048, max_num_seqs=8, seed=0, disable_log_stats=False)
     tokenizer = llm.get_tokenizer()
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                           add_generation_prompt=True) for t in job["prompts"]]
+    structured = {}
+    if job.get("json"):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = {"structured_outputs": StructuredOutputsParams(json=JSON_SCHEMA), "ignore_eos": False}
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t + (JSON_HINT if structured else "")}],
+                                           tokenize=False, add_generation_prompt=True) for t in job["prompts"]]
     llm.generate(texts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
     cells = []
     for batch, temperature, new_tokens in job["cells"]:
-        params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=None)
+        params = SamplingParams(**{"temperature": temperature, "max_tokens": new_tokens, "ignore_eos": True,
+                                   "seed": None, **structured})
         before, timers_before = _spec_counters(llm), llm.collective_rpc(_timers)[0]
         start = time.perf_counter()
         outputs = llm.generate(texts[:batch], params, use_tqdm=False)
@@ -131,7 +148,7 @@ def run_matrix(args) -> list[dict]:
             continue
         cells = [c for c in config["cells"] if not args.quick or c[0] == 8]
         job = {"name": config["name"], "spec": config["spec"], "cells": cells, "target": target, "draft": draft,
-               "prompts": texts}
+               "prompts": texts, "json": config.get("json", False)}
         print(f"[engine] {config['name']} ...", flush=True)
         proc = subprocess.run([sys.executable, __file__, "--one"], input=json.dumps(job), text=True,
                               capture_output=True, env={**os.environ, **ENV})
@@ -167,7 +184,12 @@ def tau_standard_error(cell: dict) -> float:
 
 
 def report(results: list[dict], command: str) -> str:
-    base = {(c["batch"], c["temperature"]): c["tok_per_s"] for c in results[0]["cells"]}
+    # Each row is compared with the row without speculation of the same kind (plain or JSON).
+    def kind(r):
+        return r["name"].endswith("(JSON)")
+
+    base = {(kind(r), c["batch"], c["temperature"]): c["tok_per_s"]
+            for r in results if r["name"].startswith("no speculation") for c in r["cells"]}
     lines = [
         "# Tree speculation through vLLM 0.32: speed and acceptance",
         "",
@@ -186,8 +208,8 @@ def report(results: list[dict], command: str) -> str:
     ]
     for r in results:
         for c in r["cells"]:
-            ratio = c["tok_per_s"] / base[(c["batch"], c["temperature"])] if (c["batch"], c["temperature"]) in base \
-                else float("nan")
+            key = (kind(r), c["batch"], c["temperature"])
+            ratio = c["tok_per_s"] / base[key] if key in base else float("nan")
             tau = f"{c['tau']:.2f} +- {tau_standard_error(c):.2f}" if "tau" in c else "-"
             depth = " / ".join(f"{a:.2f}" for a in c.get("accepted_per_depth", [])) or "-"
             share = f"{100 * c['overhead_share']:.1f}%" if "overhead_share" in c else "-"

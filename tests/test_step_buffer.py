@@ -30,6 +30,9 @@ def test_buffer_is_reused_and_grown():
     per_call = StepBuffer(torch.device("cpu"), keep=False)  # the CUDA policy: a new tensor per call
     x = per_call.get((2, 2))
     assert x.shape == (2, 2) and not per_call.holds(x)
+    capped = StepBuffer(torch.device("cpu"), max_kept_bytes=64)  # 16 float32 elements
+    kept, too_big = capped.get((4, 4)), capped.get((4, 5))
+    assert capped.holds(kept) and not capped.holds(too_big) and too_big.shape == (4, 5)
 
 
 def drafter_with(state: TreeState) -> TreeDrafter:

@@ -28,17 +28,20 @@ def top_tokens(probs: torch.Tensor, k: int) -> torch.Tensor:
         return probs.argmax(-1, keepdim=True)  # argmax returns the first (lowest-id) maximum
     # topk does not promise an order among equal values. Take the k+1 largest: if
     # the k-th and (k+1)-th values differ, the chosen set is exact and only ties
-    # inside it need ordering; otherwise (a tie across the boundary, rare) resolve
-    # it exactly over the whole row. One host sync, and only for k >= 2.
+    # inside it need ordering; rows with a tie across the boundary (common in
+    # bfloat16 logits) are resolved exactly over their whole row. One host sync,
+    # and only for k >= 2.
     vocab = probs.shape[-1]
     vals, idx = torch.topk(probs, min(k + 1, vocab), dim=-1)
-    if vocab > k and bool((vals[..., k - 1] == vals[..., k]).any()):
-        return _top_tokens_exact(probs, k)
+    boundary_tie = vals[..., k - 1] == vals[..., k] if vocab > k else None
     vals, idx = vals[..., :k], idx[..., :k]
     by_id = torch.sort(idx, dim=-1).indices
     vals, idx = vals.gather(-1, by_id), idx.gather(-1, by_id)
     order = torch.sort(vals, dim=-1, descending=True, stable=True).indices  # ids ascending within ties
-    return idx.gather(-1, order)
+    top = idx.gather(-1, order)
+    if boundary_tie is not None and bool(boundary_tie.any()):
+        top[boundary_tie] = _top_tokens_exact(probs[boundary_tie], k)
+    return top
 
 
 def _top_tokens_exact(probs: torch.Tensor, k: int) -> torch.Tensor:

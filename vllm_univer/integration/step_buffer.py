@@ -7,7 +7,9 @@ costs more than the arithmetic done in it (about 65 ms per 300 MB on the
 2-core benchmark machine, against 15 ms to fill an existing buffer), so the
 buffer is kept and grown to the largest shape seen. On CUDA, PyTorch's caching
 allocator already reuses device memory; a fresh tensor per call there lets
-idle memory go back to the allocator.
+idle memory go back to the allocator. A buffer larger than ``max_kept_bytes``
+is not kept either, so one burst of large batches does not pin gigabytes of
+host memory for the rest of the server's life.
 """
 
 from __future__ import annotations
@@ -18,17 +20,19 @@ import torch
 
 
 class StepBuffer:
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, keep: bool | None = None):
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, keep: bool | None = None,
+                 max_kept_bytes: int = 1 << 30):
         self.device = torch.device(device)
         self.dtype = dtype
         self.keep = self.device.type == "cpu" if keep is None else keep
+        self.max_kept_elements = max_kept_bytes // torch.empty((), dtype=dtype).element_size()
         self._flat: torch.Tensor | None = None
 
     def get(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` (a view of the kept buffer on CPU)."""
-        if not self.keep:
-            return torch.empty(shape, dtype=self.dtype, device=self.device)
         numel = math.prod(shape)
+        if not self.keep or numel > self.max_kept_elements:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
         if self._flat is None or self._flat.numel() < numel:
             self._flat = None  # free the old buffer before allocating the larger one
             self._flat = torch.empty(numel, dtype=self.dtype, device=self.device)
