@@ -64,6 +64,8 @@ def _sampling_params(kwargs: dict):
 
     if "structured_outputs" in kwargs:
         kwargs = {**kwargs, "structured_outputs": StructuredOutputsParams(**kwargs["structured_outputs"])}
+    if "logit_bias" in kwargs:  # JSON object keys are strings
+        kwargs = {**kwargs, "logit_bias": {int(t): b for t, b in kwargs["logit_bias"].items()}}
     return SamplingParams(**kwargs)
 
 

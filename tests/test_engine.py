@@ -142,12 +142,12 @@ def test_mixed_batch_greedy_requests_equal_no_speculation(models):
 
 
 def test_path_dependent_options_equal_no_speculation(models):
-    """allowed_token_ids, bad_words and min_tokens, applied per tree path: greedy
-    requests equal their non-speculative output (and differ from the output
-    without the option, so the option bites); a sampled request stays inside its
-    allowed tokens."""
+    """allowed_token_ids, bad_words and min_tokens, applied per tree path, and
+    logit_bias on every row: greedy requests equal their non-speculative output
+    (and differ from the output without the option, so the option bites); a
+    sampled request stays inside its allowed tokens."""
     target, draft = models
-    texts = prompts(4, seed=6)
+    texts = prompts(5, seed=6)
     base = {"temperature": 0.0, "max_tokens": 60, "ignore_eos": True}
     allowed = list(range(3, 200))
     bad = ["the", "tree draft", "red", " a"]
@@ -157,6 +157,7 @@ def test_path_dependent_options_equal_no_speculation(models):
         {**base, "bad_words": bad},
         {**base, **early_stop},
         {**base, "allowed_token_ids": allowed, "bad_words": bad, **early_stop, "repetition_penalty": 1.2},
+        {**base, "logit_bias": {"30": 3.0, "31": 3.0, "40": 2.0, "50": -100.0}, "repetition_penalty": 1.1},
     ]
     options = {"prompts": texts, "params": params}
     sampled = call(texts, temperature=1.0, max_tokens=60, ignore_eos=True, allowed_token_ids=allowed[::3])

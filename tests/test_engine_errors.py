@@ -48,15 +48,17 @@ def test_bad_request_fails_alone_and_the_engine_goes_on(models):
     calls = [
         {"prompts": ["the tree"], "params": [good]},
         {"prompts": ["the tree"], "params": [{**good, "structured_outputs": {"json": "{not a schema"}}]},
-        {"prompts": ["the tree"], "params": [{**good, "temperature": 1.0, "min_p": 0.1}]},
+        {"prompts": ["the tree"], "params": [{**good, "temperature": 1.0, "logit_bias": {"100000": 1.0}}]},
+        {"prompts": ["the tree"], "params": [{**good, "temperature": 1.0, "min_p": 0.1, "logit_bias": {"7": 1.0}}]},
         {"prompts": ["the tree"], "params": [good]},
     ]
     result = run_engines([{"kwargs": {"model": target, "max_model_len": 256, "speculative_config": {
         "method": "univer", "model": target, "tree": "2x2"}}, "calls": calls}])[0]
     assert "error" not in result, result.get("error")
-    first, bad_schema, min_p, last = result["calls"]
+    first, bad_schema, bad_bias, min_p, last = result["calls"]
     assert "json" in bad_schema["error"].lower()  # vLLM's own validation of the schema
-    assert "min_p" in min_p["error"]  # vLLM's own refusal for any speculative decoding
+    assert "out-of-vocab" in bad_bias["error"]  # vLLM's own validation
+    assert "error" not in min_p and len(min_p["outputs"][0]) == 20  # refused by vLLM's own speculation, not here
     assert last["outputs"] == first["outputs"] and len(first["outputs"][0]) == 20
 
 

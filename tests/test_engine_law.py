@@ -32,6 +32,9 @@ CASES = [  # (verifier, tree, sampling parameters)
     ("univer", [[0], [1], [2], [0, 0], [1, 0]], {"temperature": 0.8, "top_k": 8, "top_p": 0.9}),
     ("univer", "2x2", {"temperature": 1.0, "presence_penalty": 0.8, "frequency_penalty": 0.5,
                        "repetition_penalty": 1.5}),
+    # min_p and logit_bias (refused by vLLM for its own speculative decoding), with a penalty after the bias.
+    ("univer", "2x2", {"temperature": 1.2, "min_p": 0.08, "logit_bias": {"4": 2.5, "9": -3.0, "20": 1.5},
+                       "presence_penalty": 0.5}),
 ]
 
 
@@ -62,12 +65,16 @@ def penalized(logits, prompt: list[int], generated, params: dict):
     return logits - params.get("presence_penalty", 0.0) * (counts > 0).to(logits.dtype)
 
 
-def transformed_probs(logits, temperature: float, top_k: int = -1, top_p: float = 1.0):
-    """vLLM's sampling law of one logits row (float64): temperature, then top-k,
+def transformed_probs(logits, temperature: float, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0):
+    """vLLM's sampling law of one logits row (float64): temperature, then min_p
+    (tokens below min_p times the largest probability dropped), then top-k,
     then top-p (smallest set of most likely tokens whose mass reaches top_p)."""
     import torch
 
     probs = (logits.double() / temperature).softmax(-1)
+    if min_p > 0:
+        probs = torch.where(probs >= min_p * probs.amax(-1, keepdim=True), probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
     if top_k > 0:
         kth = probs.topk(top_k, dim=-1).values[..., -1:]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
@@ -102,6 +109,8 @@ def masked(logits, generated, params: dict):
         logits[hit, word[-1]] = float("-inf")
     if n < params.get("min_tokens", 0):
         logits[:, params["stop_token_ids"]] = float("-inf")
+    for token, bias in params.get("logit_bias", {}).items():
+        logits[:, int(token)] += bias
     if "regex" in params:
         logits = grammar_masked(logits, generated, params["regex"], params["token_texts"], params["stop_token_ids"])
     return logits
@@ -136,7 +145,8 @@ def exact_law_of_tokens(model_path: str, prompt: list[int], params: dict, length
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(model_path).double().eval()
-    kw = {"temperature": params["temperature"], "top_k": params.get("top_k", -1), "top_p": params.get("top_p", 1.0)}
+    kw = {"temperature": params["temperature"], "top_k": params.get("top_k", -1), "top_p": params.get("top_p", 1.0),
+          "min_p": params.get("min_p", 0.0)}
     stops = params.get("stop_token_ids", [])
     law = torch.ones(1, dtype=torch.float64)
     with torch.no_grad():
@@ -193,6 +203,10 @@ def test_generated_law_equals_target_law(small_models):
                 pvalue = chi_square_pvalue(counts.sum(axis=axes).ravel(), law.sum(axis=axes).ravel())
                 assert pvalue > 1e-3, (verifier, tree, params, i, axes, pvalue)
                 assert chi_square_pvalue(counts.sum(axis=axes).ravel(), wrong.sum(axis=axes).ravel()) < 1e-6
+            if "min_p" in params and i == 0:  # the options bite: their law is not the law without them
+                plain = {k: v for k, v in params.items() if k not in ("min_p", "logit_bias")}
+                unbiased = exact_law_of_tokens(target, prompt, plain)
+                assert chi_square_pvalue(counts.sum(axis=(3,)).ravel(), unbiased.sum(axis=(3,)).ravel()) < 1e-6
 
 
 def test_path_options_law_equals_target_law(small_models):

@@ -87,7 +87,8 @@ def test_tree_penalties_equal_vllm_penalties_on_each_path():
 
 def test_options_that_depend_on_the_path_are_refused():
     """Every per-path option is honoured; structured outputs too, unless the grammar
-    starts only where a reasoning parser sees the reasoning end."""
+    starts only where a reasoning parser sees the reasoning end; a thinking-token
+    budget (counted per path) is refused."""
     from vllm import SamplingParams
     from vllm.config import StructuredOutputsConfig
     from vllm.sampling_params import StructuredOutputsParams
@@ -104,6 +105,8 @@ def test_options_that_depend_on_the_path_are_refused():
     assert unsupported_option(honoured, StructuredOutputsConfig(reasoning_parser="deepseek_r1")) is None
     parameter, message = unsupported_option(structured, StructuredOutputsConfig(reasoning_parser="deepseek_r1"))
     assert parameter == "structured_outputs" and "reasoning parser" in message
+    parameter, message = unsupported_option(SamplingParams(thinking_token_budget=16))
+    assert parameter == "thinking_token_budget" and "differs between tree paths" in message
 
 
 def test_path_masks_equal_vllm_on_each_path():
@@ -154,3 +157,40 @@ def test_path_masks_equal_vllm_on_each_path():
             torch.testing.assert_close(ours[b, node], expected[0])
             banned_somewhere += int(torch.isinf(expected).sum())
     assert banned_somewhere > 20  # the bans do bite on this tree
+
+
+def test_logit_bias_and_min_p_on_every_row():
+    """logit_bias added to every row of its request (before penalties), min_p after
+    temperature: tree_target_probs equals the law written out in float64."""
+    from types import SimpleNamespace
+
+    from vllm_univer.integration.bias_and_min_p import RequestBiasAndMinP
+    from vllm_univer.integration.target_probs import tree_target_probs
+
+    gen = torch.Generator().manual_seed(3)
+    batch, rows, vocab = 3, 4, 12
+    logits = torch.randn(batch, rows, vocab, generator=gen) * 3
+    params = {"a": SimpleNamespace(logit_bias={2: 1.5, 7: -2.0}, min_p=0.0),
+              "b": SimpleNamespace(logit_bias=None, min_p=0.2),
+              "c": SimpleNamespace(logit_bias={0: 4.0}, min_p=0.05)}
+    options = RequestBiasAndMinP()
+    options.update(["a", "b", "c"], params.__getitem__, torch.device("cpu"))
+    temperature = torch.tensor([0.7, 1.0, 1.3])
+    probs, _ = tree_target_probs(logits, temperature, path_transforms=[options.logit_bias()], min_p=options.min_p)
+
+    for b, req in enumerate("abc"):
+        row_logits = logits[b].double().clone()
+        for token, bias in (params[req].logit_bias or {}).items():
+            row_logits[:, token] += bias
+        expected = (row_logits / float(temperature[b])).softmax(-1)
+        keep = expected >= params[req].min_p * expected.amax(-1, keepdim=True)
+        expected = torch.where(keep, expected, torch.zeros_like(expected))
+        expected /= expected.sum(-1, keepdim=True)
+        torch.testing.assert_close(probs[b].double(), expected, rtol=1e-5, atol=1e-6)
+
+    # Rebuilt only when the batch's requests change: a reordered batch gets reordered values.
+    options.update(["c", "a", "b"], params.__getitem__, torch.device("cpu"))
+    assert torch.equal(options.min_p, torch.tensor([0.05, 0.0, 0.2]))
+    assert options.logit_bias().rows.tolist() == [0, 1, 1]
+    options.update(["b"], params.__getitem__, torch.device("cpu"))
+    assert options.logit_bias() is None

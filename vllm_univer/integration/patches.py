@@ -186,6 +186,24 @@ def patch_input_processor_validate_params() -> None:
     _wraps_once(InputProcessor, "_validate_params", make)
 
 
+def patch_sampling_params_validate_spec_decode() -> None:
+    """``SamplingParams._validate_spec_decode``: vLLM refuses ``min_p`` and
+    ``logit_bias`` with any speculative decoding; tree verification applies both
+    on every tree row (``bias_and_min_p``), so ``method: "univer"`` accepts them."""
+    from vllm.sampling_params import SamplingParams
+
+    from .speculative_config import is_univer
+
+    def make(original):
+        def _validate_spec_decode(self, speculative_config):
+            if is_univer(speculative_config):
+                return None
+            return original(self, speculative_config)
+        return _validate_spec_decode
+
+    _wraps_once(SamplingParams, "_validate_spec_decode", make)
+
+
 def patch_structured_output_manager() -> None:
     """``StructuredOutputManager.grammar_bitmask`` and ``.validate_tokens``: a tree's
     draft tokens are its nodes in breadth-first order, not a chain. Each node gets
@@ -257,6 +275,7 @@ ALL_PATCHES = (
     patch_attention_forwards,
     patch_vllm_config_v2_model_runner,
     patch_input_processor_validate_params,
+    patch_sampling_params_validate_spec_decode,
     patch_structured_output_manager,
     patch_cpu_expand_kernel,
 )

@@ -2,10 +2,11 @@
 
 For request b, every node row of the tree gets the request's own sampling
 transforms, in vLLM's order: float32 logits -> allowed tokens, bad words and
-min_tokens on the row's path (``path_masks.TreePathMasks``) -> presence /
-frequency / repetition penalties (vLLM's ``apply_penalties``, counting the
-tokens generated so far plus the tokens on the path to the node) -> temperature
--> top-k / top-p (vLLM's ``apply_top_k_top_p``) -> softmax. Temperature-0
+min_tokens on the row's path (``path_masks.TreePathMasks``) -> logit_bias
+(``bias_and_min_p.TreeLogitBias``) -> presence / frequency / repetition
+penalties (vLLM's ``apply_penalties``, counting the tokens generated so far
+plus the tokens on the path to the node) -> temperature -> min_p -> top-k /
+top-p (vLLM's ``apply_top_k_top_p``) -> softmax. Temperature-0
 requests are flagged greedy (the verifier then matches argmaxes). Per-request values are expanded
 to rows with ``repeat_interleave``, not vLLM's CPU stand-in for its Triton
 expand kernel, which returns uninitialised memory in 0.32.0.
@@ -13,7 +14,8 @@ expand kernel, which returns uninitialised memory in 0.32.0.
 Structured outputs arrive already applied: vLLM masks the logits with one
 grammar bitmask row per tree node (``tree_grammar``) before the sampler runs.
 Custom logits processors are refused at start-up (``tree_runner``); min_p and
-logit_bias are refused by vLLM itself for any speculative decoding.
+logit_bias, which vLLM refuses for its own speculative decoding, are accepted
+for tree speculation (``patches.patch_sampling_params_validate_spec_decode``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from vllm.model_executor.layers.utils import apply_penalties
 from vllm.utils.torch_utils import make_tensor_with_pad
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
+from .bias_and_min_p import apply_min_p_
+
 SAMPLING_EPS = 1e-5  # vLLM's threshold for "temperature 0"
 
 
@@ -35,16 +39,19 @@ def tree_target_probs(
     top_p: torch.Tensor | None = None,
     path_transforms: Sequence = (),
     out: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, T, V] (T tree rows per request), temperature / top_k / top_p [B],
+    """logits [B, T, V] (T tree rows per request), temperature / top_k / top_p / min_p [B],
     path_transforms: objects whose ``apply(logits)`` transforms float32 [B, T, V]
-    logits in place, in order (``TreePathMasks``, ``TreePenalties``), out: an
-    optional float32 [B, T, V] buffer the probabilities are computed in
+    logits in place, in order (``TreePathMasks``, ``TreeLogitBias``, ``TreePenalties``),
+    out: an optional float32 [B, T, V] buffer the probabilities are computed in
     -> (probs [B, T, V] float32, greedy [B] bool)."""
     batch, rows, vocab = logits.shape
     temp, greedy = split_greedy(temperature)
     scaled = processed_logits(logits, path_transforms, out)
     scaled = scaled.div_(temp.view(batch, 1, 1)).view(batch * rows, vocab)
+    if min_p is not None:
+        apply_min_p_(scaled, min_p.repeat_interleave(rows))
     k = top_k.repeat_interleave(rows) if top_k is not None else None
     p = top_p.repeat_interleave(rows) if top_p is not None else None
     scaled = apply_top_k_top_p(scaled, k, p)

@@ -124,9 +124,10 @@ class TreeRunner:
 
 
 def _refuse_custom_logits_processors(logitsprocs) -> None:
-    """vLLM's built-in processors are honoured per tree path (min_tokens) or refused
-    per request by vLLM for speculative decoding (min_p, logit_bias); a custom
-    processor's state follows one text, not every path of a tree."""
+    """vLLM's built-in processors are honoured on every tree row (min_tokens per
+    path; min_p and logit_bias by ``bias_and_min_p``, as vLLM builds no processor
+    for them under speculation); a custom processor's state follows one text,
+    not every path of a tree."""
     from vllm.v1.sample.logits_processor.builtin import (
         LogitBiasLogitsProcessor,
         MinPLogitsProcessor,

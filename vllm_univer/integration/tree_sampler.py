@@ -19,6 +19,7 @@ from vllm.v1.outputs import SamplerOutput
 from .. import verify, verify_greedy
 from ..kernels.kv_compaction import accepted_path_moves, move_paged_kv
 from ..tree import TreeSpec
+from .bias_and_min_p import RequestBiasAndMinP
 from .path_masks import TreePathMasks
 from .step_buffer import StepBuffer
 from .target_probs import TreePenalties, processed_logits, tree_target_probs
@@ -50,6 +51,7 @@ class TreeVerificationSampler:
         counts = torch.bincount(tree.depth, minlength=tree.max_depth + 1)
         self.nodes_through_depth = counts.cumsum(0)
         self.probs_buffer = StepBuffer(runner.device)  # the target probabilities, [B, N+1, V]
+        self.bias_and_min_p = RequestBiasAndMinP()
 
     def __call__(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
         with self.timers.measure("verify"):
@@ -78,6 +80,7 @@ class TreeVerificationSampler:
         keep_depth = torch.searchsorted(self.nodes_through_depth, num_draft + 1, right=True) - 1
         exists = tree.depth.unsqueeze(0) <= keep_depth.unsqueeze(1)
         tokens = tokens.masked_fill(~exists.to(device), -1)
+        self.bias_and_min_p.update(req_ids, lambda r: self.runner.requests[r].sampling_params, device)
         transforms = self._path_transforms(tokens, sampling_metadata, batch)
         if sampling_metadata.all_greedy:
             # Argmax matching needs neither probabilities nor q: the argmax of the
@@ -106,7 +109,8 @@ class TreeVerificationSampler:
         with self.timers.measure("target_probs"):
             p, greedy = tree_target_probs(tree_logits, temperature, sampling_metadata.top_k,
                                           sampling_metadata.top_p, transforms,
-                                          out=self.probs_buffer.get(tuple(tree_logits.shape)))
+                                          out=self.probs_buffer.get(tuple(tree_logits.shape)),
+                                          min_p=self.bias_and_min_p.min_p)
         # Trees drafted in an all-greedy step have no q; they belong to greedy
         # requests, whose outcome is argmax matching, so any valid rows will do.
         if q is None:
@@ -131,6 +135,9 @@ class TreeVerificationSampler:
         transforms = []
         if TreePathMasks.needed(sampling_metadata):
             transforms.append(TreePathMasks(tokens, tree.ancestors, tree.depth, sampling_metadata, batch))
+        logit_bias = self.bias_and_min_p.logit_bias()
+        if logit_bias is not None:
+            transforms.append(logit_bias)
         if not sampling_metadata.no_penalties:
             transforms.append(TreePenalties(tokens, tree.ancestors, sampling_metadata, batch))
         return transforms
