@@ -40,3 +40,44 @@ def test_univer_law_is_the_same_with_chunked_reductions(monkeypatch):
     one_pass = outcome_law("univer", tree, tokens, p, q)
     monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)
     torch.testing.assert_close(outcome_law("univer", tree, tokens, p, q), one_pass, rtol=1e-12, atol=1e-15)
+
+
+def test_remove_token_renormalises_only_where_asked():
+    rows = torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.5, 0.0], [0.0, 1.0, 0.0], [0.2, 0.3, 0.5]], dtype=torch.float64)
+    token = torch.tensor([[0], [1], [1], [-1]])
+    where = torch.tensor([[True], [True], [True], [False]])
+    ops.remove_token_(rows, token, where)
+    expected = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.2, 0.3, 0.5]], dtype=torch.float64)
+    torch.testing.assert_close(rows, expected, rtol=0, atol=0)
+
+
+def test_positive_part_into():
+    target = torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64)
+    draft = torch.tensor([[0.1, 0.6, 0.3]], dtype=torch.float64)
+    out = torch.empty_like(target)
+    mass = ops.positive_part_into(out, target, draft, torch.tensor([[0.8]], dtype=torch.float64))
+    torch.testing.assert_close(out, torch.tensor([[0.3, 0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(mass, torch.tensor([[0.3]], dtype=torch.float64))
+
+
+def test_verifiers_leave_their_inputs_untouched():
+    """Node rules work on copies: p and q are the caller's (in the engine, vLLM's rows)."""
+    from vllm_univer import METHODS, scheme_for, verify
+
+    tree = TreeSpec.parse("2x2")
+    gen = torch.Generator().manual_seed(2)
+    n1, vocab = tree.num_nodes + 1, 50
+    q = torch.randn(4, n1, vocab, generator=gen).mul(3).softmax(-1)
+    p = torch.randn(4, n1, vocab, generator=gen).mul(3).softmax(-1)
+    for method in METHODS:
+        if method in ("token", "block"):
+            continue  # chain-only
+        tokens = torch.full((4, n1), -1, dtype=torch.long)
+        tokens[:, 0] = 0
+        for v in range(n1):
+            kids = [c for c in tree.children[v].tolist() if c >= 0]
+            if kids:
+                tokens[:, kids] = draft_children(scheme_for(method), q[:, v], len(kids), generator=gen)
+        p0, q0 = p.clone(), q.clone()
+        verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(p, p0) and torch.equal(q, q0), method

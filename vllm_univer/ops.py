@@ -26,12 +26,6 @@ def token_set_mask(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype) ->
     return counts > 0
 
 
-def one_token_mask(token: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """token [...] (-1 allowed) -> BoolTensor [..., V], one-hot at the token (all False for -1)."""
-    vocab = torch.arange(vocab_size, device=token.device)
-    return vocab == token.unsqueeze(-1)
-
-
 def normalize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [..., V] >= 0 -> (rows / sum, sum [...]); rows with sum 0 stay all-zero."""
     total = rows.sum(-1)
@@ -77,6 +71,25 @@ def sum_of_min(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch
         part = torch.minimum(a[..., start:end], b[..., start:end] * b_scale).sum(-1, keepdim=True)
         total = part if total is None else total.add_(part)
     return total
+
+
+def positive_part_into(out: torch.Tensor, target: torch.Tensor, draft: torch.Tensor, scale) -> torch.Tensor:
+    """out <- [scale * target - draft]+ (written into ``out``, [..., V]) -> its sums [..., 1].
+
+    scale: a number or a tensor broadcasting against [..., 1]."""
+    torch.mul(target, scale, out=out)
+    out.sub_(draft).clamp_(min=0)
+    return out.sum(-1, keepdim=True)
+
+
+def remove_token_(rows: torch.Tensor, token: torch.Tensor, where: torch.Tensor) -> None:
+    """In place, on the rows where ``where``: rows(token) <- 0, then the row renormalised
+    (a row left with no mass stays all zero). rows [..., V], token and where [..., 1]
+    (token may be -1 where not ``where``)."""
+    index = token.clamp(min=0)
+    rows.scatter_(-1, index, rows.gather(-1, index) * ~where)
+    total = rows.sum(-1, keepdim=True)
+    rows.div_(torch.where(where & (total > 0), total, torch.ones_like(total)))
 
 
 def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import clipped_ratio, gather_tokens, normalize, one_token_mask
+from ..ops import clipped_ratio, gather_tokens, positive_part_into, remove_token_
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 
 
@@ -24,18 +24,20 @@ class RecursiveRejectionVerifier(TreeVerifier):
         self.scheme = "wor" if without_replacement else "iid"
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
-        p, q = nodes.p, nodes.q
+        # Working copies updated in place, slot by slot (the inputs stay untouched).
+        p = nodes.p.clone()
+        q = nodes.q.clone() if self.without_replacement else nodes.q
+        excess = torch.empty_like(p)
         alphas = []
         for j in range(nodes.tokens.shape[-1]):  # child slots; nodes stay batched
-            x = nodes.tokens[..., j]
-            exists = (x >= 0).unsqueeze(-1)
-            alpha = clipped_ratio(gather_tokens(p, x.unsqueeze(-1)), gather_tokens(q, x.unsqueeze(-1)))
-            alphas.append(alpha.squeeze(-1))
+            xj = nodes.tokens[..., j:j + 1]
+            exists = xj >= 0
+            alphas.append(clipped_ratio(gather_tokens(p, xj), gather_tokens(q, xj)).squeeze(-1))
             # Rejecting x: the residual has zero mass only when alpha = 1, i.e. when
             # this rejection has probability 0; keep p' then (no division by zero).
-            new_p, mass = normalize((p - q).clamp(min=0))
-            p = torch.where(exists & (mass > 0).unsqueeze(-1), new_p, p)
+            mass = positive_part_into(excess, p, q, 1.0)
+            excess.div_(torch.where(mass > 0, mass, torch.ones_like(mass)))
+            torch.where(exists & (mass > 0), excess, p, out=p)
             if self.without_replacement:
-                new_q, _ = normalize(q.masked_fill(one_token_mask(x, nodes.vocab_size), 0))
-                q = torch.where(exists, new_q, q)
+                remove_token_(q, xj, exists)
         return NodeOutput(torch.stack(alphas, -1), None, p if want_residual else None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import clipped_ratio, continue_prob, gather_tokens, normalize, one_token_mask
+from ..ops import clipped_ratio, continue_prob, gather_tokens, positive_part_into, remove_token_
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 
 
@@ -29,22 +29,22 @@ class TraversalVerifier(TreeVerifier):
     family = Family.POSTORDER
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
-        target, draft, scale = nodes.p, nodes.q, nodes.scale.unsqueeze(-1)
+        # Working copies updated in place, slot by slot (the inputs stay untouched).
+        target, draft, scale = nodes.p.clone(), nodes.q.clone(), nodes.scale.unsqueeze(-1)
+        excess = torch.empty_like(target)
         child_scales = []
         for j in range(nodes.tokens.shape[-1]):  # child slots; nodes stay batched
-            x = nodes.tokens[..., j]
-            exists = (x >= 0).unsqueeze(-1)
-            xj = x.unsqueeze(-1)
+            xj = nodes.tokens[..., j:j + 1]
+            exists = xj >= 0
             child = clipped_ratio(scale * gather_tokens(target, xj), gather_tokens(draft, xj))
             child_scales.append((child * exists).squeeze(-1))
             # Delete child j (it was visited and not accepted).
-            excess = (scale * target - draft).clamp(min=0)
-            new_target, mass = normalize(excess)
-            new_draft, _ = normalize(draft.masked_fill(one_token_mask(x, nodes.vocab_size), 0))
-            new_scale = continue_prob(mass.unsqueeze(-1), scale)
+            mass = positive_part_into(excess, target, draft, scale)
+            new_scale = continue_prob(mass, scale)
             # mass = 0 only when the deletion had probability 0 or P~ = 0 already.
-            target = torch.where(exists & (mass > 0).unsqueeze(-1), new_target, target)
-            draft = torch.where(exists, new_draft, draft)
+            excess.div_(torch.where(mass > 0, mass, torch.ones_like(mass)))
+            torch.where(exists & (mass > 0), excess, target, out=target)
+            remove_token_(draft, xj, exists)
             scale = torch.where(exists, new_scale, scale)
         return NodeOutput(
             torch.stack(child_scales, -1),
