@@ -136,6 +136,14 @@ def test_n_seed_logprobs_and_bad_requests(servers):
     structured = {"model": target, "prompt": prompt, "max_tokens": 30, "temperature": 0.0,
                   "extra_body": {"structured_outputs": {"regex": "([a-z]+ )*[a-z]+"}}}
     assert spec.completions.create(**structured).choices[0].text == base.completions.create(**structured).choices[0].text
+    # The OpenAI way to ask for JSON: a chat completion with response_format json_schema.
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    chat = {"model": target, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "temperature": 0.0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": schema}}}
+    answer = spec.chat.completions.create(**chat).choices[0].message.content
+    assert answer == base.chat.completions.create(**chat).choices[0].message.content
+    assert answer.lstrip().startswith("{")
     with pytest.raises(openai.BadRequestError):
         spec.completions.create(model=target, prompt=prompt, max_tokens=-3)
     assert spec.completions.create(model=target, prompt=prompt, max_tokens=5).choices[0].text is not None
