@@ -51,13 +51,19 @@ def test_remove_token_renormalises_only_where_asked():
     torch.testing.assert_close(rows, expected, rtol=0, atol=0)
 
 
-def test_positive_part_into():
-    target = torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64)
-    draft = torch.tensor([[0.1, 0.6, 0.3]], dtype=torch.float64)
-    out = torch.empty_like(target)
-    mass = ops.positive_part_into(out, target, draft, torch.tensor([[0.8]], dtype=torch.float64))
-    torch.testing.assert_close(out, torch.tensor([[0.3, 0.0, 0.0]], dtype=torch.float64))
-    torch.testing.assert_close(mass, torch.tensor([[0.3]], dtype=torch.float64))
+def test_replace_by_residual_():
+    """rows <- norm([s * rows - draft]+) where asked and the residual has mass; the mass is returned."""
+    rows = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2], [0.1, 0.6, 0.3]], dtype=torch.float64)
+    draft = torch.tensor([[0.1, 0.6, 0.3], [0.1, 0.6, 0.3], [0.1, 0.6, 0.3]], dtype=torch.float64)
+    scale = torch.tensor([[0.8], [0.8], [1.0]], dtype=torch.float64)
+    where = torch.tensor([[True], [False], [True]])
+    mass = ops.replace_by_residual_(rows, draft, scale, where, torch.empty_like(rows))
+    torch.testing.assert_close(mass, torch.tensor([[0.3], [0.3], [0.0]], dtype=torch.float64))
+    expected = torch.tensor([[1.0, 0.0, 0.0],  # [0.3, 0, 0] normalised
+                             [0.5, 0.3, 0.2],  # not asked
+                             [0.1, 0.6, 0.3]],  # no residual mass: kept
+                            dtype=torch.float64)
+    torch.testing.assert_close(rows, expected)
 
 
 def test_verifiers_leave_their_inputs_untouched():

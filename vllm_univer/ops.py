@@ -73,13 +73,19 @@ def sum_of_min(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch
     return total
 
 
-def positive_part_into(out: torch.Tensor, target: torch.Tensor, draft: torch.Tensor, scale) -> torch.Tensor:
-    """out <- [scale * target - draft]+ (written into ``out``, [..., V]) -> its sums [..., 1].
+def replace_by_residual_(rows: torch.Tensor, draft: torch.Tensor, scale, where: torch.Tensor,
+                         work: torch.Tensor) -> torch.Tensor:
+    """In place: rows <- norm([scale * rows - draft]+) on the rows where ``where`` and
+    the residual has mass (elsewhere they stay as they are) -> the residual's mass [..., 1].
 
-    scale: a number or a tensor broadcasting against [..., 1]."""
-    torch.mul(target, scale, out=out)
-    out.sub_(draft).clamp_(min=0)
-    return out.sum(-1, keepdim=True)
+    rows, draft, work [..., V] (``work`` is scratch space); scale a number or a tensor
+    broadcasting against [..., 1]; where [..., 1] bool."""
+    torch.mul(rows, scale, out=work)
+    work.sub_(draft).clamp_(min=0)
+    mass = work.sum(-1, keepdim=True)
+    work.div_(torch.where(mass > 0, mass, torch.ones_like(mass)))
+    torch.where(where & (mass > 0), work, rows, out=rows)
+    return mass
 
 
 def remove_token_(rows: torch.Tensor, token: torch.Tensor, where: torch.Tensor) -> None:

@@ -9,8 +9,8 @@ Structured outputs that start only once a reasoning parser sees the end of
 the reasoning do not, nor does ``thinking_token_budget`` (vLLM forces the end of
 thinking once a count of thinking tokens passes the budget): where reasoning
 ends differs between paths, so both are refused per request, before the
-request reaches the engine. (Custom logits
-processors are engine-wide in vLLM 0.32 and refused at start-up by ``TreeRunner``.)
+request reaches the engine. (Custom logits processors are engine-wide in vLLM
+0.32 and refused at start-up by ``TreeRunner``.)
 No vLLM import.
 """
 

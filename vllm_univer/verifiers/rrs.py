@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import clipped_ratio, gather_tokens, positive_part_into, remove_token_
+from ..ops import clipped_ratio, gather_tokens, remove_token_, replace_by_residual_
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 
 
@@ -27,7 +27,7 @@ class RecursiveRejectionVerifier(TreeVerifier):
         # Working copies updated in place, slot by slot (the inputs stay untouched).
         p = nodes.p.clone()
         q = nodes.q.clone() if self.without_replacement else nodes.q
-        excess = torch.empty_like(p)
+        work = torch.empty_like(p)
         alphas = []
         for j in range(nodes.tokens.shape[-1]):  # child slots; nodes stay batched
             xj = nodes.tokens[..., j:j + 1]
@@ -35,9 +35,7 @@ class RecursiveRejectionVerifier(TreeVerifier):
             alphas.append(clipped_ratio(gather_tokens(p, xj), gather_tokens(q, xj)).squeeze(-1))
             # Rejecting x: the residual has zero mass only when alpha = 1, i.e. when
             # this rejection has probability 0; keep p' then (no division by zero).
-            mass = positive_part_into(excess, p, q, 1.0)
-            excess.div_(torch.where(mass > 0, mass, torch.ones_like(mass)))
-            torch.where(exists & (mass > 0), excess, p, out=p)
+            replace_by_residual_(p, q, 1.0, exists, work)
             if self.without_replacement:
                 remove_token_(q, xj, exists)
         return NodeOutput(torch.stack(alphas, -1), None, p if want_residual else None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import clipped_ratio, continue_prob, gather_tokens, positive_part_into, remove_token_
+from ..ops import clipped_ratio, continue_prob, gather_tokens, remove_token_, replace_by_residual_
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 
 
@@ -31,7 +31,7 @@ class TraversalVerifier(TreeVerifier):
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
         # Working copies updated in place, slot by slot (the inputs stay untouched).
         target, draft, scale = nodes.p.clone(), nodes.q.clone(), nodes.scale.unsqueeze(-1)
-        excess = torch.empty_like(target)
+        work = torch.empty_like(target)
         child_scales = []
         for j in range(nodes.tokens.shape[-1]):  # child slots; nodes stay batched
             xj = nodes.tokens[..., j:j + 1]
@@ -39,11 +39,9 @@ class TraversalVerifier(TreeVerifier):
             child = clipped_ratio(scale * gather_tokens(target, xj), gather_tokens(draft, xj))
             child_scales.append((child * exists).squeeze(-1))
             # Delete child j (it was visited and not accepted).
-            mass = positive_part_into(excess, target, draft, scale)
-            new_scale = continue_prob(mass, scale)
             # mass = 0 only when the deletion had probability 0 or P~ = 0 already.
-            excess.div_(torch.where(mass > 0, mass, torch.ones_like(mass)))
-            torch.where(exists & (mass > 0), excess, target, out=target)
+            mass = replace_by_residual_(target, draft, scale, exists, work)
+            new_scale = continue_prob(mass, scale)
             remove_token_(draft, xj, exists)
             scale = torch.where(exists, new_scale, scale)
         return NodeOutput(
