@@ -18,7 +18,10 @@ ROWS = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("scheme,m", [("chain", 1), ("iid", 2), ("iid", 3), ("wor", 2), ("wor", 3), ("topk1", 1), ("topk1", 2), ("topk1", 3)])
 @pytest.mark.parametrize("row", range(len(ROWS)))
-def test_children_law(scheme, m, row, dtype):
+@pytest.mark.parametrize("block", [1024, 2], ids=["one_block", "blocks_of_2"])
+def test_children_law(scheme, m, row, dtype, block, monkeypatch):
+    # Blocks of 2 tokens: drawn and top tokens fall in different inverse-CDF blocks.
+    monkeypatch.setattr("vllm_univer.inverse_cdf.DEFAULT_BLOCK", block)
     q = np.array(ROWS[row])
     outcomes = {xs: pr for xs, pr in scheme_outcomes(scheme, q, m)}
     draws = 8000
@@ -42,6 +45,21 @@ def test_topk1_ties_go_to_lower_ids_and_empty_residual_is_missing():
     assert kids[1, 0].item() in (0, 3)
 
 
+@pytest.mark.parametrize("scheme,m", [("iid", 2), ("wor", 3), ("topk1", 3)])
+def test_children_of_a_strided_view_equal_those_of_its_rows(scheme, m):
+    """A [R, K, V] slice of a kept buffer (not contiguous) gives, with the same seed,
+    the children of the same rows made contiguous, and is not written to."""
+    gen = torch.Generator().manual_seed(3)
+    buffer = torch.rand(3, 7, 2500, generator=gen) ** 8
+    view = buffer[:, 2:6]
+    before = buffer.clone()
+    kids = draft_children(scheme, view, m, generator=torch.Generator().manual_seed(5))
+    flat = draft_children(scheme, view.reshape(-1, 2500), m, generator=torch.Generator().manual_seed(5))
+    assert kids.shape == (3, 4, m)
+    assert torch.equal(kids.flatten(0, 1), flat)
+    assert torch.equal(buffer, before)
+
+
 def test_bad_arguments():
     q = torch.full((2, 4), 0.25)
     with pytest.raises(ValueError, match="unknown draft scheme"):
@@ -52,6 +70,8 @@ def test_bad_arguments():
         draft_children("wor", q, 5)
     with pytest.raises(ValueError, match=r"\[K, V\]"):
         draft_children("iid", q[0], 2)
+    with pytest.raises(ValueError, match=r"\[K, V\]"):
+        draft_children("iid", q.view(1, 1, 2, 4), 2)
 
 
 def test_top_tokens_order_equals_a_stable_sort_with_heavy_ties():

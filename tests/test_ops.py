@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_univer import TreeSpec, draft_children, outcome_law
@@ -42,28 +43,65 @@ def test_univer_law_is_the_same_with_chunked_reductions(monkeypatch):
     torch.testing.assert_close(outcome_law("univer", tree, tokens, p, q), one_pass, rtol=1e-12, atol=1e-15)
 
 
-def test_remove_token_renormalises_only_where_asked():
+def test_drop_token_zeroes_only_where_asked_and_sums_again():
     rows = torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.5, 0.0], [0.0, 1.0, 0.0], [0.2, 0.3, 0.5]], dtype=torch.float64)
     token = torch.tensor([[0], [1], [1], [-1]])
     where = torch.tensor([[True], [True], [True], [False]])
-    ops.remove_token_(rows, token, where)
-    expected = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.2, 0.3, 0.5]], dtype=torch.float64)
+    mass = ops.drop_token_(rows, token, where)
+    expected = torch.tensor([[0.0, 0.25, 0.25], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0], [0.2, 0.3, 0.5]], dtype=torch.float64)
     torch.testing.assert_close(rows, expected, rtol=0, atol=0)
+    torch.testing.assert_close(mass, expected.sum(-1, keepdim=True), rtol=0, atol=0)
 
 
-def test_replace_by_residual_():
-    """rows <- norm([s * rows - draft]+) where asked and the residual has mass; the mass is returned."""
-    rows = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2], [0.1, 0.6, 0.3]], dtype=torch.float64)
-    draft = torch.tensor([[0.1, 0.6, 0.3], [0.1, 0.6, 0.3], [0.1, 0.6, 0.3]], dtype=torch.float64)
-    scale = torch.tensor([[0.8], [0.8], [1.0]], dtype=torch.float64)
-    where = torch.tensor([[True], [False], [True]])
-    mass = ops.replace_by_residual_(rows, draft, scale, where, torch.empty_like(rows))
-    torch.testing.assert_close(mass, torch.tensor([[0.3], [0.3], [0.0]], dtype=torch.float64))
-    expected = torch.tensor([[1.0, 0.0, 0.0],  # [0.3, 0, 0] normalised
-                             [0.5, 0.3, 0.2],  # not asked
-                             [0.1, 0.6, 0.3]],  # no residual mass: kept
-                            dtype=torch.float64)
-    torch.testing.assert_close(rows, expected)
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_positive_difference(monkeypatch, chunked, in_place):
+    """out <- [a rows - b other]+ and its sum, in chunks or in one pass, into a
+    strided view of a buffer or in place; a = 1 (a number) or per row."""
+    if chunked:
+        monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)  # chunks of 1024: four whole, one partial
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.rand(2, 5, 5000, generator=gen, dtype=torch.float64)[:, 1:4]
+    other = torch.rand(2, 3, 5000, generator=gen, dtype=torch.float64)
+    other_scale = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64) * 2
+    for rows_scale in (1, torch.rand(2, 3, 1, generator=gen, dtype=torch.float64)):
+        expected = (rows_scale * rows - other_scale * other).clamp(min=0)
+        source = rows.clone() if in_place else rows
+        out = source if in_place else torch.full((2, 6, 5000), -1.0, dtype=torch.float64)[:, 2:5]
+        mass = ops.positive_difference(source, rows_scale, other, other_scale, out=out)
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(mass, expected.sum(-1, keepdim=True), rtol=1e-12, atol=0)
+
+
+def test_safe_ratio_is_finite():
+    num = torch.tensor([1.0, 0.0, 2.0, 3e38, 1.0])
+    den = torch.tensor([4.0, 0.0, 0.0, 1e-3, 1e-45])
+    ratio = ops.safe_ratio(num, den)
+    assert torch.isfinite(ratio).all()
+    assert ratio.tolist()[:3] == [0.25, 0.0, 0.0]
+    assert ratio[3] == torch.finfo(torch.float32).max and ratio[4] == torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("method", ["rrs", "rrsw", "traversal"])
+def test_slot_rules_law_is_the_same_in_chunks(monkeypatch, method):
+    """The exact outcome law of the verifiers whose rejections rewrite whole rows,
+    on a 3000-token vocabulary, with their row passes in chunks of 1024 and in one pass."""
+    from vllm_univer import scheme_for
+
+    tree = TreeSpec.parse("3x2")
+    gen = torch.Generator().manual_seed(4)
+    vocab, n1 = 3000, tree.num_nodes + 1
+    q = torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1)
+    p = (0.6 * q + 0.4 * torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1))
+    tokens = torch.full((3, n1), -1, dtype=torch.long)
+    tokens[:, 0] = 0
+    for v in range(n1):
+        kids = [c for c in tree.children[v].tolist() if c >= 0]
+        if kids:
+            tokens[:, kids] = draft_children(scheme_for(method), q[:, v], len(kids), generator=gen)
+    one_pass = outcome_law(method, tree, tokens, p, q)
+    monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)
+    torch.testing.assert_close(outcome_law(method, tree, tokens, p, q), one_pass, rtol=1e-12, atol=1e-15)
 
 
 def test_verifiers_leave_their_inputs_untouched():

@@ -115,7 +115,7 @@ def test_verify_matches_exact_on_drafted_trees(method):
 def test_sample_from_weights_two_stage_law(block, dtype):
     """The two-stage inverse CDF draws w / sum(w) whatever the block size (full
     blocks, a short last block, blocks of zeros); zero weights are never drawn."""
-    from vllm_univer.ops import sample_from_weights
+    from vllm_univer.inverse_cdf import sample_from_weights
 
     gen = torch.Generator().manual_seed(block)
     weights = torch.tensor([[0.0, 0.3, 0.0, 0.1, 0.25, 0.0, 0.0, 0.0, 0.35, 0.0],
@@ -128,3 +128,30 @@ def test_sample_from_weights_two_stage_law(block, dtype):
         law = (weights[row] / weights[row].sum()).double().numpy()
         assert counts[law == 0].sum() == 0
         assert chi_square_pvalue(counts, law) > 1e-4, (row, counts)
+
+
+@pytest.mark.parametrize("block", [1, 3, 4, 1024])
+def test_block_cdf_draw_excluding_tokens_law(block):
+    """Draws that exclude tokens (in one block, across blocks, repeated, -1) follow
+    w / sum(w) over the other tokens; excluded tokens are never drawn; a row whose
+    whole mass is excluded gives -1. Several draws share one ``BlockCdf``."""
+    from vllm_univer.inverse_cdf import BlockCdf
+
+    gen = torch.Generator().manual_seed(block)
+    weights = torch.tensor([[0.0, 0.3, 0.05, 0.1, 0.25, 0.0, 0.0, 0.0, 0.3, 0.0],
+                            [0.9, 1e-4, 2e-4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+                            [0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float32)
+    exclude = torch.tensor([[1, 8, -1], [0, 0, -1], [9, 2, 3], [4, 5, -1]])
+    draws = 40000
+    cdf = BlockCdf(weights.repeat(draws, 1), block=block)
+    for _ in range(2):
+        idx = cdf.draw(gen, exclude=exclude.repeat(draws, 1)).view(draws, 4)
+        assert (idx[:, 3] == -1).all()
+        for row in range(3):
+            law = weights[row].double().clone()
+            law[exclude[row][exclude[row] >= 0]] = 0
+            law /= law.sum()
+            counts = np.bincount(idx[:, row].numpy(), minlength=10)
+            assert counts[law.numpy() == 0].sum() == 0
+            assert chi_square_pvalue(counts, law.numpy()) > 1e-4, (row, counts)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops import normalize, sample_from_weights
+from .inverse_cdf import sample_from_weights
+from .ops import normalize
 from .tree import TreeSpec
 from .tree_pass import allocate, decide_descent, decide_postorder, end_node_law, node_residuals
 from .validation import check_inputs
@@ -66,7 +67,7 @@ def verify(
     (and, for rrs/rrsw/traversal, over child slots); vocabulary-sized
     temporaries are a few [B, nodes of one level, V] tensors in float32 (float64
     only for float64 inputs); Y is drawn by a two-stage float64 inverse CDF
-    (``ops.sample_from_weights``), which builds no [B, V] float64 tensor.
+    (``inverse_cdf.sample_from_weights``), which builds no [B, V] float64 tensor.
     """
     verifier = get_verifier(method)
     if validate:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from .ops import normalize, sample_from_weights, token_set_mask
+from .inverse_cdf import BlockCdf
+from .ops import normalize, token_set_mask
 
 SCHEMES = ("chain", "iid", "wor", "topk1")
 
 
 def top_tokens(probs: torch.Tensor, k: int) -> torch.Tensor:
-    """probs [K, V] -> LongTensor [K, k]: the k most likely tokens by rank, ties to the lower id."""
+    """probs [..., V] -> LongTensor [..., k]: the k most likely tokens by rank, ties to the lower id."""
     if k == 0:
         return probs.new_empty(probs.shape[:-1] + (0,), dtype=torch.long)
     if k == 1:
@@ -81,17 +82,20 @@ def draft_children(
 
     Args:
         scheme: one of ``SCHEMES``.
-        probs: FloatTensor [K, V], the draft distribution q of each node.
+        probs: FloatTensor [K, V] (or [R, K, V]), the draft distribution q of each
+            node; it may be a non-contiguous view and is not written to.
         num_children: m >= 1 (``chain`` takes m = 1 only).
         generator: optional torch.Generator for reproducibility.
 
     Returns:
-        LongTensor [K, m] of child tokens in slot order, -1 where a child does not exist.
+        LongTensor [K, m] (or [R, K, m]) of child tokens in slot order, -1 where a
+        child does not exist. Every scheme reads the rows once (``BlockCdf``) and
+        ``topk1`` once more for its top tokens; the m draws cost O(V / block + block) each.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown draft scheme {scheme!r}; choose one of {SCHEMES}")
-    if probs.dim() != 2:
-        raise ValueError(f"probs must be [K, V], got shape {tuple(probs.shape)}")
+    if probs.dim() not in (2, 3):
+        raise ValueError(f"probs must be [K, V] or [R, K, V], got shape {tuple(probs.shape)}")
     m = int(num_children)
     vocab = probs.shape[-1]
     if m < 1:
@@ -101,31 +105,19 @@ def draft_children(
     if scheme in ("wor", "topk1") and m > vocab:
         raise ValueError(f"scheme {scheme!r} cannot draw {m} distinct children from a vocabulary of {vocab}")
 
+    cdf = BlockCdf(probs)
     if scheme in ("chain", "iid"):
-        # m independent inverse-CDF draws (no [K, m, V] random numbers).
-        return torch.stack([sample_from_weights(probs, generator) for _ in range(m)], -1)
+        return torch.stack([cdf.draw(generator) for _ in range(m)], -1)
 
     if scheme == "wor":
         # Sequential sampling without replacement, its definition: child j ~ q
-        # restricted to the tokens not drawn yet. Each draw is one two-stage
-        # inverse CDF (``sample_from_weights``): m passes over the vocabulary and
-        # no [K, V] random numbers (Gumbel-top-m would draw V of them per row).
-        remaining = probs.clone()
-        kids = []
+        # restricted to the tokens not drawn yet (-1 once the support is used up).
+        kids = probs.new_empty(probs.shape[:-1] + (0,), dtype=torch.long)
         for _ in range(m):
-            child = _draw_or_missing(remaining, generator)
-            remaining.scatter_(1, child.clamp(min=0).unsqueeze(-1), 0.0)  # an empty row stays empty
-            kids.append(child)
-        return torch.stack(kids, -1)
+            kids = torch.cat([kids, cdf.draw(generator, exclude=kids).unsqueeze(-1)], -1)
+        return kids
 
     # topk1: slot 0 from q off the top set (``residual_draft``'s law; the inverse
-    # CDF needs no normalisation, so q is zeroed on the top set and sampled as is).
+    # CDF needs no normalisation), -1 when the top set holds all of q.
     top = top_tokens(probs, m - 1)
-    sampled = _draw_or_missing(probs.clone().scatter_(1, top, 0.0), generator)
-    return torch.cat([sampled.unsqueeze(-1), top], dim=-1)
-
-
-def _draw_or_missing(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """weights [K, V] >= 0 (unnormalised) -> [K]: one token with P(i) = w_i / sum(w),
-    -1 for a row without mass (the child does not exist)."""
-    return torch.where(weights.sum(-1) > 0, sample_from_weights(weights, generator), -1)
+    return torch.cat([cdf.draw(generator, exclude=top).unsqueeze(-1), top], dim=-1)

@@ -50,8 +50,17 @@ def continue_prob(mass: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # Elements of one chunk's temporaries on CPU (4 MB of float32): small enough to be
-# reused by the allocator, unlike fresh [.., V] temporaries that are page-faulted in.
+# reused by the allocator, unlike fresh [.., V] temporaries that are page-faulted in,
+# and to keep a chunk's consecutive steps in cache.
 _CPU_CHUNK_ELEMENTS = 1 << 20
+
+
+def _vocab_chunk(rows: torch.Tensor) -> int:
+    """Columns per chunk of a vocabulary walk: the whole row off CPU (one pass per step)."""
+    vocab = rows.shape[-1]
+    if rows.device.type != "cpu":
+        return vocab
+    return max(1024, _CPU_CHUNK_ELEMENTS // max(1, rows.numel() // max(vocab, 1)))
 
 
 def sum_of_min(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
@@ -60,9 +69,7 @@ def sum_of_min(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch
     a, b [..., V]; b_scale broadcasts against [..., 1] -> [..., 1]. On CPU the
     vocabulary is walked in chunks (no [.., V] temporary); elsewhere one pass.
     """
-    vocab = a.shape[-1]
-    rows = max(1, a.numel() // max(vocab, 1))
-    chunk = vocab if a.device.type != "cpu" else max(1024, _CPU_CHUNK_ELEMENTS // rows)
+    vocab, chunk = a.shape[-1], _vocab_chunk(a)
     if chunk >= vocab:
         return torch.minimum(a, b * b_scale).sum(-1, keepdim=True)
     total = None
@@ -73,71 +80,45 @@ def sum_of_min(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch
     return total
 
 
-def replace_by_residual_(rows: torch.Tensor, draft: torch.Tensor, scale, where: torch.Tensor,
-                         work: torch.Tensor) -> torch.Tensor:
-    """In place: rows <- norm([scale * rows - draft]+) on the rows where ``where`` and
-    the residual has mass (elsewhere they stay as they are) -> the residual's mass [..., 1].
+def positive_difference(rows: torch.Tensor, rows_scale, other: torch.Tensor, other_scale: torch.Tensor,
+                        out: torch.Tensor) -> torch.Tensor:
+    """out <- [rows_scale * rows - other_scale * other]+ -> its sum over the last dim [..., 1].
 
-    rows, draft, work [..., V] (``work`` is scratch space); scale a number or a tensor
-    broadcasting against [..., 1]; where [..., 1] bool."""
-    torch.mul(rows, scale, out=work)
-    work.sub_(draft).clamp_(min=0)
-    mass = work.sum(-1, keepdim=True)
-    work.div_(torch.where(mass > 0, mass, torch.ones_like(mass)))
-    torch.where(where & (mass > 0), work, rows, out=rows)
-    return mass
+    rows, other, out [..., V] (``out`` may be ``rows``: in place); rows_scale a number
+    or a tensor and other_scale a tensor, both broadcasting against [..., 1] and
+    finite. On CPU the vocabulary is walked in chunks, so each chunk's steps run
+    on data in cache; elsewhere each step is one pass.
+    """
+    vocab, chunk = rows.shape[-1], _vocab_chunk(rows)
+    total = None
+    for start in range(0, vocab, chunk):
+        part = slice(start, start + chunk)
+        dest = out[..., part]
+        if isinstance(rows_scale, (int, float)) and rows_scale == 1:
+            torch.addcmul(rows[..., part], other[..., part], other_scale, value=-1, out=dest)
+        else:
+            torch.mul(rows[..., part], rows_scale, out=dest).addcmul_(other[..., part], other_scale, value=-1)
+        mass = dest.clamp_(min=0).sum(-1, keepdim=True)
+        total = mass if total is None else total.add_(mass)
+    return total
 
 
-def remove_token_(rows: torch.Tensor, token: torch.Tensor, where: torch.Tensor) -> None:
-    """In place, on the rows where ``where``: rows(token) <- 0, then the row renormalised
-    (a row left with no mass stays all zero). rows [..., V], token and where [..., 1]
-    (token may be -1 where not ``where``)."""
+def safe_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den where den > 0, else 0, clamped to the dtype's largest finite value
+    (a coefficient that may multiply zeros: never inf, never NaN)."""
+    ratio = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+    return ratio.clamp(max=torch.finfo(ratio.dtype).max)
+
+
+def drop_token_(rows: torch.Tensor, token: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """In place, on the rows where ``where``: rows(token) <- 0 -> the rows' sums [..., 1]
+    (summed again, not by subtraction: no cancellation when the token held most of a row).
+    rows [..., V], token and where [..., 1] (token may be -1 where not ``where``)."""
     index = token.clamp(min=0)
     rows.scatter_(-1, index, rows.gather(-1, index) * ~where)
-    total = rows.sum(-1, keepdim=True)
-    rows.div_(torch.where(where & (total > 0), total, torch.ones_like(total)))
+    return rows.sum(-1, keepdim=True)
 
 
 def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Cumulative sum along the last dim, excluding the current element."""
     return x.cumsum(-1) - x
-
-
-def sample_from_weights(weights: torch.Tensor, generator: torch.Generator | None = None,
-                        block: int = 1024) -> torch.Tensor:
-    """One index per row of ``weights`` [B, V] >= 0, drawn with P(i) = w_i / sum(w).
-
-    Inverse CDF in two stages, so that no [B, V] float64 cumulative sum is built:
-    u ~ U[0, 1) picks the block of ``block`` tokens whose cumulative block sums
-    (float64) bracket u * sum(w), then the token inside that block from the
-    block's own float64 cumulative sum. Each block's sum is accumulated in the
-    weights' dtype: exact to ~1e-16 for float64 weights, to ~1e-7 relative (the
-    precision of the float32 weights themselves) for float32 ones. A zero-weight
-    token (or block) never has a cumulative sum above the previous one and can
-    never be picked. No host sync.
-    """
-    rows, vocab = weights.shape
-    full = vocab // block
-    sums = [weights[:, :full * block].view(rows, full, block).sum(-1)] if full else []
-    if full * block < vocab:
-        sums.append(weights[:, full * block:].sum(-1, keepdim=True))
-    block_cdf = torch.cat(sums, -1).to(torch.float64).cumsum(-1)  # [B, blocks]
-    total = block_cdf[:, -1:].contiguous()
-    u = torch.rand(total.shape, generator=generator, device=weights.device, dtype=torch.float64)
-    target = u * total
-    # The block: the first whose cumulative sum exceeds the target; u * total can
-    # round up to the total (probability ~2^-53): cap at the last block of positive weight.
-    chosen = torch.minimum(torch.searchsorted(block_cdf, target, right=True),
-                           torch.searchsorted(block_cdf, total, right=False))  # [B, 1]
-    before = torch.where(chosen > 0, block_cdf.gather(1, (chosen - 1).clamp(min=0)), torch.zeros_like(target))
-    # The chosen block's tokens (the last block may be short: pad its columns with zero weight).
-    columns = chosen * block + torch.arange(block, device=weights.device)  # [B, block]
-    inside = columns < vocab
-    inner = weights.gather(1, columns.clamp(max=vocab - 1)).masked_fill(~inside, 0)
-    inner_cdf = inner.to(torch.float64).cumsum(-1)
-    # Inside the block the same rule; rounding between the two sums can put the
-    # remainder at or past the block's end: cap at its last token of positive weight.
-    remainder = (target - before).clamp(min=0)
-    offset = torch.minimum(torch.searchsorted(inner_cdf, remainder, right=True),
-                           torch.searchsorted(inner_cdf, inner_cdf[:, -1:].contiguous(), right=False))
-    return (chosen * block + offset).squeeze(-1)

@@ -42,14 +42,18 @@ class TreeDrafter:
         self.level_span = [(int((depth < d).sum()), int((depth <= d).sum()) - 1) for d in range(tree.max_depth + 1)]
         # The drafter runs every node above the deepest level (leaves are never run).
         self.last_run_node = self.level_span[tree.max_depth - 1][1]
-        self.child_groups = []  # per depth: [(parents [g], kids [g, m], m)]
+        # Per depth: [(parents [g], kids [g, m], m, where the parents' rows are in the level)];
+        # the last is a slice (a view of q, no copy) when the parents are consecutive.
+        self.child_groups = []
         num_children = tree.num_children
         for d in range(tree.max_depth):
             first, last = self.level_span[d]
             groups = []
             for m in sorted(set(num_children[first:last + 1].tolist()) - {0}):
                 parents = torch.nonzero(num_children[first:last + 1] == m).flatten() + first
-                groups.append((parents, tree.children[parents, :m], m))
+                lo, hi = int(parents[0]) - first, int(parents[-1]) - first + 1
+                in_level = slice(lo, hi) if hi - lo == len(parents) else (parents - first).to(runner.device)
+                groups.append((parents.to(runner.device), tree.children[parents, :m].to(runner.device), m, in_level))
             self.child_groups.append(groups)
         self.q_rows = StepBuffer(runner.device)  # the draft rows q, [B, N+1, V]
 
@@ -199,18 +203,14 @@ class TreeDrafter:
         any_greedy, all_greedy = bool(greedy.any()), bool(greedy.all())
         row_of = {int(b): r for r, b in enumerate(active)} if generators else {}
         seeded = [(row_of[b], g) for b, g in generators.items() if b in row_of and not bool(greedy[row_of[b]])]
-        first = self.level_span[depth][0]
-        for parents, kids, m in self.child_groups[depth]:
-            parents, kids = parents.to(level_rows.device), kids.to(level_rows.device)
-            rows = level_rows[:, parents - first]  # [R, g, V]
-            flat = rows.flatten(0, 1)
+        for parents, kids, m, in_level in self.child_groups[depth]:
+            rows = level_rows[:, in_level]  # [R, g, V]
             if all_greedy:
-                drawn = top_tokens(flat, m).view(rows.shape[0], -1, m)
+                drawn = top_tokens(rows, m)
             else:
-                drawn = draft_children(self.scheme, flat, m).view(rows.shape[0], -1, m)
+                drawn = draft_children(self.scheme, rows, m)
                 if any_greedy:
-                    top = top_tokens(flat, m).view_as(drawn)
-                    drawn = torch.where(greedy.view(-1, 1, 1), top, drawn)
+                    drawn = torch.where(greedy.view(-1, 1, 1), top_tokens(rows, m), drawn)
             # Seeded requests draw from their own generator (outputs independent of the batch).
             for row, generator in seeded:
                 drawn[row] = draft_children(self.scheme, rows[row], m, generator=generator)

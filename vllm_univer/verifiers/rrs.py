@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import clipped_ratio, gather_tokens, remove_token_, replace_by_residual_
+from ..ops import clipped_ratio, drop_token_, gather_tokens, positive_difference, safe_ratio
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 
 
@@ -24,18 +24,25 @@ class RecursiveRejectionVerifier(TreeVerifier):
         self.scheme = "wor" if without_replacement else "iid"
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
-        # Working copies updated in place, slot by slot (the inputs stay untouched).
-        p = nodes.p.clone()
+        # p' = P / M and q' = Q / N are kept unnormalised, so that a rejection is one
+        # fused pass, P <- [P - (M / N) Q]+ (= M' norm([p' - q']+)), plus for rrsw
+        # Q(x) <- 0 and N <- sum Q. P and Q are working copies: the inputs stay untouched.
+        # The rows are distributions, so M = N = 1 before the first rejection.
+        p = nodes.p
         q = nodes.q.clone() if self.without_replacement else nodes.q
         work = torch.empty_like(p)
+        rows, p_mass, q_mass = p, p.new_ones(p.shape[:-1] + (1,)), p.new_ones(p.shape[:-1] + (1,))
         alphas = []
         for j in range(nodes.tokens.shape[-1]):  # child slots; nodes stay batched
             xj = nodes.tokens[..., j:j + 1]
             exists = xj >= 0
-            alphas.append(clipped_ratio(gather_tokens(p, xj), gather_tokens(q, xj)).squeeze(-1))
-            # Rejecting x: the residual has zero mass only when alpha = 1, i.e. when
-            # this rejection has probability 0; keep p' then (no division by zero).
-            replace_by_residual_(p, q, 1.0, exists, work)
+            alphas.append(clipped_ratio(gather_tokens(rows, xj) / torch.where(p_mass > 0, p_mass, 1.0),
+                                        gather_tokens(q, xj) / torch.where(q_mass > 0, q_mass, 1.0)).squeeze(-1))
+            # Rejecting x. The residual is empty only when alpha = 1 (this rejection has
+            # probability 0); then p' stays empty and is never read.
+            coef = torch.where(exists, safe_ratio(p_mass, q_mass), 0.0)
+            p_mass = torch.where(exists, positive_difference(rows, 1, q, coef, out=work), p_mass)
+            rows = work
             if self.without_replacement:
-                remove_token_(q, xj, exists)
-        return NodeOutput(torch.stack(alphas, -1), None, p if want_residual else None)
+                q_mass = torch.where(exists, drop_token_(q, xj, exists), q_mass)
+        return NodeOutput(torch.stack(alphas, -1), None, rows if want_residual else None)

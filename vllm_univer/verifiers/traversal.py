@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import clipped_ratio, continue_prob, gather_tokens, remove_token_, replace_by_residual_
+from ..ops import clipped_ratio, continue_prob, drop_token_, gather_tokens, positive_difference, safe_ratio
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 
 
@@ -29,20 +29,31 @@ class TraversalVerifier(TreeVerifier):
     family = Family.POSTORDER
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
-        # Working copies updated in place, slot by slot (the inputs stay untouched).
-        target, draft, scale = nodes.p.clone(), nodes.q.clone(), nodes.scale.unsqueeze(-1)
+        # M_b = T / Mt and M_s = D / Md are kept unnormalised: a deletion is one fused
+        # pass T <- [P~ T - (Mt / Md) D]+ (= Mt [P~ M_b - M_s]+, so S = sum T / Mt), plus
+        # D(x) <- 0 and Md <- sum D. T and D are working copies: the inputs stay untouched.
+        # The rows are distributions, so Mt = Md = 1 before the first deletion.
+        target = nodes.p
+        draft = nodes.q.clone()
         work = torch.empty_like(target)
+        scale = nodes.scale.unsqueeze(-1)
+        t_mass, d_mass = target.new_ones(scale.shape), target.new_ones(scale.shape)
         child_scales = []
         for j in range(nodes.tokens.shape[-1]):  # child slots; nodes stay batched
             xj = nodes.tokens[..., j:j + 1]
             exists = xj >= 0
-            child = clipped_ratio(scale * gather_tokens(target, xj), gather_tokens(draft, xj))
+            t_safe = torch.where(t_mass > 0, t_mass, 1.0)
+            child = clipped_ratio(scale * gather_tokens(target, xj) / t_safe,
+                                  gather_tokens(draft, xj) / torch.where(d_mass > 0, d_mass, 1.0))
             child_scales.append((child * exists).squeeze(-1))
-            # Delete child j (it was visited and not accepted).
-            # mass = 0 only when the deletion had probability 0 or P~ = 0 already.
-            mass = replace_by_residual_(target, draft, scale, exists, work)
-            new_scale = continue_prob(mass, scale)
-            remove_token_(draft, xj, exists)
+            # Delete child j (it was visited and not accepted). S = 0 only when the
+            # deletion had probability 0 or P~ = 0 already; M_b is never read then.
+            new_mass = positive_difference(target, torch.where(exists, scale, 1.0), draft,
+                                           torch.where(exists, safe_ratio(t_mass, d_mass), 0.0), out=work)
+            target = work
+            new_scale = continue_prob(new_mass / t_safe, scale)
+            t_mass = torch.where(exists, new_mass, t_mass)
+            d_mass = torch.where(exists, drop_token_(draft, xj, exists), d_mass)
             scale = torch.where(exists, new_scale, scale)
         return NodeOutput(
             torch.stack(child_scales, -1),
