@@ -43,34 +43,43 @@ def test_univer_law_is_the_same_with_chunked_reductions(monkeypatch):
     torch.testing.assert_close(outcome_law("univer", tree, tokens, p, q), one_pass, rtol=1e-12, atol=1e-15)
 
 
-def test_drop_token_zeroes_only_where_asked_and_sums_again():
-    rows = torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.5, 0.0], [0.0, 1.0, 0.0], [0.2, 0.3, 0.5]], dtype=torch.float64)
-    token = torch.tensor([[0], [1], [1], [-1]])
-    where = torch.tensor([[True], [True], [True], [False]])
-    mass = ops.drop_token_(rows, token, where)
-    expected = torch.tensor([[0.0, 0.25, 0.25], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0], [0.2, 0.3, 0.5]], dtype=torch.float64)
-    torch.testing.assert_close(rows, expected, rtol=0, atol=0)
-    torch.testing.assert_close(mass, expected.sum(-1, keepdim=True), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("chunked", [False, True])
-def test_positive_difference(monkeypatch, chunked, in_place):
-    """out <- [a rows - b other]+ and its sum, in chunks or in one pass, into a
-    strided view of a buffer or in place; a = 1 (a number) or per row."""
+def test_rejection_replay_equals_the_rows_rewritten_step_by_step(monkeypatch, chunked):
+    """R <- [a R - c Q]+ then Q(x) <- 0, three times (a token in two rows' last step
+    is -1: nothing removed), against rows rewritten in place, in float64: the masses
+    (in chunks of 1024 or one pass), the rows written out, and the values at tokens."""
+    from vllm_univer.verifiers.rejection_replay import RejectionReplay
+
     if chunked:
         monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)  # chunks of 1024: four whole, one partial
     gen = torch.Generator().manual_seed(0)
-    rows = torch.rand(2, 5, 5000, generator=gen, dtype=torch.float64)[:, 1:4]
-    other = torch.rand(2, 3, 5000, generator=gen, dtype=torch.float64)
-    other_scale = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64) * 2
-    for rows_scale in (1, torch.rand(2, 3, 1, generator=gen, dtype=torch.float64)):
-        expected = (rows_scale * rows - other_scale * other).clamp(min=0)
-        source = rows.clone() if in_place else rows
-        out = source if in_place else torch.full((2, 6, 5000), -1.0, dtype=torch.float64)[:, 2:5]
-        mass = ops.positive_difference(source, rows_scale, other, other_scale, out=out)
-        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-15)
-        torch.testing.assert_close(mass, expected.sum(-1, keepdim=True), rtol=1e-12, atol=0)
+    p = torch.rand(2, 3, 5000, generator=gen, dtype=torch.float64).softmax(-1)
+    q = torch.rand(2, 3, 5000, generator=gen, dtype=torch.float64).mul(3).softmax(-1)
+    tokens = torch.randint(0, 5000, (2, 3, 3), generator=gen)
+    tokens[0, :2, 2] = -1
+    for removes in (False, True):
+        replay = RejectionReplay(p, q, removes_tokens=removes)
+        rows, draft = p.clone(), q.clone()
+        for j in range(3):
+            x = tokens[..., j:j + 1]
+            a = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64) if j == 1 else 1
+            c = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64) * 2
+            replay.reject(a, c, x)
+            rows = (a * rows - c * draft).clamp(min=0)
+            if removes:
+                draft.scatter_(-1, x.clamp(min=0), draft.gather(-1, x.clamp(min=0)) * (x < 0))
+            out = torch.full_like(p, float("nan"))
+            r_mass, q_mass = replay.masses(out=out)
+            torch.testing.assert_close(out, rows, rtol=1e-12, atol=1e-18)
+            torch.testing.assert_close(r_mass, rows.sum(-1, keepdim=True), rtol=1e-12, atol=1e-18)
+            if removes:
+                torch.testing.assert_close(q_mass, draft.sum(-1, keepdim=True), rtol=1e-12, atol=0)
+            else:
+                assert q_mass is None
+            at_rows, at_draft = replay.at(tokens)
+            valid = tokens >= 0
+            torch.testing.assert_close(at_rows[valid], rows.gather(-1, tokens.clamp(min=0))[valid], rtol=1e-12, atol=1e-18)
+            torch.testing.assert_close(at_draft[valid], draft.gather(-1, tokens.clamp(min=0))[valid], rtol=0, atol=0)
 
 
 def test_safe_ratio_is_finite():

@@ -194,3 +194,37 @@ def test_logit_bias_and_min_p_on_every_row():
     assert options.logit_bias().rows.tolist() == [0, 1, 1]
     options.update(["b"], params.__getitem__, torch.device("cpu"))
     assert options.logit_bias() is None
+
+
+def test_softmax_in_place_equals_torch_softmax():
+    """``softmax_`` writes torch.softmax's values into its input: exactly for a
+    whole buffer (the target rows), closely for a strided view of one (the
+    drafter's level rows, on the three-step path); -inf-masked tokens get 0."""
+    from vllm_univer.integration.target_probs import softmax_
+
+    gen = torch.Generator().manual_seed(0)
+    buffer = torch.randn(3, 6, 5000, generator=gen) * 4
+    buffer[0, 1, :4000] = float("-inf")
+    expected = torch.softmax(buffer, -1)
+    view_expected = expected[:, 2:5].clone()
+    whole = buffer.clone()
+    assert softmax_(whole) is whole and torch.equal(whole, expected)
+    untouched = buffer[:, [0, 1, 5]].clone()
+    softmax_(buffer[:, 2:5])
+    torch.testing.assert_close(buffer[:, 2:5], view_expected, rtol=1e-6, atol=1e-12)
+    assert torch.equal(buffer[:, [0, 1, 5]], untouched)
+    assert (whole[0, 1, :4000] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_target_probs_into_a_kept_buffer(dtype):
+    """Probabilities computed into the sampler's kept buffer (temperature and the
+    copy in one pass) equal those computed in a fresh tensor."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, 4, 300, generator=gen) * 3).to(dtype)
+    temperature, top_k, top_p = torch.tensor([0.6, 0.0, 1.4]), torch.tensor([300, 300, 7]), torch.tensor([0.9, 1, 1])
+    fresh, greedy = tree_target_probs(logits, temperature, top_k, top_p)
+    buffer = torch.full((3, 4, 300), float("nan"))
+    kept, greedy_kept = tree_target_probs(logits, temperature, top_k, top_p, out=buffer)
+    assert kept.data_ptr() == buffer.data_ptr()
+    assert torch.equal(kept, fresh) and torch.equal(greedy, greedy_kept)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import clipped_ratio, continue_prob, drop_token_, gather_tokens, positive_difference, safe_ratio
+from ..ops import clipped_ratio, continue_prob, safe_ratio
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
+from .rejection_replay import RejectionReplay
 
 
 class TraversalVerifier(TreeVerifier):
@@ -29,34 +30,29 @@ class TraversalVerifier(TreeVerifier):
     family = Family.POSTORDER
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
-        # M_b = T / Mt and M_s = D / Md are kept unnormalised: a deletion is one fused
-        # pass T <- [P~ T - (Mt / Md) D]+ (= Mt [P~ M_b - M_s]+, so S = sum T / Mt), plus
-        # D(x) <- 0 and Md <- sum D. T and D are working copies: the inputs stay untouched.
-        # The rows are distributions, so Mt = Md = 1 before the first deletion.
-        target = nodes.p
-        draft = nodes.q.clone()
-        work = torch.empty_like(target)
+        # M_b = T / Mt and M_s = D / Md, unnormalised: deleting x is T <- [P~ T - (Mt / Md) D]+
+        # (= Mt [P~ M_b - M_s]+, so S = sum T / Mt) and D(x) <- 0. The rows are
+        # distributions, so Mt = Md = 1 before the first deletion; later masses come
+        # from a replay, one vocabulary pass per child slot.
+        replay = RejectionReplay(nodes.p, nodes.q, removes_tokens=True)
         scale = nodes.scale.unsqueeze(-1)
-        t_mass, d_mass = target.new_ones(scale.shape), target.new_ones(scale.shape)
+        t_mass = d_mass = torch.ones_like(scale)
+        slots = nodes.tokens.shape[-1]
+        residual = torch.empty_like(nodes.p) if want_residual else None
         child_scales = []
-        for j in range(nodes.tokens.shape[-1]):  # child slots; nodes stay batched
+        for j in range(slots):  # child slots; nodes stay batched
             xj = nodes.tokens[..., j:j + 1]
             exists = xj >= 0
+            t_x, d_x = replay.at(xj)
             t_safe = torch.where(t_mass > 0, t_mass, 1.0)
-            child = clipped_ratio(scale * gather_tokens(target, xj) / t_safe,
-                                  gather_tokens(draft, xj) / torch.where(d_mass > 0, d_mass, 1.0))
+            child = clipped_ratio(scale * t_x / t_safe, d_x / torch.where(d_mass > 0, d_mass, 1.0))
             child_scales.append((child * exists).squeeze(-1))
             # Delete child j (it was visited and not accepted). S = 0 only when the
             # deletion had probability 0 or P~ = 0 already; M_b is never read then.
-            new_mass = positive_difference(target, torch.where(exists, scale, 1.0), draft,
-                                           torch.where(exists, safe_ratio(t_mass, d_mass), 0.0), out=work)
-            target = work
-            new_scale = continue_prob(new_mass / t_safe, scale)
-            t_mass = torch.where(exists, new_mass, t_mass)
-            d_mass = torch.where(exists, drop_token_(draft, xj, exists), d_mass)
+            replay.reject(torch.where(exists, scale, 1.0), torch.where(exists, safe_ratio(t_mass, d_mass), 0.0), xj)
+            new_t, new_d = replay.masses(out=residual if j == slots - 1 else None)
+            new_scale = continue_prob(new_t / t_safe, scale)
+            t_mass = torch.where(exists, new_t, t_mass)
+            d_mass = torch.where(exists, new_d, d_mass)
             scale = torch.where(exists, new_scale, scale)
-        return NodeOutput(
-            torch.stack(child_scales, -1),
-            scale.squeeze(-1),
-            target if want_residual else None,
-        )
+        return NodeOutput(torch.stack(child_scales, -1), scale.squeeze(-1), residual)

@@ -1,0 +1,91 @@
+"""A node's run of rejections (rrs, rrsw, traversal), replayed from p and q.
+
+Rejecting child x_i turns the node's unnormalised target row R_i and draft row
+Q_i into
+
+    R_{i+1} = [a_i R_i - c_i Q_i]+        Q_{i+1} = Q_i with Q(x_i) = 0 (or Q_i),
+
+from R_0 = p and Q_0 = q. The rules only ever need the rows' sums and their
+values at the next child, so the rows are never stored: ``masses`` replays the
+steps on one vocabulary chunk at a time (on CPU the chunk's steps run in cache;
+one read of p and q per call, no [.., V] writes) and ``at`` replays them on the
+gathered columns of a few tokens.
+
+Q_i is never built either: it differs from q only at the removed tokens, where
+Q_i = 0 makes the step R_{i+1}(x) = a_i R_i(x); that one value per row is put
+back after each step. Sums of Q_j are q's sum less the removed values, in
+float64 per chunk, so a removed token that held most of q does not cancel the
+rest away.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import gather_tokens, vocab_slices
+
+
+class RejectionReplay:
+    """Rejection steps at n nodes of B requests: p, q [B, n, V]; per step a_i (a
+    number or [B, n, 1]), c_i [B, n, 1] (finite, >= 0) and the rejected token x_i
+    [B, n, 1] (-1: none)."""
+
+    def __init__(self, p: torch.Tensor, q: torch.Tensor, removes_tokens: bool):
+        self.p, self.q = p, q
+        self.removes_tokens = removes_tokens
+        self.steps: list[tuple] = []
+
+    def reject(self, rows_scale, draft_scale: torch.Tensor, token: torch.Tensor) -> None:
+        self.steps.append((rows_scale, draft_scale, token))
+
+    def at(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """R_j and Q_j (j = steps so far) at ``tokens`` [B, n, k] (-1: 0) -> two [B, n, k]."""
+        rows, draft = gather_tokens(self.p, tokens), gather_tokens(self.q, tokens)
+        for i, (rows_scale, draft_scale, _) in enumerate(self.steps):
+            removed = self._removed_before(i, tokens)
+            rows = torch.where(removed, rows * rows_scale, (rows * rows_scale - draft * draft_scale).clamp(min=0))
+        return rows, torch.where(self._removed_before(len(self.steps), tokens), 0.0, draft)
+
+    def masses(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(sum R_j, sum Q_j) [B, n, 1] (sum Q_j only when tokens are removed: else
+        Q_j = q); R_j is also written into ``out`` [B, n, V] if given."""
+        removed = [token for _, _, token in self.steps] if self.removes_tokens else []
+        first_time = [~torch.stack([earlier == x for earlier in removed[:i]]).any(0) if i else x >= 0
+                      for i, x in enumerate(removed)]  # a token removed twice counts once
+        r_mass = q_mass = None
+        for part in vocab_slices(self.p):
+            width = part.stop - part.start
+            offsets = [(x - part.start, (x >= part.start) & (x < part.stop)) for x in removed]
+            rows = self.p[..., part]
+            draft = self.q[..., part]
+            for i, (rows_scale, draft_scale, _) in enumerate(self.steps):
+                before = rows
+                rows = (torch.addcmul(rows, draft, draft_scale, value=-1) if _is_one(rows_scale)
+                        else torch.mul(rows, rows_scale).addcmul_(draft, draft_scale, value=-1)).clamp_(min=0)
+                for offset, inside in offsets[:i]:  # Q_i = 0 at the tokens removed so far
+                    index = offset.clamp(0, width - 1)
+                    kept = torch.where(inside, before.gather(-1, index) * rows_scale, rows.gather(-1, index))
+                    rows.scatter_(-1, index, kept)
+            if out is not None:
+                out[..., part] = rows
+            r_part = rows.sum(-1, keepdim=True)
+            r_mass = r_part if r_mass is None else r_mass.add_(r_part)
+            if self.removes_tokens:
+                q_part = draft.sum(-1, keepdim=True, dtype=torch.float64)
+                for (offset, inside), counts in zip(offsets, first_time):
+                    value = draft.gather(-1, offset.clamp(0, width - 1)).to(torch.float64)
+                    q_part -= torch.where(inside & counts, value, 0.0)
+                q_mass = q_part if q_mass is None else q_mass.add_(q_part)
+        return r_mass, (q_mass.to(self.q.dtype) if q_mass is not None else None)
+
+    def _removed_before(self, step: int, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, n, k]: whether each of ``tokens`` was removed by steps 0 .. step-1."""
+        removed = torch.zeros_like(tokens, dtype=torch.bool)
+        if self.removes_tokens:
+            for _, _, token in self.steps[:step]:
+                removed |= (tokens == token) & (token >= 0)
+        return removed
+
+
+def _is_one(value) -> bool:
+    return isinstance(value, (int, float)) and value == 1
