@@ -24,10 +24,14 @@ def test_sum_of_min_in_chunks_equals_one_pass(monkeypatch):
     torch.testing.assert_close(ops.sum_of_min(a[:, 1:2], b[:, 1:2], 0.5), expected, rtol=1e-12, atol=0)
 
 
-def test_univer_law_is_the_same_with_chunked_reductions(monkeypatch):
-    """UniVer's exact outcome law on a 3000-token vocabulary, with its vocabulary
-    sums in chunks of 1024 and in one pass."""
-    tree = TreeSpec.parse("2x2")
+@pytest.mark.parametrize("method,spec", [("univer", "2x2"), ("rrs", "3x2"), ("rrsw", "3x2"), ("traversal", "3x2")])
+def test_law_is_the_same_with_chunked_vocabulary_passes(monkeypatch, method, spec):
+    """The exact outcome law of the verifiers with vocabulary passes (UniVer's sums
+    of min, the rejection replays) on a 3000-token vocabulary, in chunks of 1024
+    and in one pass."""
+    from vllm_univer import scheme_for
+
+    tree = TreeSpec.parse(spec)
     gen = torch.Generator().manual_seed(1)
     vocab, n1 = 3000, tree.num_nodes + 1
     q = torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1)
@@ -37,10 +41,10 @@ def test_univer_law_is_the_same_with_chunked_reductions(monkeypatch):
     for v in range(n1):
         kids = [c for c in tree.children[v].tolist() if c >= 0]
         if kids:
-            tokens[:, kids] = draft_children("topk1", q[:, v], len(kids), generator=gen)
-    one_pass = outcome_law("univer", tree, tokens, p, q)
+            tokens[:, kids] = draft_children(scheme_for(method), q[:, v], len(kids), generator=gen)
+    one_pass = outcome_law(method, tree, tokens, p, q)
     monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)
-    torch.testing.assert_close(outcome_law("univer", tree, tokens, p, q), one_pass, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(outcome_law(method, tree, tokens, p, q), one_pass, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -89,28 +93,6 @@ def test_safe_ratio_is_finite():
     assert torch.isfinite(ratio).all()
     assert ratio.tolist()[:3] == [0.25, 0.0, 0.0]
     assert ratio[3] == torch.finfo(torch.float32).max and ratio[4] == torch.finfo(torch.float32).max
-
-
-@pytest.mark.parametrize("method", ["rrs", "rrsw", "traversal"])
-def test_slot_rules_law_is_the_same_in_chunks(monkeypatch, method):
-    """The exact outcome law of the verifiers whose rejections rewrite whole rows,
-    on a 3000-token vocabulary, with their row passes in chunks of 1024 and in one pass."""
-    from vllm_univer import scheme_for
-
-    tree = TreeSpec.parse("3x2")
-    gen = torch.Generator().manual_seed(4)
-    vocab, n1 = 3000, tree.num_nodes + 1
-    q = torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1)
-    p = (0.6 * q + 0.4 * torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1))
-    tokens = torch.full((3, n1), -1, dtype=torch.long)
-    tokens[:, 0] = 0
-    for v in range(n1):
-        kids = [c for c in tree.children[v].tolist() if c >= 0]
-        if kids:
-            tokens[:, kids] = draft_children(scheme_for(method), q[:, v], len(kids), generator=gen)
-    one_pass = outcome_law(method, tree, tokens, p, q)
-    monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)
-    torch.testing.assert_close(outcome_law(method, tree, tokens, p, q), one_pass, rtol=1e-12, atol=1e-15)
 
 
 def test_verifiers_leave_their_inputs_untouched():
