@@ -49,10 +49,12 @@ def tree_target_probs(
     batch, rows, vocab = logits.shape
     temp, greedy = split_greedy(temperature)
     temp = temp.view(batch, 1, 1)
-    if path_transforms:
+    if path_transforms or logits.dtype != torch.float32:
+        # (A float32 ``out`` of bfloat16 logits in one division takes ATen's slow
+        # casting loop on CPU: 4x a copy and an in-place division.)
         scaled = processed_logits(logits, path_transforms, out).div_(temp)
     else:  # the copy and the temperature in one pass
-        scaled = torch.div(logits, temp, out=out) if out is not None else logits.to(torch.float32) / temp
+        scaled = torch.div(logits, temp, out=out) if out is not None else logits / temp
     scaled = scaled.view(batch * rows, vocab)
     if min_p is not None:
         apply_min_p_(scaled, min_p.repeat_interleave(rows))
