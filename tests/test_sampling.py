@@ -155,3 +155,20 @@ def test_block_cdf_draw_excluding_tokens_law(block):
             counts = np.bincount(idx[:, row].numpy(), minlength=10)
             assert counts[law.numpy() == 0].sum() == 0
             assert chi_square_pvalue(counts, law.numpy()) > 1e-4, (row, counts)
+
+
+@pytest.mark.parametrize("block", [1, 3, 1024])
+def test_block_cdf_total_excluding_tokens_has_no_cancellation(block):
+    """``BlockCdf.total`` sums each block without the excluded tokens: in float32, a
+    token holding 0.9999 of the mass leaves the rest to float32 precision (the sum
+    less the token would keep an absolute error of ~1e-8, here 2e-4 relative)."""
+    from vllm_univer.inverse_cdf import BlockCdf
+
+    rest = torch.full((1, 999), 1e-4 / 999, dtype=torch.float64)
+    weights = torch.cat([rest[:, :500], torch.tensor([[0.9999]], dtype=torch.float64), rest[:, 500:]], -1)
+    exclude = torch.tensor([[500, -1, 500]])
+    exact = rest.sum().item()
+    total = BlockCdf(weights.float(), block=block).total(exclude=exclude)
+    assert total.dtype == torch.float32 and total.shape == (1, 1)
+    assert abs(total.item() - exact) <= 1e-6 * exact
+    assert abs(BlockCdf(weights.float(), block=block).total().item() - 1.0) <= 1e-6

@@ -44,11 +44,7 @@ class BlockCdf:
         """One token per row [...] with P(i) = w_i / sum(w) over the tokens not in
         ``exclude`` [..., k] (-1 entries ignored); -1 for a row with no such mass."""
         block, nb = self.block, self.num_blocks
-        sums = self.block_sums
-        if exclude is not None and exclude.shape[-1] > 0:
-            hit_block = torch.where(exclude >= 0, exclude // block, nb)  # [..., k] (nb: spare column)
-            sums = sums.scatter(-1, hit_block, self._block_sums_without(hit_block, exclude))
-        block_cdf = sums[..., :nb].to(torch.float64).cumsum(-1)  # [..., nb]
+        block_cdf = self._sums_without(exclude).to(torch.float64).cumsum(-1)  # [..., nb]
         total = block_cdf[..., -1:].contiguous()
         u = torch.rand(total.shape, generator=generator, device=total.device, dtype=torch.float64)
         target = u * total
@@ -66,9 +62,18 @@ class BlockCdf:
         token = (chosen * block + offset).squeeze(-1)
         return torch.where(total.squeeze(-1) > 0, token, -1)
 
-    def _block_sums_without(self, blocks: torch.Tensor, exclude: torch.Tensor) -> torch.Tensor:
-        """blocks [..., j] (nb: none) -> [..., j]: each block's sum without the excluded tokens."""
-        return self._block_weights(blocks, exclude).sum(-1)
+    def total(self, exclude: torch.Tensor | None = None) -> torch.Tensor:
+        """sum(w) over the tokens not in ``exclude`` [..., k] (-1 entries ignored) -> [..., 1]
+        in the weights' dtype, each block summed without them (no cancellation)."""
+        return self._sums_without(exclude).to(torch.float64).sum(-1, keepdim=True).to(self.weights.dtype)
+
+    def _sums_without(self, exclude: torch.Tensor | None) -> torch.Tensor:
+        """The block sums [..., nb], the blocks holding excluded tokens summed again without them."""
+        sums = self.block_sums
+        if exclude is not None and exclude.shape[-1] > 0:
+            hit_block = torch.where(exclude >= 0, exclude // self.block, self.num_blocks)  # [..., k] (nb: spare)
+            sums = sums.scatter(-1, hit_block, self._block_weights(hit_block, exclude).sum(-1))
+        return sums[..., :self.num_blocks]
 
     def _block_weights(self, blocks: torch.Tensor, exclude: torch.Tensor | None) -> torch.Tensor:
         """blocks [..., j] -> the weights of each block [..., j, block], 0 past the

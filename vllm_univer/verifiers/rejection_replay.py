@@ -11,17 +11,19 @@ steps on one vocabulary chunk at a time (on CPU the chunk's steps run in cache;
 one read of p and q per call, no [.., V] writes) and ``at`` replays them on the
 gathered columns of a few tokens.
 
-Q_i is never built either: it differs from q only at the removed tokens, where
+Q_i is not built either: it differs from q only at the removed tokens, where
 Q_i = 0 makes the step R_{i+1}(x) = a_i R_i(x); that one value per row is put
-back after each step. Sums of Q_j are q's sum less the removed values, in
-float64 per chunk, so a removed token that held most of q does not cancel the
-rest away.
+back after each step. The sums of Q_j come from q's block sums with the blocks
+of the removed tokens summed again without them (``BlockCdf.total``), not from
+q's sum less the removed values, which would cancel the rest away when a
+removed token held most of q.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..inverse_cdf import BlockCdf
 from ..ops import gather_tokens, vocab_slices
 
 
@@ -34,6 +36,7 @@ class RejectionReplay:
         self.p, self.q = p, q
         self.removes_tokens = removes_tokens
         self.steps: list[tuple] = []
+        self._q_blocks = None  # q's block sums, for the sums of Q_j
 
     def reject(self, rows_scale, draft_scale: torch.Tensor, token: torch.Tensor) -> None:
         self.steps.append((rows_scale, draft_scale, token))
@@ -50,9 +53,7 @@ class RejectionReplay:
         """(sum R_j, sum Q_j) [B, n, 1] (sum Q_j only when tokens are removed: else
         Q_j = q); R_j is also written into ``out`` [B, n, V] if given."""
         removed = [token for _, _, token in self.steps] if self.removes_tokens else []
-        first_time = [~torch.stack([earlier == x for earlier in removed[:i]]).any(0) if i else x >= 0
-                      for i, x in enumerate(removed)]  # a token removed twice counts once
-        r_mass = q_mass = None
+        r_mass = None
         for part in vocab_slices(self.p):
             width = part.stop - part.start
             offsets = [(x - part.start, (x >= part.start) & (x < part.stop)) for x in removed]
@@ -70,13 +71,11 @@ class RejectionReplay:
                 out[..., part] = rows
             r_part = rows.sum(-1, keepdim=True)
             r_mass = r_part if r_mass is None else r_mass.add_(r_part)
-            if self.removes_tokens:
-                q_part = draft.sum(-1, keepdim=True, dtype=torch.float64)
-                for (offset, inside), counts in zip(offsets, first_time):
-                    value = draft.gather(-1, offset.clamp(0, width - 1)).to(torch.float64)
-                    q_part -= torch.where(inside & counts, value, 0.0)
-                q_mass = q_part if q_mass is None else q_mass.add_(q_part)
-        return r_mass, (q_mass.to(self.q.dtype) if q_mass is not None else None)
+        if not self.removes_tokens:
+            return r_mass, None
+        if self._q_blocks is None:
+            self._q_blocks = BlockCdf(self.q)
+        return r_mass, self._q_blocks.total(exclude=torch.cat(removed, -1) if removed else None)
 
     def _removed_before(self, step: int, tokens: torch.Tensor) -> torch.Tensor:
         """[B, n, k]: whether each of ``tokens`` was removed by steps 0 .. step-1."""
