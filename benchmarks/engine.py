@@ -215,7 +215,40 @@ def report(results: list[dict], command: str) -> str:
             share = f"{100 * c['overhead_share']:.1f}%" if "overhead_share" in c else "-"
             lines.append(f"| {r['name']} | {c['batch']} | {c['temperature']:g} | {c['new_tokens']} | "
                          f"{c['tok_per_s']:.2f} | {ratio:.2f}x | {tau} | {depth} | {share} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + offline_agreement(results)) + "\n"
+
+
+def offline_agreement(results: list[dict], tree: str = "2x5", temperature: float = 1.0) -> list[str]:
+    """tau of each verifier through vLLM (batch 8) against the offline acceptance study
+    (``acceptance.py``: exact expected tau per drafted tree, MT-Bench contexts)."""
+    records = RESULTS / "acceptance.jsonl"
+    if not records.exists():
+        return []
+    offline: dict[str, list[float]] = {}
+    # The study's main run and its supplements, as its own report reads them.
+    lines_read = [line for path in [records, *sorted(RESULTS.glob("acceptance.supp-*.jsonl"))]
+                  for line in path.read_text().splitlines()]
+    for line in lines_read:
+        r = json.loads(line) if line.strip() else None
+        if r and r["dataset"] == "mtbench" and r["tree"] == tree and r["temperature"] == temperature:
+            offline.setdefault(r["method"], []).append(r["accepted"] + 1.0)
+    lines = ["", f"## tau through vLLM against the offline acceptance study (MT-Bench, tree {tree}, T = {temperature:g})",
+             "", "Offline: `benchmarks/results/acceptance.md` (exact expected tau per drafted tree, its own "
+             "MT-Bench contexts). Through vLLM: the batch-8 rows above (sampled steps, the engine's own "
+             "continuations). z = difference / sqrt(SE_vLLM^2 + SE_offline^2).", "",
+             "| verifier | through vLLM | offline study | difference | z |", "|---|---|---|---|---|"]
+    for r in results:
+        method = r["name"].removesuffix(f" {tree}")
+        cell = next((c for c in r["cells"] if c["batch"] == 8 and c["temperature"] == temperature and "tau" in c), None)
+        values = offline.get(method)
+        if r["name"] == method or cell is None or not values or len(values) < 2:
+            continue
+        mean = sum(values) / len(values)
+        se = (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+        diff, engine_se = cell["tau"] - mean, tau_standard_error(cell)
+        lines.append(f"| {method} | {cell['tau']:.2f} +- {engine_se:.2f} | {mean:.2f} +- {se:.2f} | {diff:+.2f} | "
+                     f"{diff / (engine_se ** 2 + se ** 2) ** 0.5:+.1f} |")
+    return lines
 
 
 def main() -> None:
@@ -234,7 +267,11 @@ def main() -> None:
     command = "python benchmarks/engine.py" + (" --quick" if args.quick else "") + \
         (f" --tag {args.tag}" if args.tag else "")
     text = report(results, command)
-    (RESULTS / f"{results_stem(args)}.md").write_text(text)
+    out_md = RESULTS / f"{results_stem(args)}.md"
+    # Observations written by hand below the tables are kept.
+    previous = out_md.read_text() if out_md.exists() else ""
+    kept = previous[previous.find("\n## Observations"):] if "\n## Observations" in previous else ""
+    out_md.write_text(text + kept)
     print(text)
 
 
