@@ -14,9 +14,9 @@ gathered columns of a few tokens.
 Q_i is not built either: it differs from q only at the removed tokens, where
 Q_i = 0 makes the step R_{i+1}(x) = a_i R_i(x); that one value per row is put
 back after each step. The sums of Q_j come from q's block sums with the blocks
-of the removed tokens summed again without them (``BlockCdf.total``), not from
-q's sum less the removed values, which would cancel the rest away when a
-removed token held most of q.
+of the removed tokens summed again without them (``BlockCdf.total``; one more
+read of q per node rule), not from q's sum less the removed values, which would
+cancel the rest away when a removed token held most of q.
 """
 
 from __future__ import annotations
