@@ -289,18 +289,24 @@ def run_study(args) -> Path:
 
 
 # ------------------------------------------------------------------ report
-def _mean_se(values):
+def mean_and_se(values):
     n = len(values)
     mean = sum(values) / n
     var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
     return mean, math.sqrt(var / n) if n > 1 else float("nan")
 
 
-def report(jsonl: Path, command: str) -> Path:
+def study_records(jsonl: Path) -> tuple[list[Path], list[dict]]:
+    """The study's record files (the run and its supplements) and their records,
+    each tagged with its run (a run's contexts are not the other runs' contexts)."""
     files = [jsonl] + sorted(jsonl.parent.glob(f"{jsonl.stem}.supp-*.jsonl"))
-    # Each record file is its own run: its contexts are not the other runs' contexts.
     records = [dict(json.loads(line), run=f.stem) for f in files for line in f.read_text().splitlines()
                if line.strip()]
+    return files, records
+
+
+def report(jsonl: Path, command: str) -> Path:
+    files, records = study_records(jsonl)
     groups = defaultdict(list)
     for r in records:
         keys = [r["dataset"], "overall"]
@@ -335,7 +341,7 @@ def report(jsonl: Path, command: str) -> Path:
         vals, base = groups.get((dataset, t, tree, m)), groups.get((dataset, t, base_tree, "rrsw"))
         if not vals or not base:
             return ""
-        mean, base_mean = _mean_se(vals)[0], _mean_se(base)[0]
+        mean, base_mean = mean_and_se(vals)[0], mean_and_se(base)[0]
         return f"{mean:.2f} ({100 * (mean / base_mean - 1):+.1f}%)"
 
     if "2x5" in trees:
@@ -371,8 +377,8 @@ def report(jsonl: Path, command: str) -> Path:
                     if not vals:
                         cells += ["", ""]
                         continue
-                    mean, se = _mean_se(vals)
-                    gain = f"{100 * (mean / _mean_se(basevals)[0] - 1):+.1f}%" if basevals else ""
+                    mean, se = mean_and_se(vals)
+                    gain = f"{100 * (mean / mean_and_se(basevals)[0] - 1):+.1f}%" if basevals else ""
                     cells += [f"{mean:.3f} +- {se:.3f}", gain]
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
             lines.append("")
@@ -384,7 +390,7 @@ def report(jsonl: Path, command: str) -> Path:
                 cells = [groups.get((cat, t, "2x5", m)) for m in ("rrsw", "traversal", "greedy", "univer")]
                 if all(cells):
                     lines.append(f"| {cat.split('/')[1]} | {t} | {len(cells[0])} | "
-                                 + " | ".join(f"{_mean_se(c)[0]:.3f}" for c in cells) + " |")
+                                 + " | ".join(f"{mean_and_se(c)[0]:.3f}" for c in cells) + " |")
         lines.append("")
     # Paired by context: both verifiers at the same context; same-scheme pairs
     # (univer/greedy, traversal/rrsw, block/token) even judged the very same tree.
@@ -404,7 +410,7 @@ def report(jsonl: Path, command: str) -> Path:
                         diffs.append(by_key[(run, prompt, temp, step, tr, a)] - acc)
                         base_vals.append(acc + 1.0)
                 if len(diffs) > 1:
-                    mean, se = _mean_se(diffs)
+                    mean, se = mean_and_se(diffs)
                     rel = 100 * mean / (sum(base_vals) / len(base_vals))
                     lines.append(f"| {tree} | {t} | {a} - {b} | {mean:+.4f} | {se:.4f} | {rel:+.2f}% |")
     lines.append("")
@@ -414,7 +420,7 @@ def report(jsonl: Path, command: str) -> Path:
                   "| T | method | " + " | ".join(depth_rows) + " |", "|---|---|" + "---|" * len(depth_rows)]
         for t in temps:
             for m in ("rrsw", "traversal", "greedy", "univer"):
-                cells = [f"{_mean_se(groups[('overall', t, d, m)])[0]:.3f}" if groups.get(("overall", t, d, m)) else ""
+                cells = [f"{mean_and_se(groups[('overall', t, d, m)])[0]:.3f}" if groups.get(("overall", t, d, m)) else ""
                          for d in depth_rows]
                 lines.append(f"| {t} | {m} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -431,8 +437,8 @@ def report(jsonl: Path, command: str) -> Path:
                     best = None
                     for label, n in nodes.items():
                         vals = groups.get(("overall", t, label, m))
-                        if n <= budget and vals and (best is None or _mean_se(vals)[0] > best[1]):
-                            best = (label, _mean_se(vals)[0], n)
+                        if n <= budget and vals and (best is None or mean_and_se(vals)[0] > best[1]):
+                            best = (label, mean_and_se(vals)[0], n)
                     cells.append(f"{best[0]} ({best[2]} nodes): {best[1]:.3f}" if best else "")
                 if any(cells):
                     lines.append(f"| {t} | {m} | " + " | ".join(cells) + " |")
@@ -451,7 +457,7 @@ def _plots(groups, temps, depth_rows, stem) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in ("rrsw", "traversal", "greedy", "target_only", "univer"):
-        ys = [_mean_se(groups[("overall", t, "2x5", m)]) for t in temps if groups.get(("overall", t, "2x5", m))]
+        ys = [mean_and_se(groups[("overall", t, "2x5", m)]) for t in temps if groups.get(("overall", t, "2x5", m))]
         if len(ys) == len(temps):
             ax.errorbar(temps, [y[0] for y in ys], yerr=[y[1] for y in ys], marker="o", label=m, capsize=3)
     ax.set_xlabel("temperature")
@@ -467,7 +473,7 @@ def _plots(groups, temps, depth_rows, stem) -> None:
         sizes = [TreeSpec.parse(d).num_nodes for d in depth_rows]
         for m in ("rrsw", "traversal", "greedy", "univer"):
             t = max(temps)
-            ys = [_mean_se(groups[("overall", t, d, m)])[0] for d in depth_rows if groups.get(("overall", t, d, m))]
+            ys = [mean_and_se(groups[("overall", t, d, m)])[0] for d in depth_rows if groups.get(("overall", t, d, m))]
             if len(ys) == len(depth_rows):
                 ax.plot(sizes, ys, marker="o", label=m)
         ax.set_xlabel("draft nodes (binary tree, depth 2..5)")

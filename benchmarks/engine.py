@@ -224,13 +224,11 @@ def offline_agreement(results: list[dict], tree: str = "2x5", temperature: float
     records = RESULTS / "acceptance.jsonl"
     if not records.exists():
         return []
+    from acceptance import mean_and_se, study_records
+
     offline: dict[str, list[float]] = {}
-    # The study's main run and its supplements, as its own report reads them.
-    lines_read = [line for path in [records, *sorted(RESULTS.glob("acceptance.supp-*.jsonl"))]
-                  for line in path.read_text().splitlines()]
-    for line in lines_read:
-        r = json.loads(line) if line.strip() else None
-        if r and r["dataset"] == "mtbench" and r["tree"] == tree and r["temperature"] == temperature:
+    for r in study_records(records)[1]:
+        if r["dataset"] == "mtbench" and r["tree"] == tree and r["temperature"] == temperature:
             offline.setdefault(r["method"], []).append(r["accepted"] + 1.0)
     lines = ["", f"## tau through vLLM against the offline acceptance study (MT-Bench, tree {tree}, T = {temperature:g})",
              "", "Offline: `benchmarks/results/acceptance.md` (exact expected tau per drafted tree, its own "
@@ -243,8 +241,7 @@ def offline_agreement(results: list[dict], tree: str = "2x5", temperature: float
         values = offline.get(method)
         if r["name"] == method or cell is None or not values or len(values) < 2:
             continue
-        mean = sum(values) / len(values)
-        se = (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+        mean, se = mean_and_se(values)
         diff, engine_se = cell["tau"] - mean, tau_standard_error(cell)
         lines.append(f"| {method} | {cell['tau']:.2f} +- {engine_se:.2f} | {mean:.2f} +- {se:.2f} | {diff:+.2f} | "
                      f"{diff / (engine_se ** 2 + se ** 2) ** 0.5:+.1f} |")

@@ -9,6 +9,17 @@ from vllm_univer import TreeSpec, draft_children, outcome_law
 from vllm_univer import ops
 
 
+def _drafted_tokens(tree, q, scheme, gen):
+    """q [B, N+1, V] -> tokens [B, N+1]: a tree per row drawn with ``scheme`` (root token 0)."""
+    tokens = torch.full(q.shape[:2], -1, dtype=torch.long)
+    tokens[:, 0] = 0
+    for v in range(q.shape[1]):
+        kids = [c for c in tree.children[v].tolist() if c >= 0]
+        if kids:
+            tokens[:, kids] = draft_children(scheme, q[:, v], len(kids), generator=gen)
+    return tokens
+
+
 def test_sum_of_min_in_chunks_equals_one_pass(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     a = torch.rand(2, 3, 5000, generator=gen, dtype=torch.float64)
@@ -36,12 +47,7 @@ def test_law_is_the_same_with_chunked_vocabulary_passes(monkeypatch, method, spe
     vocab, n1 = 3000, tree.num_nodes + 1
     q = torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1)
     p = (0.6 * q + 0.4 * torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1))
-    tokens = torch.full((3, n1), -1, dtype=torch.long)
-    tokens[:, 0] = 0
-    for v in range(n1):
-        kids = [c for c in tree.children[v].tolist() if c >= 0]
-        if kids:
-            tokens[:, kids] = draft_children(scheme_for(method), q[:, v], len(kids), generator=gen)
+    tokens = _drafted_tokens(tree, q, scheme_for(method), gen)
     one_pass = outcome_law(method, tree, tokens, p, q)
     monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)
     torch.testing.assert_close(outcome_law(method, tree, tokens, p, q), one_pass, rtol=1e-12, atol=1e-15)
@@ -107,12 +113,7 @@ def test_verifiers_leave_their_inputs_untouched():
     for method in METHODS:
         if method in ("token", "block"):
             continue  # chain-only
-        tokens = torch.full((4, n1), -1, dtype=torch.long)
-        tokens[:, 0] = 0
-        for v in range(n1):
-            kids = [c for c in tree.children[v].tolist() if c >= 0]
-            if kids:
-                tokens[:, kids] = draft_children(scheme_for(method), q[:, v], len(kids), generator=gen)
+        tokens = _drafted_tokens(tree, q, scheme_for(method), gen)
         p0, q0 = p.clone(), q.clone()
         verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(0))
         assert torch.equal(p, p0) and torch.equal(q, q0), method

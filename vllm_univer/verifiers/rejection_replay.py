@@ -44,10 +44,12 @@ class RejectionReplay:
     def at(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """R_j and Q_j (j = steps so far) at ``tokens`` [B, n, k] (-1: 0) -> two [B, n, k]."""
         rows, draft = gather_tokens(self.p, tokens), gather_tokens(self.q, tokens)
-        for i, (rows_scale, draft_scale, _) in enumerate(self.steps):
-            removed = self._removed_before(i, tokens)
-            rows = torch.where(removed, rows * rows_scale, (rows * rows_scale - draft * draft_scale).clamp(min=0))
-        return rows, torch.where(self._removed_before(len(self.steps), tokens), 0.0, draft)
+        removed = torch.zeros_like(tokens, dtype=torch.bool)  # Q = 0 there from the next step on
+        for rows_scale, draft_scale, token in self.steps:
+            rows = torch.where(removed, rows * rows_scale, _reject(rows, draft, rows_scale, draft_scale))
+            if self.removes_tokens:
+                removed |= (tokens == token) & (token >= 0)
+        return rows, torch.where(removed, 0.0, draft)
 
     def masses(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(sum R_j, sum Q_j) [B, n, 1] (sum Q_j only when tokens are removed: else
@@ -61,8 +63,7 @@ class RejectionReplay:
             draft = self.q[..., part]
             for i, (rows_scale, draft_scale, _) in enumerate(self.steps):
                 before = rows
-                rows = (torch.addcmul(rows, draft, draft_scale, value=-1) if _is_one(rows_scale)
-                        else torch.mul(rows, rows_scale).addcmul_(draft, draft_scale, value=-1)).clamp_(min=0)
+                rows = _reject(rows, draft, rows_scale, draft_scale)
                 for offset, inside in offsets[:i]:  # Q_i = 0 at the tokens removed so far
                     index = offset.clamp(0, width - 1)
                     kept = torch.where(inside, before.gather(-1, index) * rows_scale, rows.gather(-1, index))
@@ -77,14 +78,10 @@ class RejectionReplay:
             self._q_blocks = BlockCdf(self.q)
         return r_mass, self._q_blocks.total(exclude=torch.cat(removed, -1) if removed else None)
 
-    def _removed_before(self, step: int, tokens: torch.Tensor) -> torch.Tensor:
-        """[B, n, k]: whether each of ``tokens`` was removed by steps 0 .. step-1."""
-        removed = torch.zeros_like(tokens, dtype=torch.bool)
-        if self.removes_tokens:
-            for _, _, token in self.steps[:step]:
-                removed |= (tokens == token) & (token >= 0)
-        return removed
 
-
-def _is_one(value) -> bool:
-    return isinstance(value, (int, float)) and value == 1
+def _reject(rows: torch.Tensor, draft: torch.Tensor, rows_scale, draft_scale: torch.Tensor) -> torch.Tensor:
+    """One rejection step, [a R - c Q]+, as a new tensor (the same arithmetic for the
+    vocabulary chunks of ``masses`` and the gathered columns of ``at``)."""
+    if isinstance(rows_scale, (int, float)) and rows_scale == 1:
+        return torch.addcmul(rows, draft, draft_scale, value=-1).clamp_(min=0)
+    return torch.mul(rows, rows_scale).addcmul_(draft, draft_scale, value=-1).clamp_(min=0)
