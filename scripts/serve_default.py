@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 EXAMPLE = """\
 Ready: {url}/v1  (model "{name}", UniVer tree {tree}, verifier {verifier})
+{hardware}
 
     from openai import OpenAI
     client = OpenAI(base_url="{url}/v1", api_key="none")
@@ -31,6 +32,34 @@ Ready: {url}/v1  (model "{name}", UniVer tree {tree}, verifier {verifier})
 
 Metrics (acceptance per depth included): {url}/metrics.  Ctrl-C stops the server.
 """
+
+
+# On a CPU, vLLM profiles (and warms up) each model with one forward of
+# max_num_batched_tokens tokens (2048 by default: minutes per forward on 2 cores).
+# A CPU server never batches that many tokens in a step; longer prompts are
+# prefilled in chunks of this size.
+CPU_MAX_BATCHED_TOKENS = 512
+
+
+def hardware_defaults(user_args: list[str]) -> tuple[str, str, list[str]]:
+    """(dtype, a line saying what was chosen and why, extra vllm serve arguments)
+    for the machine at hand; DTYPE and the user's own arguments win."""
+    import torch
+
+    if torch.cuda.is_available():
+        dtype = os.environ.get("DTYPE", "bfloat16")
+        return dtype, f"GPU: {torch.cuda.get_device_name()}, dtype {dtype}", []
+    from vllm_univer.host_cpu import host_cpu
+
+    cpu = host_cpu()
+    dtype, why = cpu.serving_dtype()
+    if "DTYPE" in os.environ:
+        dtype, why = os.environ["DTYPE"], "set by DTYPE"
+    line = f"CPU: {cpu.label}; dtype {dtype} ({why})"
+    if any(a.startswith("--max-num-batched-tokens") for a in user_args):
+        return dtype, line, []
+    return dtype, f"{line}; at most {CPU_MAX_BATCHED_TOKENS} tokens per step", [
+        "--max-num-batched-tokens", str(CPU_MAX_BATCHED_TOKENS)]
 
 
 def main() -> None:
@@ -46,9 +75,10 @@ def main() -> None:
     tree, verifier = os.environ.get("TREE", "2x3"), os.environ.get("VERIFIER", "univer")
     spec = {"method": "univer", "model": str(draft), "tree": tree, "verifier": verifier}
     name = os.environ.get("SERVED_MODEL_NAME", "qwen2.5-coder-1.5b")
+    dtype, hardware, engine_args = hardware_defaults(sys.argv[1:])
     cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(target), "--served-model-name", name,
-           "--host", "127.0.0.1", "--port", port, "--dtype", os.environ.get("DTYPE", "bfloat16"), "--max-model-len", "4096",
-           "--speculative-config", json.dumps(spec), *sys.argv[1:]]
+           "--host", "127.0.0.1", "--port", port, "--dtype", dtype, "--max-model-len", "4096",
+           "--speculative-config", json.dumps(spec), *engine_args, *sys.argv[1:]]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
     print("[main] " + " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, env=env)
@@ -63,7 +93,8 @@ def main() -> None:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
-                    print(EXAMPLE.format(url=url, name=name, tree=tree, verifier=verifier), flush=True)
+                    print(EXAMPLE.format(url=url, name=name, tree=tree, verifier=verifier, hardware=hardware),
+                          flush=True)
                     break
         except OSError:
             time.sleep(2)

@@ -6,11 +6,16 @@ next test. Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one
 after another.
 
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
-"params": [{...SamplingParams kwargs}, ...]}]}]}. A prompt is a string or a list
-of token ids. Result (the last stdout line, after ``RESULT``): per engine
-{"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs": [[{token: logprob}]]
-per output, when asked for} | {"error": str}],
-"spec": {counter: value}}.
+"params": [{...SamplingParams kwargs}, ...]}], "margins": bool}]}. A prompt is a
+string or a list of token ids. Result (the last stdout line, after ``RESULT``):
+per engine {"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs":
+[[{token: logprob}]] per output, when asked for, "margins" and "top2" with
+``margins``} | {"error": str}], "spec": {counter: value}}.
+
+An engine with ``"margins": true`` is a greedy reference: it samples from
+processed logprobs (``logprobs_mode="processed_logprobs"``: after penalties,
+biases and masks, what the argmax is taken of) and returns each position's
+top-1 minus top-2 logprob and those two tokens, for ``greedy_identity``.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ if os.environ.get("UNIVER_TEST_ATTENTION_BACKEND"):
     BASE_KWARGS["attention_backend"] = os.environ["UNIVER_TEST_ATTENTION_BACKEND"]
 
 
-def run_engines(engines: list[dict], timeout: float = 1200) -> list[dict]:
-    """Run ``engines`` (see the module docstring) in a subprocess; return their results."""
-    env = {**os.environ, **ENV}
+def run_engines(engines: list[dict], timeout: float = 1200, env: dict | None = None) -> list[dict]:
+    """Run ``engines`` (see the module docstring) in a subprocess, with ``env``
+    added to its environment; return their results."""
+    env = {**os.environ, **ENV, **(env or {})}
     proc = subprocess.run([sys.executable, __file__], input=json.dumps({"engines": engines}), text=True,
                           capture_output=True, env=env, timeout=timeout)
     for line in reversed(proc.stdout.splitlines()):
@@ -58,6 +64,11 @@ def _spec_counters(llm) -> dict:
     return counters
 
 
+def _op_counts(worker) -> dict:
+    univer = getattr(worker.model_runner, "univer", None)
+    return univer.timers.op_counts() if univer is not None else {}
+
+
 def _sampling_params(kwargs: dict):
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
@@ -72,23 +83,38 @@ def _sampling_params(kwargs: dict):
 def _run_engine(engine: dict) -> dict:
     from vllm import LLM
 
+    from greedy_identity import top2_from_logprobs
+
+    margins = engine.get("margins", False)
+    kwargs = {**BASE_KWARGS, **engine["kwargs"]}
+    if margins:
+        kwargs["logprobs_mode"] = "processed_logprobs"
     try:
-        llm = LLM(**{**BASE_KWARGS, **engine["kwargs"]})
+        llm = LLM(**kwargs)
     except Exception as exc:  # noqa: BLE001 - the error message is the result
         return {"error": f"{type(exc).__name__}: {exc}"}
     calls = []
     for call in engine["calls"]:
         try:
-            params = [_sampling_params(p) for p in call["params"]]
+            asked = [p.get("logprobs") for p in call["params"]]
+            params = [_sampling_params({**p, "logprobs": max(p.get("logprobs") or 0, 2)} if margins else p)
+                      for p in call["params"]]
             out = llm.generate([_prompt(p) for p in call["prompts"]], params, use_tqdm=False)
             entry = {"outputs": [list(o.outputs[0].token_ids) for o in out]}
-            if any(o.outputs[0].logprobs for o in out):
-                entry["logprobs"] = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
-                                     for o in out]
+            logprobs = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []]
+                        for o in out]
+            if margins:
+                tops = [top2_from_logprobs([{int(t): lp for t, lp in step.items()} for step in steps])
+                        for steps in logprobs]
+                entry["margins"], entry["top2"] = [m for m, _ in tops], [t for _, t in tops]
+            if any(a is not None for a in asked):
+                entry["logprobs"] = logprobs
             calls.append(entry)
         except Exception as exc:  # noqa: BLE001
             calls.append({"error": f"{type(exc).__name__}: {exc}"})
     result = {"calls": calls, "spec": _spec_counters(llm)}
+    if os.environ.get("VLLM_UNIVER_OP_COUNTS") == "1":  # set by the test that wants them
+        result["op_counts"] = llm.collective_rpc(_op_counts)[0]
     del llm
     gc.collect()
     return result

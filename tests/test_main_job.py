@@ -33,13 +33,16 @@ def test_main_job_serves_and_stops_on_ctrl_c(tiny_pair, tmp_path):
                                  "--max-model-len", "512"], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            deadline = time.time() + 240
+            started = time.time()
+            deadline = started + 240
             while "Ready:" not in log.read_text():
                 assert proc.poll() is None, log.read_text()[-3000:]
                 assert time.time() < deadline, "no Ready line"
                 time.sleep(1)
             text = log.read_text()
+            print(f"\nmain job on the tiny models: Ready after {time.time() - started:.0f} s")
             assert f"http://127.0.0.1:{port}/v1" in text and "from openai import OpenAI" in text
+            assert "CPU: " in text and "dtype float32 (set by DTYPE)" in text  # what it chose, and why
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
             reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the tree"}],
                                                    max_tokens=16, temperature=1.0)

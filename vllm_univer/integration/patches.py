@@ -243,6 +243,33 @@ def patch_structured_output_manager() -> None:
     _wraps_once(StructuredOutputManager, "validate_tokens", make_validate_tokens)
 
 
+def patch_proposer_dummy_run() -> None:
+    """``SpecDecodeBaseProposer.dummy_run``: vLLM's profile / warm-up run of the
+    draft model makes ``num_speculative_tokens`` forwards (its FIXME asks for the
+    tree depth), which for a tree is every node: 62 forwards of
+    ``max_num_batched_tokens`` tokens for 2x5, about 35 minutes of start-up on a
+    2-core CPU. The tree drafter makes one forward per level above the leaves,
+    ``max_depth`` in all (``TreeDrafter``), so the profile run makes that many."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from .speculative_config import is_univer
+
+    def make(original):
+        def dummy_run(self, *args, **kwargs):
+            spec = self.vllm_config.speculative_config
+            if not is_univer(spec):
+                return original(self, *args, **kwargs)
+            num_nodes = self.num_speculative_tokens
+            self.num_speculative_tokens = spec.univer.tree_spec.max_depth  # the forward count it loops over
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                self.num_speculative_tokens = num_nodes
+        return dummy_run
+
+    _wraps_once(SpecDecodeBaseProposer, "dummy_run", make)
+
+
 def patch_cpu_expand_kernel() -> None:
     """``vllm.utils.cpu_triton_utils._expand_kernel_impl``: vLLM 0.32.0's CPU stand-in
     for its Triton expand kernel hands the C++ op an int64 copy of a float output,
@@ -277,5 +304,6 @@ ALL_PATCHES = (
     patch_input_processor_validate_params,
     patch_sampling_params_validate_spec_decode,
     patch_structured_output_manager,
+    patch_proposer_dummy_run,
     patch_cpu_expand_kernel,
 )
