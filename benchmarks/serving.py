@@ -53,9 +53,26 @@ def _free_port() -> int:
 
 def start_server(target: str, draft: str, spec: dict | None, log: Path):
     port = _free_port()
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", target, "--served-model-name", "target",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
-           "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0"]
+    cmd = [
+        str(Path(sys.executable).parent / "vllm"),
+        "serve",
+        target,
+        "--served-model-name",
+        "target",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "16",
+        "--seed",
+        "0",
+    ]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps({**spec, "model": draft})]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4"}
@@ -86,9 +103,14 @@ async def one_request(client, prompt: str, max_tokens: int, temperature: float, 
     start = time.perf_counter()
     first, chunks = None, 0
     stream = await client.chat.completions.create(
-        model="target", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-        temperature=temperature, stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True})
+        model="target",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     tokens = 0
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -99,8 +121,13 @@ async def one_request(client, prompt: str, max_tokens: int, temperature: float, 
             tokens = chunk.usage.completion_tokens
     end = time.perf_counter()
     ttft = (first or end) - start
-    return {"start": start, "end": end, "ttft": ttft, "tpot": (end - (first or end)) / max(tokens - 1, 1),
-            "tokens": tokens}
+    return {
+        "start": start,
+        "end": end,
+        "ttft": ttft,
+        "tpot": (end - (first or end)) / max(tokens - 1, 1),
+        "tokens": tokens,
+    }
 
 
 async def drive(url: str, prompts: list[str], rate: float, max_tokens: int, temperature: float) -> dict:
@@ -112,14 +139,21 @@ async def drive(url: str, prompts: list[str], rate: float, max_tokens: int, temp
         delays.append(t)
         t += rng.expovariate(rate)
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=3600, max_retries=0) as client:
-        rows = await asyncio.gather(*[one_request(client, p, max_tokens, temperature, d)
-                                      for p, d in zip(prompts, delays)])
+        rows = await asyncio.gather(
+            *[one_request(client, p, max_tokens, temperature, d) for p, d in zip(prompts, delays)]
+        )
     makespan = max(r["end"] for r in rows) - min(r["start"] for r in rows)
     ttft, tpot = np.array([r["ttft"] for r in rows]), np.array([r["tpot"] for r in rows])
-    return {"rate": rate, "requests": len(rows), "tokens": sum(r["tokens"] for r in rows),
-            "tok_per_s": sum(r["tokens"] for r in rows) / makespan,
-            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
-            "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p99": float(np.percentile(tpot, 99))}
+    return {
+        "rate": rate,
+        "requests": len(rows),
+        "tokens": sum(r["tokens"] for r in rows),
+        "tok_per_s": sum(r["tokens"] for r in rows) / makespan,
+        "ttft_p50": float(np.percentile(ttft, 50)),
+        "ttft_p99": float(np.percentile(ttft, 99)),
+        "tpot_p50": float(np.percentile(tpot, 50)),
+        "tpot_p99": float(np.percentile(tpot, 99)),
+    }
 
 
 def report(results: dict, args) -> str:
@@ -131,7 +165,8 @@ def report(results: dict, args) -> str:
         f"MT-Bench prompts (chat), {args.requests} requests per rate, Poisson arrivals, {args.max_tokens} output "
         f"tokens (ignore_eos), temperature {args.temperature}. One server at a time, all rows from one run.",
         "",
-        "| config | rate (req/s) | tok/s | vs no spec | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | vs no spec (TPOT p50) |",
+        "| config | rate (req/s) | tok/s | vs no spec | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) "
+        "| vs no spec (TPOT p50) |",
         "|---|---|---|---|---|---|---|",
     ]
     base = {r["rate"]: r for r in results.get("nospec", [])}
@@ -140,16 +175,19 @@ def report(results: dict, args) -> str:
             b = base.get(r["rate"])
             ratio = r["tok_per_s"] / b["tok_per_s"] if b else float("nan")
             tpot_ratio = r["tpot_p50"] / b["tpot_p50"] if b else float("nan")
-            lines.append(f"| {name} | {r['rate']:g} | {r['tok_per_s']:.2f} | {ratio:.2f}x | "
-                         f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['tpot_p50']:.3f} / {r['tpot_p99']:.3f} | "
-                         f"{tpot_ratio:.2f}x |")
+            lines.append(
+                f"| {name} | {r['rate']:g} | {r['tok_per_s']:.2f} | {ratio:.2f}x | "
+                f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['tpot_p50']:.3f} / {r['tpot_p99']:.3f} | "
+                f"{tpot_ratio:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="+", default=["nospec", "chain", "univer", "rrsw", "traversal"],
-                    choices=sorted(CONFIGS))
+    ap.add_argument(
+        "--configs", nargs="+", default=["nospec", "chain", "univer", "rrsw", "traversal"], choices=sorted(CONFIGS)
+    )
     ap.add_argument("--rates", nargs="+", type=float, default=[1.0, 4.0, 16.0])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -166,8 +204,9 @@ def main() -> None:
         log = Path(tempfile.gettempdir()) / f"vllm_univer_serving_{name}.log"
         proc, url = start_server(target, draft, CONFIGS[name], log)
         try:
-            results[name] = [asyncio.run(drive(url, texts, rate, args.max_tokens, args.temperature))
-                             for rate in args.rates]
+            results[name] = [
+                asyncio.run(drive(url, texts, rate, args.max_tokens, args.temperature)) for rate in args.rates
+            ]
         finally:
             stop_server(proc)
         print(json.dumps(results[name]), flush=True)

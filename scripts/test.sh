@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The test command: set up ./.venv from nothing (vLLM 0.32.0 CPU or CUDA build,
-# this package, test tools) and run the whole test suite.
+# this package, test tools), check formatting and lint (ruff, pyproject.toml),
+# and run the whole test suite.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/scripts/setup_venv.sh"
 cd "$repo"
+"${VENV:-$repo/.venv}/bin/ruff" format --check .
+"${VENV:-$repo/.venv}/bin/ruff" check .
 exec "${VENV:-$repo/.venv}/bin/python" -m pytest -q "$@"

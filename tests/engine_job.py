@@ -44,11 +44,17 @@ def run_engines(engines: list[dict], timeout: float = 1200, env: dict | None = N
     """Run ``engines`` (see the module docstring) in a subprocess, with ``env``
     added to its environment; return their results."""
     env = {**os.environ, **ENV, **(env or {})}
-    proc = subprocess.run([sys.executable, __file__], input=json.dumps({"engines": engines}), text=True,
-                          capture_output=True, env=env, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        input=json.dumps({"engines": engines}),
+        text=True,
+        capture_output=True,
+        env=env,
+        timeout=timeout,
+    )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     raise RuntimeError(f"engine job failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
 
 
@@ -81,9 +87,8 @@ def _sampling_params(kwargs: dict):
 
 
 def _run_engine(engine: dict) -> dict:
-    from vllm import LLM
-
     from greedy_identity import top2_from_logprobs
+    from vllm import LLM
 
     margins = engine.get("margins", False)
     kwargs = {**BASE_KWARGS, **engine["kwargs"]}
@@ -97,15 +102,19 @@ def _run_engine(engine: dict) -> dict:
     for call in engine["calls"]:
         try:
             asked = [p.get("logprobs") for p in call["params"]]
-            params = [_sampling_params({**p, "logprobs": max(p.get("logprobs") or 0, 2)} if margins else p)
-                      for p in call["params"]]
+            params = [
+                _sampling_params({**p, "logprobs": max(p.get("logprobs") or 0, 2)} if margins else p)
+                for p in call["params"]
+            ]
             out = llm.generate([_prompt(p) for p in call["prompts"]], params, use_tqdm=False)
             entry = {"outputs": [list(o.outputs[0].token_ids) for o in out]}
-            logprobs = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []]
-                        for o in out]
+            logprobs = [
+                [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []] for o in out
+            ]
             if margins:
-                tops = [top2_from_logprobs([{int(t): lp for t, lp in step.items()} for step in steps])
-                        for steps in logprobs]
+                tops = [
+                    top2_from_logprobs([{int(t): lp for t, lp in step.items()} for step in steps]) for steps in logprobs
+                ]
                 entry["margins"], entry["top2"] = [m for m, _ in tops], [t for _, t in tops]
             if any(a is not None for a in asked):
                 entry["logprobs"] = logprobs

@@ -68,18 +68,21 @@ def assert_greedy_identical(outputs: list[list[int]], reference: dict, label="")
         if n == len(ref):
             assert out == ref, (label, i)
         else:
-            print(f"[greedy identity] {label} output {i}: near-tie at position {n} of {len(ref)} "
-                  f"(top-2 margin {ref_margins[n]:.2e} < {TIE_MARGIN:.0e}); compared up to it")
+            print(
+                f"[greedy identity] {label} output {i}: near-tie at position {n} of {len(ref)} "
+                f"(top-2 margin {ref_margins[n]:.2e} < {TIE_MARGIN:.0e}); compared up to it"
+            )
             assert out[:n] == ref[:n], (label, i, n)
-            assert len(out) > n and out[n] in ref_top2[n], (label, i, n, out[n:n + 1], ref_top2[n])
+            assert len(out) > n and out[n] in ref_top2[n], (label, i, n, out[n : n + 1], ref_top2[n])
             assert n >= min(len(ref), MIN_COMPARED_PREFIX), (label, i, n, "near-tie too early")
         compared += n
     total = sum(len(ref) for ref in ref_outputs)
     assert compared >= MIN_COMPARED_SHARE * total, (label, compared, total, "near-ties cut the comparison short")
 
 
-def assert_greedy_text_identical(text: str, ref_text: str, ref_token_ids: list[int],
-                                 ref_top_logprobs: list[dict[str, float]], decode, label="") -> None:
+def assert_greedy_text_identical(
+    text: str, ref_text: str, ref_token_ids: list[int], ref_top_logprobs: list[dict[str, float]], decode, label=""
+) -> None:
     """A server's greedy ``text`` equals the reference server's ``ref_text`` up to
     the reference's first near-tie. The reference completion came with top-2
     logprobs and ``return_tokens_as_token_ids`` (``openai_reference``);
@@ -89,16 +92,20 @@ def assert_greedy_text_identical(text: str, ref_text: str, ref_token_ids: list[i
     if n == len(ref_token_ids):
         assert text == ref_text, label
         return
-    print(f"[greedy identity] {label}: near-tie at position {n} of {len(ref_token_ids)} "
-          f"(top-2 margin {margins[n]:.2e} < {TIE_MARGIN:.0e}); compared up to it")
+    print(
+        f"[greedy identity] {label}: near-tie at position {n} of {len(ref_token_ids)} "
+        f"(top-2 margin {margins[n]:.2e} < {TIE_MARGIN:.0e}); compared up to it"
+    )
     # A prefix cut inside a multi-byte character decodes to a replacement character.
     assert text.startswith(decode(ref_token_ids[:n]).rstrip("\ufffd")), (label, n)
     assert n >= min(len(ref_token_ids), MIN_COMPARED_PREFIX), (label, n, "near-tie too early")
 
 
 # Ask an OpenAI-compatible vLLM server for what ``assert_greedy_text_identical`` needs.
-OPENAI_TOP2 = {"completions": {"logprobs": 2, "extra_body": {"return_tokens_as_token_ids": True}},
-               "chat": {"logprobs": True, "top_logprobs": 2, "extra_body": {"return_tokens_as_token_ids": True}}}
+OPENAI_TOP2 = {
+    "completions": {"logprobs": 2, "extra_body": {"return_tokens_as_token_ids": True}},
+    "chat": {"logprobs": True, "top_logprobs": 2, "extra_body": {"return_tokens_as_token_ids": True}},
+}
 
 
 def token_id(token: str) -> int:

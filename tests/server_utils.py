@@ -23,13 +23,35 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(model: str, speculative_config: dict | None = None, extra_args: tuple[str, ...] = (),
-                timeout: float = 240, log_path: Path | None = None):
+def vllm_server(
+    model: str,
+    speculative_config: dict | None = None,
+    extra_args: tuple[str, ...] = (),
+    timeout: float = 240,
+    log_path: Path | None = None,
+):
     """Yield the base URL (``http://127.0.0.1:PORT``) of a running server."""
     port = free_port()
     vllm_bin = Path(sys.executable).parent / "vllm"
-    cmd = [str(vllm_bin), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "1024", "--block-size", "32", "--seed", "0", *extra_args]
+    cmd = [
+        str(vllm_bin),
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+        "--block-size",
+        "32",
+        "--seed",
+        "0",
+        *extra_args,
+    ]
     if speculative_config is not None:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
     env = {**os.environ, **ENV}

@@ -5,10 +5,10 @@ import json
 import os
 import re
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from vllm_univer.integration.config import split_user_config
@@ -94,13 +94,13 @@ def _serve(tmp_path, **env):
     fake.write_text('#!/bin/sh\npython3 -c "import json,sys; print(json.dumps(sys.argv[1:]))" "$@"\n')
     fake.chmod(0o755)
     full_env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", **env}
-    return subprocess.run(["sh", str(DEPLOY / "serve.sh"), "--max-model-len", "4096"],
-                          env=full_env, capture_output=True, text=True)
+    return subprocess.run(
+        ["sh", str(DEPLOY / "serve.sh"), "--max-model-len", "4096"], env=full_env, capture_output=True, text=True
+    )
 
 
 def test_entrypoint_builds_a_valid_speculative_config(tmp_path):
-    out = _serve(tmp_path, TARGET_MODEL="/models/target", DRAFT_MODEL="/models/draft", TREE="3x3",
-                 VERIFIER="traversal")
+    out = _serve(tmp_path, TARGET_MODEL="/models/target", DRAFT_MODEL="/models/draft", TREE="3x3", VERIFIER="traversal")
     assert out.returncode == 0, out.stderr
     args = json.loads(out.stdout)
     assert args[:2] == ["serve", "/models/target"]

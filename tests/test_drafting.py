@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
-
 from law_utils import chi_square_pvalue, scheme_outcomes
+
 from vllm_univer import draft_children
 
 ROWS = [
@@ -16,7 +16,9 @@ ROWS = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("scheme,m", [("chain", 1), ("iid", 2), ("iid", 3), ("wor", 2), ("wor", 3), ("topk1", 1), ("topk1", 2), ("topk1", 3)])
+@pytest.mark.parametrize(
+    "scheme,m", [("chain", 1), ("iid", 2), ("iid", 3), ("wor", 2), ("wor", 3), ("topk1", 1), ("topk1", 2), ("topk1", 3)]
+)
 @pytest.mark.parametrize("row", range(len(ROWS)))
 @pytest.mark.parametrize("block", [1024, 2], ids=["one_block", "blocks_of_2"])
 def test_children_law(scheme, m, row, dtype, block, monkeypatch):
@@ -97,4 +99,3 @@ def test_top_tokens_fast_path_equals_the_exact_rule_on_ties():
         probs = torch.randint(0, 3, (5, vocab), generator=gen).float()
         for k in range(1, vocab + 1):
             assert torch.equal(top_tokens(probs, k), _top_tokens_exact(probs, k)), (probs, k)
-

@@ -17,9 +17,17 @@ from tiny_models import WORDS  # noqa: E402
 
 IRREGULAR = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
 GREEDY_CASES = [
-    ("univer", "1x5"), ("univer", "2x3"), ("univer", "3x2"), ("univer", IRREGULAR),
-    ("greedy", "2x3"), ("rrs", "3x2"), ("rrsw", IRREGULAR), ("traversal", "2x3"),
-    ("target_only", "2x2"), ("token", "1x5"), ("block", "1x5"),
+    ("univer", "1x5"),
+    ("univer", "2x3"),
+    ("univer", "3x2"),
+    ("univer", IRREGULAR),
+    ("greedy", "2x3"),
+    ("rrs", "3x2"),
+    ("rrsw", IRREGULAR),
+    ("traversal", "2x3"),
+    ("target_only", "2x2"),
+    ("token", "1x5"),
+    ("block", "1x5"),
 ]
 
 
@@ -59,8 +67,9 @@ def test_greedy_output_equals_no_speculation_for_every_verifier_and_tree(models)
     KV blocks of 32): token-for-token what the target alone generates."""
     target, draft = models
     job = call(prompts(8), temperature=0.0, max_tokens=200, ignore_eos=True)
-    engines = [reference(target, [job])] + [engine(target, [job], univer(draft, tree, method))
-                                            for method, tree in GREEDY_CASES]
+    engines = [reference(target, [job])] + [
+        engine(target, [job], univer(draft, tree, method)) for method, tree in GREEDY_CASES
+    ]
     results = run_engines(engines)
     ref = results[0]["calls"][0]
     assert all(len(o) == 200 for o in ref["outputs"])
@@ -104,8 +113,9 @@ def test_target_as_its_own_draft_accepts_whole_paths(models, temperature):
     attention, positions and KV compaction agree with the target's."""
     target, _ = models
     job = call(prompts(4, seed=1), temperature=temperature, max_tokens=60, ignore_eos=True)
-    results = run_engines([engine(target, [job], univer(target, "2x3")),
-                           engine(target, [job], univer(target, IRREGULAR, "traversal"))])
+    results = run_engines(
+        [engine(target, [job], univer(target, "2x3")), engine(target, [job], univer(target, IRREGULAR, "traversal"))]
+    )
     for result, depth in zip(results, (3, 3)):
         assert "error" not in result, result.get("error")
         spec = result["spec"]
@@ -135,10 +145,12 @@ def test_mixed_batch_greedy_requests_equal_no_speculation(models):
     params = [(greedy if i % 4 == 0 else penalized) if i % 2 == 0 else sampled[i // 2] for i in range(8)]
     mixed = {"prompts": texts, "params": params}
     alone = {"prompts": texts[1::2], "params": params[1::2]}
-    results = run_engines([
-        reference(target, [{"prompts": texts[::2], "params": params[::2]}]),
-        engine(target, [mixed, alone], univer(draft, "2x3")),
-    ])
+    results = run_engines(
+        [
+            reference(target, [{"prompts": texts[::2], "params": params[::2]}]),
+            engine(target, [mixed, alone], univer(draft, "2x3")),
+        ]
+    )
     assert "error" not in results[1], results[1].get("error")
     mixed_out, alone_out = results[1]["calls"][0]["outputs"], results[1]["calls"][1]["outputs"]
     assert_greedy_identical(mixed_out[::2], results[0]["calls"][0])
@@ -167,10 +179,12 @@ def test_path_dependent_options_equal_no_speculation(models):
     ]
     options = {"prompts": texts, "params": params}
     sampled = call(texts, temperature=1.0, max_tokens=60, ignore_eos=True, allowed_token_ids=allowed[::3])
-    results = run_engines([
-        reference(target, [options, call(texts, **base)]),
-        engine(target, [options, sampled], univer(draft, "2x3")),
-    ])
+    results = run_engines(
+        [
+            reference(target, [options, call(texts, **base)]),
+            engine(target, [options, sampled], univer(draft, "2x3")),
+        ]
+    )
     assert "error" not in results[1], results[1].get("error")
     ref, plain = results[0]["calls"][0], results[0]["calls"][1]["outputs"]
     assert_greedy_identical(results[1]["calls"][0]["outputs"], ref)
@@ -194,8 +208,11 @@ def test_structured_outputs_equal_no_speculation(models):
     target, _ = models
     texts = prompts(5, seed=9)
     words = "([a-z]+ )*[a-z]+"
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
-              "required": ["name", "n"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    }
     base = {"temperature": 0.0, "max_tokens": 60}
     params = [
         {**base, "structured_outputs": {"regex": words}},
@@ -207,12 +224,14 @@ def test_structured_outputs_equal_no_speculation(models):
     constrained = {"prompts": texts, "params": params}
     sampled = call(texts, temperature=1.0, max_tokens=40, structured_outputs={"regex": words})
     guidance = {"structured_outputs_config": {"backend": "guidance"}}
-    results = run_engines([
-        reference(target, [constrained]),
-        engine(target, [constrained, sampled], univer(target, "2x3")),
-        reference(target, [constrained], **guidance),  # backends may differ: each has its own reference
-        engine(target, [constrained], univer(target, "2x3"), **guidance),
-    ])
+    results = run_engines(
+        [
+            reference(target, [constrained]),
+            engine(target, [constrained, sampled], univer(target, "2x3")),
+            reference(target, [constrained], **guidance),  # backends may differ: each has its own reference
+            engine(target, [constrained], univer(target, "2x3"), **guidance),
+        ]
+    )
     for result in results:
         assert "error" not in result, result.get("error")
         assert all("error" not in c for c in result["calls"]), result["calls"]
@@ -238,10 +257,12 @@ def test_sampled_request_joining_an_all_greedy_batch(models):
     params = [{"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in (15, 90)]
     params += [{"temperature": 1.0, "max_tokens": 40, "ignore_eos": True, "seed": s} for s in (1, 2)]
     job = {"prompts": texts, "params": params}
-    results = run_engines([
-        reference(target, [{"prompts": texts[:2], "params": params[:2]}]),
-        engine(target, [job], univer(draft, "2x3"), max_num_seqs=2),
-    ])
+    results = run_engines(
+        [
+            reference(target, [{"prompts": texts[:2], "params": params[:2]}]),
+            engine(target, [job], univer(draft, "2x3"), max_num_seqs=2),
+        ]
+    )
     assert "error" not in results[1], results[1].get("error")
     out = results[1]["calls"][0]["outputs"]
     assert_greedy_identical(out[:2], results[0]["calls"][0])
@@ -253,11 +274,14 @@ def test_stop_and_max_tokens_cut_an_accepted_path(models):
     target, _ = models
     text = prompts(1, seed=4)
     greedy = {"temperature": 0.0, "ignore_eos": True}
-    results = run_engines([
-        reference(target, [call(text, max_tokens=40, **greedy)]),
-        engine(target, [call(text, max_tokens=7, **greedy), call(text, max_tokens=40, **greedy)],
-               univer(target, "1x5")),
-    ])
+    results = run_engines(
+        [
+            reference(target, [call(text, max_tokens=40, **greedy)]),
+            engine(
+                target, [call(text, max_tokens=7, **greedy), call(text, max_tokens=40, **greedy)], univer(target, "1x5")
+            ),
+        ]
+    )
     ref = results[0]["calls"][0]
     full = ref["outputs"][0]
     spec_calls = results[1]["calls"]
@@ -265,8 +289,9 @@ def test_stop_and_max_tokens_cut_an_accepted_path(models):
     assert_greedy_identical(spec_calls[0]["outputs"], truncated(ref, 7), "max_tokens 7")
     assert_greedy_identical(spec_calls[1]["outputs"], ref, "max_tokens 40")
     stop_at = full[10]
-    cut = run_engines([engine(target, [call(text, max_tokens=40, stop_token_ids=[stop_at], **greedy)],
-                              univer(target, "1x5"))])[0]
+    cut = run_engines(
+        [engine(target, [call(text, max_tokens=40, stop_token_ids=[stop_at], **greedy)], univer(target, "1x5"))]
+    )[0]
     out = cut["calls"][0]["outputs"][0]
     assert out[-1] == stop_at
     assert_greedy_identical([out], truncated(ref, full.index(stop_at) + 1), "stop token")
@@ -284,7 +309,7 @@ def test_logprobs_are_the_targets(models):
     worst = 0.0
     for out_base, out_spec, margins in zip(base["logprobs"], spec["logprobs"], base["margins"]):
         assert len(out_base) == len(out_spec) == 40
-        for step_base, step_spec in zip(out_base[:compared_length(margins)], out_spec):
+        for step_base, step_spec in zip(out_base[: compared_length(margins)], out_spec):
             assert step_base.keys() == step_spec.keys()
             worst = max([worst] + [abs(step_spec[token] - value) for token, value in step_base.items()])
     # The rounding bound the tie-aware greedy comparisons rest on (greedy_identity).

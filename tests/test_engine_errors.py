@@ -31,11 +31,24 @@ def test_bad_configs_fail_at_construction_with_clear_messages(models):
         ({"tree": "2x3"}, "needs a draft model"),
         ({"model": other_vocab, "tree": "2x2"}, "vocab"),
     ]
-    engines = [{"kwargs": {"model": target, "max_model_len": 256,
-                           "speculative_config": {"method": "univer", **spec}}, "calls": []}
-               for spec, _ in bad]
-    engines.append({"kwargs": {"model": target, "max_model_len": 256, "async_scheduling": True,
-                               "speculative_config": {"method": "univer", "model": target}}, "calls": []})
+    engines = [
+        {
+            "kwargs": {"model": target, "max_model_len": 256, "speculative_config": {"method": "univer", **spec}},
+            "calls": [],
+        }
+        for spec, _ in bad
+    ]
+    engines.append(
+        {
+            "kwargs": {
+                "model": target,
+                "max_model_len": 256,
+                "async_scheduling": True,
+                "speculative_config": {"method": "univer", "model": target},
+            },
+            "calls": [],
+        }
+    )
     results = run_engines(engines)
     for (spec, message), result in zip(bad, results):
         assert message in result.get("error", ""), (spec, result)
@@ -52,8 +65,18 @@ def test_bad_request_fails_alone_and_the_engine_goes_on(models):
         {"prompts": ["the tree"], "params": [{**good, "temperature": 1.0, "min_p": 0.1, "logit_bias": {"7": 1.0}}]},
         {"prompts": ["the tree"], "params": [good]},
     ]
-    result = run_engines([{"kwargs": {"model": target, "max_model_len": 256, "speculative_config": {
-        "method": "univer", "model": target, "tree": "2x2"}}, "calls": calls}])[0]
+    result = run_engines(
+        [
+            {
+                "kwargs": {
+                    "model": target,
+                    "max_model_len": 256,
+                    "speculative_config": {"method": "univer", "model": target, "tree": "2x2"},
+                },
+                "calls": calls,
+            }
+        ]
+    )[0]
     assert "error" not in result, result.get("error")
     first, bad_schema, bad_bias, min_p, last = result["calls"]
     assert "json" in bad_schema["error"].lower()  # vLLM's own validation of the schema

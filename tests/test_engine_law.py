@@ -30,11 +30,17 @@ CASES = [  # (verifier, tree, sampling parameters)
     ("traversal", "2x2", {"temperature": 1.0}),
     ("rrsw", "2x2", {"temperature": 1.0}),
     ("univer", [[0], [1], [2], [0, 0], [1, 0]], {"temperature": 0.8, "top_k": 8, "top_p": 0.9}),
-    ("univer", "2x2", {"temperature": 1.0, "presence_penalty": 0.8, "frequency_penalty": 0.5,
-                       "repetition_penalty": 1.5}),
+    (
+        "univer",
+        "2x2",
+        {"temperature": 1.0, "presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.5},
+    ),
     # min_p and logit_bias (refused by vLLM for its own speculative decoding), with a penalty after the bias.
-    ("univer", "2x2", {"temperature": 1.2, "min_p": 0.08, "logit_bias": {"4": 2.5, "9": -3.0, "20": 1.5},
-                       "presence_penalty": 0.5}),
+    (
+        "univer",
+        "2x2",
+        {"temperature": 1.2, "min_p": 0.08, "logit_bias": {"4": 2.5, "9": -3.0, "20": 1.5}, "presence_penalty": 0.5},
+    ),
 ]
 
 
@@ -53,7 +59,6 @@ def penalized(logits, prompt: list[int], generated, params: dict):
     logits [P, V] (float64), generated LongTensor [P, n] (the output so far per row)."""
     import torch
 
-    vocab = logits.shape[-1]
     counts = torch.zeros_like(logits)
     if generated.shape[1]:
         counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=logits.dtype))
@@ -105,7 +110,7 @@ def masked(logits, generated, params: dict):
         prefix = word[:-1]
         if len(prefix) > n:
             continue
-        hit = (generated[:, n - len(prefix):] == torch.tensor(prefix)).all(-1)  # all() of nothing: True
+        hit = (generated[:, n - len(prefix) :] == torch.tensor(prefix)).all(-1)  # all() of nothing: True
         logits[hit, word[-1]] = float("-inf")
     if n < params.get("min_tokens", 0):
         logits[:, params["stop_token_ids"]] = float("-inf")
@@ -128,11 +133,15 @@ def grammar_masked(logits, generated, pattern: str, token_texts: list[str], stop
     logits = logits.clone()
     for row, prefix in enumerate(generated.tolist()):
         text = "".join(token_texts[t] for t in prefix)
-        allowed = torch.tensor([
-            (regex.fullmatch(pattern, text) is not None) if token in stops
-            else bool(token_texts[token]) and regex.fullmatch(pattern, text + token_texts[token], partial=True)
-            is not None
-            for token in range(logits.shape[-1])])
+        allowed = torch.tensor(
+            [
+                (regex.fullmatch(pattern, text) is not None)
+                if token in stops
+                else bool(token_texts[token])
+                and regex.fullmatch(pattern, text + token_texts[token], partial=True) is not None
+                for token in range(logits.shape[-1])
+            ]
+        )
         if allowed.any():
             logits[row, ~allowed] = float("-inf")
     return logits
@@ -145,19 +154,28 @@ def exact_law_of_tokens(model_path: str, prompt: list[int], params: dict, length
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(model_path).double().eval()
-    kw = {"temperature": params["temperature"], "top_k": params.get("top_k", -1), "top_p": params.get("top_p", 1.0),
-          "min_p": params.get("min_p", 0.0)}
+    kw = {
+        "temperature": params["temperature"],
+        "top_k": params.get("top_k", -1),
+        "top_p": params.get("top_p", 1.0),
+        "min_p": params.get("min_p", 0.0),
+    }
     stops = params.get("stop_token_ids", [])
     law = torch.ones(1, dtype=torch.float64)
     with torch.no_grad():
         for step in range(length):
             prefixes = list(itertools.product(range(VOCAB), repeat=step))
             seqs = torch.tensor([prompt + list(p) for p in prefixes])
-            generated = seqs[:, len(prompt):]
-            probs = torch.cat([
-                transformed_probs(penalized(masked(model(chunk).logits[:, -1], gen_chunk, params), prompt, gen_chunk,
-                                            params), **kw)
-                for chunk, gen_chunk in zip(seqs.split(4096), generated.split(4096))])
+            generated = seqs[:, len(prompt) :]
+            probs = torch.cat(
+                [
+                    transformed_probs(
+                        penalized(masked(model(chunk).logits[:, -1], gen_chunk, params), prompt, gen_chunk, params),
+                        **kw,
+                    )
+                    for chunk, gen_chunk in zip(seqs.split(4096), generated.split(4096))
+                ]
+            )
             for stop in stops:  # ended texts repeat their stop token
                 ended = (generated == stop).any(-1)
                 probs[ended] = torch.nn.functional.one_hot(torch.tensor(stop), VOCAB).double()
@@ -179,11 +197,17 @@ def test_generated_law_equals_target_law(small_models):
     for verifier, tree, params in CASES:
         sampling = {**params, "max_tokens": 4, "ignore_eos": True}
         prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
-        engines.append({
-            "kwargs": {"model": target, "max_model_len": 64, "max_num_seqs": 64,
-                       "speculative_config": {"method": "univer", "model": draft, "tree": tree, "verifier": verifier}},
-            "calls": [{"prompts": prompts, "params": [sampling] * len(prompts)}],
-        })
+        engines.append(
+            {
+                "kwargs": {
+                    "model": target,
+                    "max_model_len": 64,
+                    "max_num_seqs": 64,
+                    "speculative_config": {"method": "univer", "model": draft, "tree": tree, "verifier": verifier},
+                },
+                "calls": [{"prompts": prompts, "params": [sampling] * len(prompts)}],
+            }
+        )
     results = run_engines(engines)
     for (verifier, tree, params), result in zip(CASES, results):
         assert "error" not in result, (verifier, result.get("error"))
@@ -192,7 +216,7 @@ def test_generated_law_equals_target_law(small_models):
         accepted, drafts = spec["vllm:spec_decode_num_accepted_tokens"], spec["vllm:spec_decode_num_drafts"]
         assert 0 < accepted < drafts * 2, (verifier, accepted, drafts)  # some paths accepted, not all
         for i, prompt in enumerate(PROMPTS):
-            counts = counts_of(outputs[i * REQUESTS_PER_PROMPT:(i + 1) * REQUESTS_PER_PROMPT])
+            counts = counts_of(outputs[i * REQUESTS_PER_PROMPT : (i + 1) * REQUESTS_PER_PROMPT])
             law = exact_law_of_tokens(target, prompt, params)
             wrong = exact_law_of_tokens(draft, prompt, params)
             # The first three tokens (prefill sample, then tree steps) and the pair
@@ -229,27 +253,50 @@ def test_path_options_law_equals_target_law(small_models):
     stop, c, e = ranked[:3]  # stop: the likeliest first token; c, e: the next ones
     with torch.no_grad():
         after_c = model(torch.tensor([PROMPTS[0] + [c]])).logits[0, -1]
-    d = next(t for t in after_c.argsort(descending=True).tolist()
-             if t in letters and t != stop and tok.encode(tok.decode([c, t]), add_special_tokens=False) == [c, t])
+    d = next(
+        t
+        for t in after_c.argsort(descending=True).tolist()
+        if t in letters and t != stop and tok.encode(tok.decode([c, t]), add_special_tokens=False) == [c, t]
+    )
     bad_words = [tok.decode([c, d]), tok.decode([e])]
     checked = SamplingParams(bad_words=bad_words)
     checked.update_from_tokenizer(get_tokenizer(target))
-    exact = {"temperature": 1.0, "allowed_token_ids": letters, "bad_words_ids": checked.bad_words_token_ids,
-             "min_tokens": 2, "stop_token_ids": [stop]}
+    exact = {
+        "temperature": 1.0,
+        "allowed_token_ids": letters,
+        "bad_words_ids": checked.bad_words_token_ids,
+        "min_tokens": 2,
+        "stop_token_ids": [stop],
+    }
     assert [c, d] in exact["bad_words_ids"] and [e] in exact["bad_words_ids"]
-    sampling = {"temperature": 1.0, "allowed_token_ids": letters, "bad_words": bad_words, "min_tokens": 2,
-                "stop_token_ids": [stop], "max_tokens": 4, "ignore_eos": True}
+    sampling = {
+        "temperature": 1.0,
+        "allowed_token_ids": letters,
+        "bad_words": bad_words,
+        "min_tokens": 2,
+        "stop_token_ids": [stop],
+        "max_tokens": 4,
+        "ignore_eos": True,
+    }
     prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
-    result = run_engines([{
-        "kwargs": {"model": target, "max_model_len": 64, "max_num_seqs": 64,
-                   "speculative_config": {"method": "univer", "model": draft, "tree": "2x2"}},
-        "calls": [{"prompts": prompts, "params": [sampling] * len(prompts)}],
-    }])[0]
+    result = run_engines(
+        [
+            {
+                "kwargs": {
+                    "model": target,
+                    "max_model_len": 64,
+                    "max_num_seqs": 64,
+                    "speculative_config": {"method": "univer", "model": draft, "tree": "2x2"},
+                },
+                "calls": [{"prompts": prompts, "params": [sampling] * len(prompts)}],
+            }
+        ]
+    )[0]
     assert "error" not in result, result.get("error")
     outputs = result["calls"][0]["outputs"]
     assert all(set(out) <= set(letters) for out in outputs)
     for i, prompt in enumerate(PROMPTS):
-        counts = counts_of(outputs[i * REQUESTS_PER_PROMPT:(i + 1) * REQUESTS_PER_PROMPT])
+        counts = counts_of(outputs[i * REQUESTS_PER_PROMPT : (i + 1) * REQUESTS_PER_PROMPT])
         law = exact_law_of_tokens(target, prompt, exact)
         for axes in ((3,), (0, 1)):
             observed = counts.sum(axis=axes).ravel()
@@ -282,11 +329,19 @@ def test_structured_output_law_equals_target_law(small_models):
     exact = {"temperature": 1.0, "regex": pattern, "token_texts": token_texts, "stop_token_ids": [tok.eos_token_id]}
     sampling = {"temperature": 1.0, "max_tokens": 4, "structured_outputs": {"regex": pattern}}
     prompt = PROMPTS[0]
-    result = run_engines([{
-        "kwargs": {"model": target, "max_model_len": 64, "max_num_seqs": 64,
-                   "speculative_config": {"method": "univer", "model": draft, "tree": "2x2"}},
-        "calls": [{"prompts": [prompt] * REQUESTS_PER_PROMPT, "params": [sampling] * REQUESTS_PER_PROMPT}],
-    }])[0]
+    result = run_engines(
+        [
+            {
+                "kwargs": {
+                    "model": target,
+                    "max_model_len": 64,
+                    "max_num_seqs": 64,
+                    "speculative_config": {"method": "univer", "model": draft, "tree": "2x2"},
+                },
+                "calls": [{"prompts": [prompt] * REQUESTS_PER_PROMPT, "params": [sampling] * REQUESTS_PER_PROMPT}],
+            }
+        ]
+    )[0]
     assert "error" not in result, result.get("error")
     spec = result["spec"]
     assert spec["vllm:spec_decode_num_accepted_tokens"] > 0.2 * spec["vllm:spec_decode_num_drafts"]

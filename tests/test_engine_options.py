@@ -22,8 +22,12 @@ def target(tmp_path_factory):
 def _engine_args(target, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=target, max_model_len=256, speculative_config={
-        "method": "univer", "model": target, "tree": "2x2"}, **kwargs)
+    return EngineArgs(
+        model=target,
+        max_model_len=256,
+        speculative_config={"method": "univer", "model": target, "tree": "2x2"},
+        **kwargs,
+    )
 
 
 def test_univer_keeps_the_v1_model_runner_and_piecewise_graphs(target):
@@ -41,8 +45,11 @@ def test_univer_keeps_the_v1_model_runner_and_piecewise_graphs(target):
 def test_other_methods_keep_vllm_defaults(target):
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=target, max_model_len=256, speculative_config={
-        "method": "draft_model", "model": target, "num_speculative_tokens": 2})
+    args = EngineArgs(
+        model=target,
+        max_model_len=256,
+        speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 2},
+    )
     config = args.create_engine_config()
     assert not any("univer" in f for f in config._get_v2_model_runner_unsupported_features())
     assert args.compilation_config.cudagraph_mode is None

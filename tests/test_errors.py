@@ -44,12 +44,15 @@ def test_shape_mismatches():
         verify("univer", "2x2", tokens, p, q)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (float("nan"), "NaN or inf"),
-    (float("inf"), "NaN or inf"),
-    (-0.1, "non-negative"),
-    (0.5, "sum to 1"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (float("nan"), "NaN or inf"),
+        (float("inf"), "NaN or inf"),
+        (-0.1, "non-negative"),
+        (0.5, "sum to 1"),
+    ],
+)
 @pytest.mark.parametrize("which", ["target", "draft"])
 def test_bad_probabilities(bad, match, which):
     tree = TreeSpec.parse("2x2")

@@ -2,8 +2,8 @@
 scheme enumerated with its probability, float64, max error <= 1e-12."""
 
 import pytest
-
 from law_utils import PathModel, string_law_error
+
 from vllm_univer import TreeSpec
 
 IRREGULAR = TreeSpec.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0)])
@@ -58,12 +58,15 @@ def test_exact_lossless(case, seed):
     assert string_law_error(method, scheme, tree, target, draft) <= 1e-12
 
 
-@pytest.mark.parametrize("method,scheme,tree,vocab", [
-    ("univer", "topk1", TreeSpec.parse("2x2"), 4),
-    ("traversal", "wor", TreeSpec.parse("2x2"), 4),
-    ("rrsw", "wor", TreeSpec.parse("2x2"), 4),
-    ("greedy", "topk1", TreeSpec.parse("3x1"), 3),
-])
+@pytest.mark.parametrize(
+    "method,scheme,tree,vocab",
+    [
+        ("univer", "topk1", TreeSpec.parse("2x2"), 4),
+        ("traversal", "wor", TreeSpec.parse("2x2"), 4),
+        ("rrsw", "wor", TreeSpec.parse("2x2"), 4),
+        ("greedy", "topk1", TreeSpec.parse("3x1"), 3),
+    ],
+)
 def test_exact_lossless_draft_far_from_target(method, scheme, tree, vocab):
     """A draft unrelated to the target (many zero-probability drafted tokens)."""
     target = PathModel(vocab, seed=7)
@@ -71,9 +74,16 @@ def test_exact_lossless_draft_far_from_target(method, scheme, tree, vocab):
     assert string_law_error(method, scheme, tree, target, draft) <= 1e-12
 
 
-@pytest.mark.parametrize("method,scheme", [
-    ("univer", "topk1"), ("greedy", "topk1"), ("traversal", "wor"), ("rrsw", "wor"), ("target_only", "topk1"),
-])
+@pytest.mark.parametrize(
+    "method,scheme",
+    [
+        ("univer", "topk1"),
+        ("greedy", "topk1"),
+        ("traversal", "wor"),
+        ("rrsw", "wor"),
+        ("target_only", "topk1"),
+    ],
+)
 def test_exact_lossless_topk_covers_support(method, scheme):
     """The draft's support fits in the top set: topk1 slot 0 is missing (-1), wor runs dry."""
     tree = TreeSpec.parse("3x2")

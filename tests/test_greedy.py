@@ -3,8 +3,8 @@
 
 import pytest
 import torch
-
 from law_utils import PathModel, batch_tensors, enumerate_trees
+
 from vllm_univer import METHODS, TreeSpec, outcome_law, scheme_for, verify, verify_greedy
 
 

@@ -8,8 +8,12 @@ from vllm_univer.integration.config import UniverConfig, split_user_config
 def test_defaults_and_translation_to_vllm():
     ours, theirs = split_user_config({"method": "univer", "model": "draft"})
     assert ours.tree == "2x5" and ours.verifier == "univer" and ours.scheme == "topk1"
-    assert theirs == {"method": "draft_model", "model": "draft", "num_speculative_tokens": 62,
-                      "draft_sample_method": "probabilistic"}
+    assert theirs == {
+        "method": "draft_model",
+        "model": "draft",
+        "num_speculative_tokens": 62,
+        "draft_sample_method": "probabilistic",
+    }
 
 
 def test_paths_and_chain_verifiers():
@@ -18,15 +22,18 @@ def test_paths_and_chain_verifiers():
     assert split_user_config({"model": "d", "tree": "1x5", "verifier": "block"})[0].scheme == "chain"
 
 
-@pytest.mark.parametrize("spec,match", [
-    ({"model": "d", "verifier": "medusa"}, "unknown verifier 'medusa'"),
-    ({"model": "d", "tree": "2y5"}, "malformed tree"),
-    ({"model": "d", "tree": "2x7"}, "at most 128"),
-    ({"model": "d", "tree": [[0, 0]]}, "prefix"),
-    ({"model": "d", "tree": "2x3", "verifier": "block"}, "single chain"),
-    ({"model": "d", "tree": "2x3", "num_speculative_tokens": 5}, "disagrees with tree"),
-    ({"tree": "2x3"}, "needs a draft model"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ({"model": "d", "verifier": "medusa"}, "unknown verifier 'medusa'"),
+        ({"model": "d", "tree": "2y5"}, "malformed tree"),
+        ({"model": "d", "tree": "2x7"}, "at most 128"),
+        ({"model": "d", "tree": [[0, 0]]}, "prefix"),
+        ({"model": "d", "tree": "2x3", "verifier": "block"}, "single chain"),
+        ({"model": "d", "tree": "2x3", "num_speculative_tokens": 5}, "disagrees with tree"),
+        ({"tree": "2x3"}, "needs a draft model"),
+    ],
+)
 def test_bad_configs(spec, match):
     with pytest.raises(ValueError, match=match):
         split_user_config(spec)

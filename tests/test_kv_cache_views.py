@@ -19,8 +19,9 @@ BLOCK, HEADS, DH = 32, 2, 64
 def _write(kv, keys, values, slots, isa):
     nb, h, bs, _ = kv.shape
     kc, vc = kv.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
-    vllm_ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
-                                        kv_cache_dtype="auto")
+    vllm_ops.cpu_attn_reshape_and_cache(
+        keys, values, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+    )
 
 
 def _isa():
@@ -84,22 +85,44 @@ def test_chain_tree_attention_equals_vllm_causal_kernel(context_lens):
     seq_lens = torch.tensor([c + t for c in context_lens], dtype=torch.int32)
     qsl = torch.arange(0, (batch + 1) * t, t, dtype=torch.int32)
     meta = vllm_ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=batch, num_heads=HEADS * 2, num_kv_heads=HEADS, head_dim=DH, seq_lens=seq_lens,
-        dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
-        enable_kv_split=False)
+        num_reqs=batch,
+        num_heads=HEADS * 2,
+        num_kv_heads=HEADS,
+        head_dim=DH,
+        seq_lens=seq_lens,
+        dtype=torch.float32,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+    )
     nb, h, bs, _ = kv.shape
     kc, vc = kv.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
     expected = torch.empty(batch * t, HEADS * 2, DH)
     vllm_ops.cpu_attention_with_kv_cache(
-        query=q.reshape(batch * t, HEADS * 2, DH), key_cache=kc, value_cache=vc, output=expected,
-        query_start_loc=qsl, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
-        sliding_window=-1, block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+        query=q.reshape(batch * t, HEADS * 2, DH),
+        key_cache=kc,
+        value_cache=vc,
+        output=expected,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=block_table,
+        softcap=0.0,
+        scheduler_metadata=meta,
+        s_aux=None,
+    )
 
     keys, values = cpu_kv_views(kv, isa)
     tree_k = torch.stack([k[b][-t:] for b in range(batch)])
     tree_v = torch.stack([v[b][-t:] for b in range(batch)])
-    ours = tree_attention(q, tree_k, tree_v, keys, values, block_table, torch.tensor(context_lens),
-                          tree.ancestor_mask, scale=scale)
+    ours = tree_attention(
+        q, tree_k, tree_v, keys, values, block_table, torch.tensor(context_lens), tree.ancestor_mask, scale=scale
+    )
     torch.testing.assert_close(ours.reshape(batch * t, HEADS * 2, DH), expected, atol=1e-5, rtol=1e-4)
 
 

@@ -24,14 +24,26 @@ REPO = Path(__file__).resolve().parent.parent
 def test_main_job_serves_and_stops_on_ctrl_c(tiny_pair, tmp_path):
     target, draft = tiny_pair
     port = free_port()
-    env = {**os.environ, **ENV, "TARGET_MODEL": str(target), "DRAFT_MODEL": str(draft), "PORT": str(port),
-           "TREE": "2x3", "DTYPE": "float32", "SERVED_MODEL_NAME": "tiny"}
+    env = {
+        **os.environ,
+        **ENV,
+        "TARGET_MODEL": str(target),
+        "DRAFT_MODEL": str(draft),
+        "PORT": str(port),
+        "TREE": "2x3",
+        "DTYPE": "float32",
+        "SERVED_MODEL_NAME": "tiny",
+    }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     log = tmp_path / "main.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve_default.py"), "--enforce-eager",
-                                 "--max-model-len", "512"], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "scripts" / "serve_default.py"), "--enforce-eager", "--max-model-len", "512"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             started = time.time()
             deadline = started + 240
@@ -44,8 +56,9 @@ def test_main_job_serves_and_stops_on_ctrl_c(tiny_pair, tmp_path):
             assert f"http://127.0.0.1:{port}/v1" in text and "from openai import OpenAI" in text
             assert "CPU: " in text and "dtype float32 (set by DTYPE)" in text  # what it chose, and why
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-            reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the tree"}],
-                                                   max_tokens=16, temperature=1.0)
+            reply = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "the tree"}], max_tokens=16, temperature=1.0
+            )
             assert reply.usage.completion_tokens > 0
         finally:
             os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends

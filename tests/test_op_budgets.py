@@ -21,8 +21,14 @@ from vllm_univer.op_counter import OpCounter
 # ATen ops (views and uninitialised allocations excluded) per verify call, tree 2x5
 # (token and block: the 1x5 chain), T = 1, half the requests greedy, V = 1000.
 VERIFY_KERNEL_BUDGET = {
-    "token": 381, "block": 448, "rrs": 823, "rrsw": 1128, "traversal": 1583,
-    "greedy": 716, "target_only": 446, "univer": 763,
+    "token": 381,
+    "block": 448,
+    "rrs": 823,
+    "rrsw": 1128,
+    "traversal": 1583,
+    "greedy": 716,
+    "target_only": 446,
+    "univer": 763,
 }
 # Per engine step on the tiny models (tree 2x3): the package's own ops outside the
 # model forwards (target probabilities, verification, KV moves, drafting).
@@ -80,9 +86,13 @@ def test_engine_step_launches_within_budget(tiny_pair):
     spec = {"method": "univer", "model": draft, "tree": "2x3"}
     prompts = ["the tree draft token", "red blue green", "one two three four five", "a cat and a dog run"]
     runs = {"greedy_requests": 0.0, "sampled_requests": 1.0}
-    engines = [{"kwargs": {"model": target, "max_model_len": 256, "speculative_config": spec},
-                "calls": [{"prompts": prompts, "params": [{"temperature": t, "max_tokens": 40, "ignore_eos": True}] * 4}]}
-               for t in runs.values()]
+    engines = [
+        {
+            "kwargs": {"model": target, "max_model_len": 256, "speculative_config": spec},
+            "calls": [{"prompts": prompts, "params": [{"temperature": t, "max_tokens": 40, "ignore_eos": True}] * 4}],
+        }
+        for t in runs.values()
+    ]
     results = run_engines(engines, env={"VLLM_UNIVER_OP_COUNTS": "1"})
     failures = []
     for name, result in zip(runs, results):
@@ -92,8 +102,10 @@ def test_engine_step_launches_within_budget(tiny_pair):
         own = {section: c for section, c in counts.items() if section != "draft_forward"}
         kernels = sum(c["kernels"] for c in own.values()) / steps
         syncs = sum(c["syncs"] for c in own.values()) / steps
-        print(f"\n{name}: {steps} steps, per step {kernels:.0f} ATen ops, {syncs:.1f} host syncs; "
-              + ", ".join(f"{s} {c['kernels'] / steps:.0f}" for s, c in own.items()))
+        print(
+            f"\n{name}: {steps} steps, per step {kernels:.0f} ATen ops, {syncs:.1f} host syncs; "
+            + ", ".join(f"{s} {c['kernels'] / steps:.0f}" for s, c in own.items())
+        )
         if kernels > STEP_KERNEL_BUDGET[name] or syncs > STEP_SYNC_BUDGET[name]:
             failures.append((name, kernels, syncs, own))
     assert not failures, failures

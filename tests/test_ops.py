@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_univer import TreeSpec, draft_children, outcome_law
-from vllm_univer import ops
+from vllm_univer import TreeSpec, draft_children, ops, outcome_law
 
 
 def _drafted_tokens(tree, q, scheme, gen):
@@ -46,7 +45,7 @@ def test_law_is_the_same_with_chunked_vocabulary_passes(monkeypatch, method, spe
     gen = torch.Generator().manual_seed(1)
     vocab, n1 = 3000, tree.num_nodes + 1
     q = torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1)
-    p = (0.6 * q + 0.4 * torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1))
+    p = 0.6 * q + 0.4 * torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1)
     tokens = _drafted_tokens(tree, q, scheme_for(method), gen)
     one_pass = outcome_law(method, tree, tokens, p, q)
     monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)
@@ -71,7 +70,7 @@ def test_rejection_replay_equals_the_rows_rewritten_step_by_step(monkeypatch, ch
         replay = RejectionReplay(p, q, removes_tokens=removes)
         rows, draft = p.clone(), q.clone()
         for j in range(3):
-            x = tokens[..., j:j + 1]
+            x = tokens[..., j : j + 1]
             a = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64) if j == 1 else 1
             c = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64) * 2
             replay.reject(a, c, x)
@@ -88,7 +87,9 @@ def test_rejection_replay_equals_the_rows_rewritten_step_by_step(monkeypatch, ch
                 assert q_mass is None
             at_rows, at_draft = replay.at(tokens)
             valid = tokens >= 0
-            torch.testing.assert_close(at_rows[valid], rows.gather(-1, tokens.clamp(min=0))[valid], rtol=1e-12, atol=1e-18)
+            torch.testing.assert_close(
+                at_rows[valid], rows.gather(-1, tokens.clamp(min=0))[valid], rtol=1e-12, atol=1e-18
+            )
             torch.testing.assert_close(at_draft[valid], draft.gather(-1, tokens.clamp(min=0))[valid], rtol=0, atol=0)
 
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from law_utils import PathModel, batch_tensors, enumerate_trees, expected_accepted
 
-from law_utils import PathModel, batch_tensors, enumerate_trees, expected_accepted, step_law_over_trees
 from vllm_univer import TreeSpec, outcome_law
 
 SEEDS = [0, 1, 2, 3]
@@ -96,10 +96,16 @@ def test_orderings_are_strict_on_average():
         draft = PathModel(4, 400 + seed, base=target)
         chain, tree, wtree = TreeSpec.parse("1x3"), TreeSpec.parse("2x3"), TreeSpec.parse("2x2")
         gains["block-token"].append(
-            expected_accepted("block", "chain", chain, target, draft) - expected_accepted("token", "chain", chain, target, draft))
+            expected_accepted("block", "chain", chain, target, draft)
+            - expected_accepted("token", "chain", chain, target, draft)
+        )
         gains["univer-greedy"].append(
-            expected_accepted("univer", "topk1", tree, target, draft) - expected_accepted("greedy", "topk1", tree, target, draft))
+            expected_accepted("univer", "topk1", tree, target, draft)
+            - expected_accepted("greedy", "topk1", tree, target, draft)
+        )
         gains["traversal-rrsw"].append(
-            expected_accepted("traversal", "wor", wtree, target, draft) - expected_accepted("rrsw", "wor", wtree, target, draft))
+            expected_accepted("traversal", "wor", wtree, target, draft)
+            - expected_accepted("rrsw", "wor", wtree, target, draft)
+        )
     for name, g in gains.items():
         assert np.mean(g) > 1e-3, (name, g)

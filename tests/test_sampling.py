@@ -4,8 +4,8 @@ seeded chi-square goodness of fit over many draws, batched, float32 and float64.
 import numpy as np
 import pytest
 import torch
-
 from law_utils import PathModel, batch_tensors, chi_square_pvalue, enumerate_trees
+
 from vllm_univer import METHODS, TreeSpec, draft_children, outcome_law, scheme_for, verify
 
 IRREGULAR = TreeSpec.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)])
@@ -35,7 +35,9 @@ def test_verify_matches_outcome_law(method, dtype):
     tokens, p, q = batch_tensors(tree, token_lists, target, draft, dtype=dtype)
     law = outcome_law(method, tree, tokens, p, q).numpy()  # [T, N+1, V]
 
-    reps = lambda t: t.repeat_interleave(draws_per_tree, 0)
+    def reps(t):
+        return t.repeat_interleave(draws_per_tree, 0)
+
     gen = torch.Generator().manual_seed(1234)
     out = verify(method, tree, reps(tokens), reps(p), reps(q), generator=gen)
 
@@ -48,7 +50,7 @@ def test_verify_matches_outcome_law(method, dtype):
     path = tree.ancestors[out.end_node]
     for k in range(tree.max_depth):
         on_path = path[:, k] >= 0
-        expect = reps(tokens).gather(1, path[:, k:k + 1].clamp(min=0)).squeeze(1)
+        expect = reps(tokens).gather(1, path[:, k : k + 1].clamp(min=0)).squeeze(1)
         assert torch.equal(out.output_token_ids[on_path, k], expect[on_path])
         assert (out.output_token_ids[~on_path & (depth < k), k + 1] == -1).all()
 
@@ -103,10 +105,7 @@ def test_verify_matches_exact_on_drafted_trees(method):
             s.append(int(rng.choice(vocab, p=target(s))))
         cells.append(int(np.ravel_multi_index(s, (vocab,) * length)))
     counts = np.bincount(cells, minlength=vocab**length)
-    exact = np.array([
-        np.prod([target(s[:k])[s[k]] for k in range(length)])
-        for s in np.ndindex(*(vocab,) * length)
-    ])
+    exact = np.array([np.prod([target(s[:k])[s[k]] for k in range(length)]) for s in np.ndindex(*(vocab,) * length)])
     assert chi_square_pvalue(counts, exact) > 1e-4
 
 
@@ -118,9 +117,14 @@ def test_sample_from_weights_two_stage_law(block, dtype):
     from vllm_univer.inverse_cdf import sample_from_weights
 
     gen = torch.Generator().manual_seed(block)
-    weights = torch.tensor([[0.0, 0.3, 0.0, 0.1, 0.25, 0.0, 0.0, 0.0, 0.35, 0.0],
-                            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0],
-                            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]], dtype=dtype)
+    weights = torch.tensor(
+        [
+            [0.0, 0.3, 0.0, 0.1, 0.25, 0.0, 0.0, 0.0, 0.35, 0.0],
+            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0],
+            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+        ],
+        dtype=dtype,
+    )
     draws = 40000
     idx = sample_from_weights(weights.repeat(draws, 1), gen, block=block).view(draws, 3)
     for row in range(3):
@@ -138,10 +142,15 @@ def test_block_cdf_draw_excluding_tokens_law(block):
     from vllm_univer.inverse_cdf import BlockCdf
 
     gen = torch.Generator().manual_seed(block)
-    weights = torch.tensor([[0.0, 0.3, 0.05, 0.1, 0.25, 0.0, 0.0, 0.0, 0.3, 0.0],
-                            [0.9, 1e-4, 2e-4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-                            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
-                            [0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float32)
+    weights = torch.tensor(
+        [
+            [0.0, 0.3, 0.05, 0.1, 0.25, 0.0, 0.0, 0.0, 0.3, 0.0],
+            [0.9, 1e-4, 2e-4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+            [0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0],
+        ],
+        dtype=torch.float32,
+    )
     exclude = torch.tensor([[1, 8, -1], [0, 0, -1], [9, 2, 3], [4, 5, -1]])
     draws = 40000
     cdf = BlockCdf(weights.repeat(draws, 1), block=block)

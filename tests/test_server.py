@@ -20,24 +20,32 @@ def test_openai_client_against_univer_server(models, tmp_path):
     spec = {"method": "univer", "model": draft, "tree": "2x3", "verifier": "univer"}
     with vllm_server(target, spec, log_path=tmp_path / "server.log") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
-        completion = client.completions.create(model=target, prompt="the tree draft", max_tokens=40,
-                                               temperature=0, extra_body={"ignore_eos": True})
+        completion = client.completions.create(
+            model=target, prompt="the tree draft", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert completion.usage.completion_tokens == 40
 
         stream = client.chat.completions.create(
-            model=target, messages=[{"role": "user", "content": "a cat and a dog"}],
-            max_tokens=30, temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+            model=target,
+            messages=[{"role": "user", "content": "a cat and a dog"}],
+            max_tokens=30,
+            temperature=1.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
         assert len(pieces) > 1 and "".join(pieces)
 
         choices = ["tree draft", "token accept"]
-        chosen = client.completions.create(model=target, prompt="the", max_tokens=20,
-                                           extra_body={"structured_outputs": {"choice": choices}})
+        chosen = client.completions.create(
+            model=target, prompt="the", max_tokens=20, extra_body={"structured_outputs": {"choice": choices}}
+        )
         assert chosen.choices[0].text in choices
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=target, prompt="the", max_tokens=-1)
-        again = client.completions.create(model=target, prompt="the tree draft", max_tokens=40, temperature=0,
-                                          extra_body={"ignore_eos": True})
+        again = client.completions.create(
+            model=target, prompt="the tree draft", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert again.choices[0].text == completion.choices[0].text
 
         metrics = get_text(url + "/metrics")

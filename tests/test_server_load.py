@@ -18,7 +18,13 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from greedy_identity import (  # noqa: E402
-    LOGPROB_ROUNDING, OPENAI_TOP2, assert_greedy_text_identical, compared_length, token_id, top2_from_logprobs)
+    LOGPROB_ROUNDING,
+    OPENAI_TOP2,
+    assert_greedy_text_identical,
+    compared_length,
+    token_id,
+    top2_from_logprobs,
+)
 from server_utils import vllm_server  # noqa: E402
 from tiny_models import WORDS  # noqa: E402
 
@@ -40,9 +46,15 @@ def servers(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair
     root = tmp_path_factory.mktemp("load_logs")
     spec = {"method": "univer", "model": draft, "tree": "2x3"}
-    with vllm_server(target, spec, extra_args=("--max-num-seqs", "32"), log_path=root / "spec.log") as spec_url, \
-            vllm_server(target, None, extra_args=("--max-num-seqs", "32", "--logprobs-mode", "processed_logprobs"),
-                        log_path=root / "base.log") as base_url:
+    with (
+        vllm_server(target, spec, extra_args=("--max-num-seqs", "32"), log_path=root / "spec.log") as spec_url,
+        vllm_server(
+            target,
+            None,
+            extra_args=("--max-num-seqs", "32", "--logprobs-mode", "processed_logprobs"),
+            log_path=root / "base.log",
+        ) as base_url,
+    ):
         yield target, spec_url, base_url
 
 
@@ -73,7 +85,8 @@ async def _stream(client, model: str, request: dict, top2: bool = False) -> tupl
     if request["chat"]:
         params = with_top2(request["params"], "chat") if top2 else request["params"]
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": request["prompt"]}], stream=True, **params)
+            model=model, messages=[{"role": "user", "content": request["prompt"]}], stream=True, **params
+        )
         async for chunk in stream:
             if chunk.choices:
                 choice = chunk.choices[0]
@@ -99,8 +112,9 @@ async def _stream(client, model: str, request: dict, top2: bool = False) -> tupl
 
 
 async def _disconnect_early(client, model: str, prompt: str) -> None:
-    stream = await client.completions.create(model=model, prompt=prompt, stream=True, max_tokens=200,
-                                             temperature=1.0, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=model, prompt=prompt, stream=True, max_tokens=200, temperature=1.0, extra_body={"ignore_eos": True}
+    )
     seen = 0
     async for _ in stream:
         seen += 1
@@ -116,8 +130,10 @@ def test_64_concurrent_streams_complete_and_greedy_ones_match(servers):
     async def run(url: str, with_disconnects: bool):
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) as client:
             # The reference (no speculation) also returns top-2 logprobs of its greedy streams.
-            tasks = [_stream(client, target, r, top2=not with_disconnects and r["params"]["temperature"] == 0.0)
-                     for r in requests]
+            tasks = [
+                _stream(client, target, r, top2=not with_disconnects and r["params"]["temperature"] == 0.0)
+                for r in requests
+            ]
             if with_disconnects:
                 tasks += [_disconnect_early(client, target, f"disconnect {i}") for i in range(8)]
             return await asyncio.gather(*tasks)
@@ -126,8 +142,10 @@ def test_64_concurrent_streams_complete_and_greedy_ones_match(servers):
     spec_results = asyncio.run(run(spec_url, True))[:64]
     base_results = asyncio.run(run(base_url, False))
     latencies = np.array([r[2] for r in spec_results])
-    print(f"\n64 concurrent streams through univer: p50 {np.percentile(latencies, 50):.2f} s, "
-          f"p99 {np.percentile(latencies, 99):.2f} s")
+    print(
+        f"\n64 concurrent streams through univer: p50 {np.percentile(latencies, 50):.2f} s, "
+        f"p99 {np.percentile(latencies, 99):.2f} s"
+    )
     for request, (text, finish, _, chunks, _), base in zip(requests, spec_results, base_results):
         assert finish == "length" and chunks > 0 and text
         if request["params"]["temperature"] == 0.0:
@@ -141,8 +159,9 @@ def assert_same_greedy_completion(spec, base, request: dict, decode) -> None:
     """The speculative server's greedy completion is the reference server's (tie-aware)."""
     text = spec.completions.create(**request).choices[0].text
     ref = base.completions.create(**with_top2(request, "completions")).choices[0]
-    assert_greedy_text_identical(text, ref.text, [token_id(t) for t in ref.logprobs.tokens],
-                                 ref.logprobs.top_logprobs, decode, request)
+    assert_greedy_text_identical(
+        text, ref.text, [token_id(t) for t in ref.logprobs.tokens], ref.logprobs.top_logprobs, decode, request
+    )
 
 
 def test_n_seed_logprobs_and_bad_requests(servers):
@@ -152,43 +171,90 @@ def test_n_seed_logprobs_and_bad_requests(servers):
     prompt = "the tree draft token verify"
     decode = server_decoder(target)
 
-    many = spec.completions.create(model=target, prompt=prompt, n=3, max_tokens=20, temperature=1.0,
-                                   extra_body={"ignore_eos": True})
+    many = spec.completions.create(
+        model=target, prompt=prompt, n=3, max_tokens=20, temperature=1.0, extra_body={"ignore_eos": True}
+    )
     assert len(many.choices) == 3 and all(c.finish_reason == "length" for c in many.choices)
 
-    seeded = [spec.completions.create(model=target, prompt=prompt, max_tokens=30, temperature=1.0, seed=42,
-                                      extra_body={"ignore_eos": True}).choices[0].text for _ in range(2)]
+    seeded = [
+        spec.completions.create(
+            model=target, prompt=prompt, max_tokens=30, temperature=1.0, seed=42, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
 
-    kw = {"model": target, "prompt": prompt, "max_tokens": 20, "temperature": 0.0, "logprobs": 2,
-          "extra_body": {"ignore_eos": True}}
+    kw = {
+        "model": target,
+        "prompt": prompt,
+        "max_tokens": 20,
+        "temperature": 0.0,
+        "logprobs": 2,
+        "extra_body": {"ignore_eos": True},
+    }
     with_spec = spec.completions.create(**kw).choices[0]
     without = base.completions.create(**with_top2(kw, "completions")).choices[0]
-    assert_greedy_text_identical(with_spec.text, without.text, [token_id(t) for t in without.logprobs.tokens],
-                                 without.logprobs.top_logprobs, decode)
+    assert_greedy_text_identical(
+        with_spec.text,
+        without.text,
+        [token_id(t) for t in without.logprobs.tokens],
+        without.logprobs.top_logprobs,
+        decode,
+    )
     same = compared_length(top2_from_logprobs(without.logprobs.top_logprobs)[0])
-    np.testing.assert_allclose(with_spec.logprobs.token_logprobs[:same], without.logprobs.token_logprobs[:same],
-                               atol=LOGPROB_ROUNDING)
+    np.testing.assert_allclose(
+        with_spec.logprobs.token_logprobs[:same], without.logprobs.token_logprobs[:same], atol=LOGPROB_ROUNDING
+    )
 
     # Options applied per tree path: the greedy text is the non-speculative server's.
-    options = {"model": target, "prompt": prompt, "max_tokens": 20, "temperature": 0.0, "extra_body": {
-        "ignore_eos": True, "min_tokens": 3, "allowed_token_ids": list(range(3, 300)), "bad_words": ["tree"]}}
+    options = {
+        "model": target,
+        "prompt": prompt,
+        "max_tokens": 20,
+        "temperature": 0.0,
+        "extra_body": {
+            "ignore_eos": True,
+            "min_tokens": 3,
+            "allowed_token_ids": list(range(3, 300)),
+            "bad_words": ["tree"],
+        },
+    }
     assert_same_greedy_completion(spec, base, options, decode)
 
     # Structured outputs, one grammar state per tree node: the greedy text is the non-speculative server's.
-    structured = {"model": target, "prompt": prompt, "max_tokens": 30, "temperature": 0.0,
-                  "extra_body": {"structured_outputs": {"regex": "([a-z]+ )*[a-z]+"}}}
+    structured = {
+        "model": target,
+        "prompt": prompt,
+        "max_tokens": 30,
+        "temperature": 0.0,
+        "extra_body": {"structured_outputs": {"regex": "([a-z]+ )*[a-z]+"}},
+    }
     assert_same_greedy_completion(spec, base, structured, decode)
     # The OpenAI way to ask for JSON: a chat completion with response_format json_schema.
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
-              "required": ["name", "n"]}
-    chat = {"model": target, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "temperature": 0.0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": schema}}}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    }
+    chat = {
+        "model": target,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 40,
+        "temperature": 0.0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": schema}},
+    }
     answer = spec.chat.completions.create(**chat).choices[0].message.content
     ref = base.chat.completions.create(**with_top2(chat, "chat")).choices[0]
-    assert_greedy_text_identical(answer, ref.message.content, [token_id(t.token) for t in ref.logprobs.content],
-                                 [{alt.token: alt.logprob for alt in t.top_logprobs} for t in ref.logprobs.content],
-                                 decode, "json chat")
+    assert_greedy_text_identical(
+        answer,
+        ref.message.content,
+        [token_id(t.token) for t in ref.logprobs.content],
+        [{alt.token: alt.logprob for alt in t.top_logprobs} for t in ref.logprobs.content],
+        decode,
+        "json chat",
+    )
     assert answer.lstrip().startswith("{")
     with pytest.raises(openai.BadRequestError):
         spec.completions.create(model=target, prompt=prompt, max_tokens=-3)

@@ -37,9 +37,13 @@ print("FORWARDS", llm.collective_rpc(profile_draft)[0])
 
 
 def _draft_profile_forwards(target: str, draft: str, tree: str) -> int:
-    proc = subprocess.run([sys.executable, "-c", _COUNT_DRAFT_PROFILE_FORWARDS, target, draft, tree,
-                           json.dumps(BASE_KWARGS)], capture_output=True, text=True, env={**os.environ, **ENV},
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COUNT_DRAFT_PROFILE_FORWARDS, target, draft, tree, json.dumps(BASE_KWARGS)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ENV},
+        timeout=600,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("FORWARDS "):
             return int(line.split()[1])

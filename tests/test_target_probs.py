@@ -7,22 +7,34 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+from law_utils import chi_square_pvalue  # noqa: E402
 from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
 from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
-from law_utils import chi_square_pvalue  # noqa: E402
 from vllm_univer.integration.target_probs import tree_target_probs  # noqa: E402
 
 
 def _metadata(temperature, top_k, top_p):
     n = len(temperature)
     return SamplingMetadata(
-        temperature=temperature, all_greedy=bool((temperature == 0).all()), all_random=bool((temperature > 0).all()),
-        top_p=top_p, top_k=top_k, generators={}, max_num_logprobs=None, no_penalties=True,
-        prompt_token_ids=None, frequency_penalties=torch.zeros(n), presence_penalties=torch.zeros(n),
-        repetition_penalties=torch.ones(n), output_token_ids=[[] for _ in range(n)],
-        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+        temperature=temperature,
+        all_greedy=bool((temperature == 0).all()),
+        all_random=bool((temperature > 0).all()),
+        top_p=top_p,
+        top_k=top_k,
+        generators={},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.zeros(n),
+        presence_penalties=torch.zeros(n),
+        repetition_penalties=torch.ones(n),
+        output_token_ids=[[] for _ in range(n)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+    )
 
 
 def test_tree_rows_match_vllm_sampler_law():
@@ -71,19 +83,27 @@ def test_tree_penalties_equal_vllm_penalties_on_each_path():
     tokens = torch.randint(0, vocab, (2, rows), generator=gen)
     tokens[1, 5] = -1  # a node that does not exist
     meta = replace(
-        _metadata(torch.ones(2), None, None), no_penalties=False,
+        _metadata(torch.ones(2), None, None),
+        no_penalties=False,
         prompt_token_ids=torch.tensor([[3, 4, 5, vocab], [6, 6, 7, 8]]),
-        presence_penalties=torch.tensor([0.5, 0.0]), frequency_penalties=torch.tensor([0.3, 0.7]),
-        repetition_penalties=torch.tensor([1.3, 1.1]), output_token_ids=[[4, 9, 9], []])
+        presence_penalties=torch.tensor([0.5, 0.0]),
+        frequency_penalties=torch.tensor([0.3, 0.7]),
+        repetition_penalties=torch.tensor([1.3, 1.1]),
+        output_token_ids=[[4, 9, 9], []],
+    )
     ours = logits.clone()
     TreePenalties(tokens, tree.ancestors, meta, 2).apply(ours)
     for b in range(2):
         for node in range(rows):
             path = [int(tokens[b, a]) for a in tree.ancestors[node].tolist() if a >= 0 and tokens[b, a] >= 0]
             expected = apply_all_penalties(
-                logits[b, node].clone().unsqueeze(0), meta.prompt_token_ids[b:b + 1],
-                meta.presence_penalties[b:b + 1], meta.frequency_penalties[b:b + 1],
-                meta.repetition_penalties[b:b + 1], [meta.output_token_ids[b] + path])
+                logits[b, node].clone().unsqueeze(0),
+                meta.prompt_token_ids[b : b + 1],
+                meta.presence_penalties[b : b + 1],
+                meta.frequency_penalties[b : b + 1],
+                meta.repetition_penalties[b : b + 1],
+                [meta.output_token_ids[b] + path],
+            )
             torch.testing.assert_close(ours[b, node], expected[0])
 
 
@@ -97,13 +117,24 @@ def test_options_that_depend_on_the_path_are_refused():
 
     from vllm_univer.integration.request_options import unsupported_option
 
-    honoured = SamplingParams(temperature=0.5, top_p=0.9, presence_penalty=0.4, seed=3, bad_words=["x"],
-                              allowed_token_ids=[1, 2], min_tokens=2)
+    honoured = SamplingParams(
+        temperature=0.5,
+        top_p=0.9,
+        presence_penalty=0.4,
+        seed=3,
+        bad_words=["x"],
+        allowed_token_ids=[1, 2],
+        min_tokens=2,
+    )
     structured = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
     assert unsupported_option(honoured) is None
     assert unsupported_option(structured, StructuredOutputsConfig()) is None
-    assert unsupported_option(structured, StructuredOutputsConfig(reasoning_parser="deepseek_r1",
-                                                                  enable_in_reasoning=True)) is None
+    assert (
+        unsupported_option(
+            structured, StructuredOutputsConfig(reasoning_parser="deepseek_r1", enable_in_reasoning=True)
+        )
+        is None
+    )
     assert unsupported_option(honoured, StructuredOutputsConfig(reasoning_parser="deepseek_r1")) is None
     parameter, message = unsupported_option(structured, StructuredOutputsConfig(reasoning_parser="deepseek_r1"))
     assert parameter == "structured_outputs" and "reasoning parser" in message
@@ -137,8 +168,13 @@ def test_path_masks_equal_vllm_on_each_path():
     allowed[2, 8:] = True  # request 2 may not use tokens 8..11
     min_tokens = MinTokensLogitsProcessor(None, torch.device("cpu"), False)
     min_tokens.min_toks = {1: (2, outputs[1], {9, 10}, False), 2: (5, outputs[2], {11}, False)}
-    meta = replace(_metadata(torch.ones(batch), None, None), output_token_ids=outputs, bad_words_token_ids=bad_words,
-                   allowed_token_ids_mask=allowed, logitsprocs=LogitsProcessors([min_tokens]))
+    meta = replace(
+        _metadata(torch.ones(batch), None, None),
+        output_token_ids=outputs,
+        bad_words_token_ids=bad_words,
+        allowed_token_ids_mask=allowed,
+        logitsprocs=LogitsProcessors([min_tokens]),
+    )
     assert TreePathMasks.needed(meta)
     ours = logits.clone()
     TreePathMasks(tokens, tree.ancestors, tree.depth, meta, batch).apply(ours)
@@ -152,7 +188,7 @@ def test_path_masks_equal_vllm_on_each_path():
                 continue  # the row of a node that does not exist is never read
             past = outputs[b] + path
             expected = logits[b, node].clone().unsqueeze(0)
-            expected.masked_fill_(allowed[b:b + 1], float("-inf"))
+            expected.masked_fill_(allowed[b : b + 1], float("-inf"))
             apply_bad_words(expected, {0: bad_words[b]} if b in bad_words else {}, [past])
             if b in stops and len(past) < stops[b][0]:
                 expected[0, sorted(stops[b][1])] = float("-inf")
@@ -172,9 +208,11 @@ def test_logit_bias_and_min_p_on_every_row():
     gen = torch.Generator().manual_seed(3)
     batch, rows, vocab = 3, 4, 12
     logits = torch.randn(batch, rows, vocab, generator=gen) * 3
-    params = {"a": SimpleNamespace(logit_bias={2: 1.5, 7: -2.0}, min_p=0.0),
-              "b": SimpleNamespace(logit_bias=None, min_p=0.2),
-              "c": SimpleNamespace(logit_bias={0: 4.0}, min_p=0.05)}
+    params = {
+        "a": SimpleNamespace(logit_bias={2: 1.5, 7: -2.0}, min_p=0.0),
+        "b": SimpleNamespace(logit_bias=None, min_p=0.2),
+        "c": SimpleNamespace(logit_bias={0: 4.0}, min_p=0.05),
+    }
     options = RequestBiasAndMinP()
     options.update(["a", "b", "c"], params.__getitem__, torch.device("cpu"))
     temperature = torch.tensor([0.7, 1.0, 1.3])
@@ -222,8 +260,7 @@ def test_softmax_in_place_equals_torch_softmax():
     # AVX2 EPYC. Entries below float32's smallest normal lose relative precision.
     eps = torch.finfo(torch.float32).eps
     ulps = 2 * (2 + 0.5 + math.ceil(math.log2(buffer.shape[-1])))
-    torch.testing.assert_close(buffer[:, 2:5], view_expected, rtol=ulps * eps,
-                               atol=torch.finfo(torch.float32).tiny)
+    torch.testing.assert_close(buffer[:, 2:5], view_expected, rtol=ulps * eps, atol=torch.finfo(torch.float32).tiny)
     assert torch.equal(buffer[:, [0, 1, 5]], untouched)
     assert (whole[0, 1, :4000] == 0).all()
 

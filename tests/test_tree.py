@@ -1,7 +1,6 @@
 """TreeSpec: parsing, numbering, and malformed trees."""
 
 import pytest
-import torch
 
 from vllm_univer import MAX_TREE_NODES, TreeSpec
 
@@ -35,18 +34,21 @@ def test_parse_accepts_paths_and_trees():
     assert TreeSpec.parse(t) is t
 
 
-@pytest.mark.parametrize("spec,match", [
-    ("2y5", "malformed tree"),
-    ("0x3", "must be >= 1"),
-    ("2x7", f"at most {MAX_TREE_NODES}"),
-    ([(0,), (0, 0, 0)], "prefix"),
-    ([(1,)], "slot 0"),
-    ([(0,), (0,)], "twice"),
-    ([()], "empty path"),
-    ([(0, -1)], "negative"),
-    ([], "no draft nodes"),
-    ([("a",)], "not a sequence of integers"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("2y5", "malformed tree"),
+        ("0x3", "must be >= 1"),
+        ("2x7", f"at most {MAX_TREE_NODES}"),
+        ([(0,), (0, 0, 0)], "prefix"),
+        ([(1,)], "slot 0"),
+        ([(0,), (0,)], "twice"),
+        ([()], "empty path"),
+        ([(0, -1)], "negative"),
+        ([], "no draft nodes"),
+        ([("a",)], "not a sequence of integers"),
+    ],
+)
 def test_malformed(spec, match):
     with pytest.raises(ValueError, match=match):
         TreeSpec.parse(spec)

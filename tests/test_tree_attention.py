@@ -59,7 +59,11 @@ def _reference(q, tk, tv, k_cache, v_cache, block_table, context_lens, mask, sca
 @pytest.mark.parametrize("shape", ["2x3", "3x2", "1x5", "irregular"])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 1)])
 def test_tree_attention_matches_reference(shape, hq, hkv):
-    tree = TreeSpec.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0), (2, 0)]) if shape == "irregular" else TreeSpec.parse(shape)
+    tree = (
+        TreeSpec.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0), (2, 0)])
+        if shape == "irregular"
+        else TreeSpec.parse(shape)
+    )
     context_lens = [0, 5, 16, 37]  # empty, inside one block, exactly one block, across blocks
     q, tk, tv, kc, vc, bt, cl = _paged_batch(context_lens, tree, hq, hkv, 32, block_size=16)
     scale = 0.2

@@ -31,8 +31,7 @@ def new_grammar(compiled, max_rollback: int):
     from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
 
     ctx, vocab = compiled
-    return XgrammarGrammar(matcher=xgr.GrammarMatcher(ctx, max_rollback_tokens=max_rollback), vocab_size=vocab,
-                           ctx=ctx)
+    return XgrammarGrammar(matcher=xgr.GrammarMatcher(ctx, max_rollback_tokens=max_rollback), vocab_size=vocab, ctx=ctx)
 
 
 def chain_row(compiled, path: list[int]):
@@ -76,15 +75,17 @@ def test_each_node_row_is_the_grammar_after_its_path(compiled, tree_text, seed):
     assert rows == scheduled + 1
     assert grammar.num_processed_tokens == len(prefix)  # the grammar is left where it was
     assert torch.equal(bitmask[first_row], chain_row(compiled, prefix))
-    assert (bitmask[:first_row] == 7).all() and (bitmask[first_row + scheduled + 1:] == 7).all()
+    assert (bitmask[:first_row] == 7).all() and (bitmask[first_row + scheduled + 1 :] == 7).all()
     reachable_rows = 0
     for node in range(1, scheduled + 1):
         path_nodes = [a for a in tree.ancestors[node].tolist() if a > 0]  # root excluded, node included
         expected = chain_row(compiled, prefix + [tokens[v - 1] for v in path_nodes])
         if expected is None:  # unreachable: the row of the deepest node whose path the grammar allows
-            reachable = max(v for v in [0] + path_nodes
-                            if v == 0 or chain_row(compiled, prefix + [tokens[a - 1] for a in path_nodes
-                                                                        if a <= v]) is not None)
+            reachable = max(
+                v
+                for v in [0] + path_nodes
+                if v == 0 or chain_row(compiled, prefix + [tokens[a - 1] for a in path_nodes if a <= v]) is not None
+            )
             expected = bitmask[first_row + reachable]
         else:
             reachable_rows += 1

@@ -1,6 +1,5 @@
 """The per-request tree store between the drafter and the verifier."""
 
-"""The per-request tree store between the drafter and the verifier."""
 import torch
 
 from vllm_univer.integration.tree_state import DraftedTrees, TreeState

@@ -11,8 +11,10 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-WORDS = ("the a tree draft token verify accept reject sample model fast slow cat dog run jump "
-         "red blue green one two three four five six seven eight nine ten and or but if then").split()
+WORDS = (
+    "the a tree draft token verify accept reject sample model fast slow cat dog run jump "
+    "red blue green one two three four five six seven eight nine ten and or but if then"
+).split()
 
 
 def _corpus(seed: int, lines: int = 2000) -> list[str]:
@@ -28,9 +30,12 @@ def build_tokenizer(path: Path, vocab_size: int, seed: int = 0):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<unk>", "<s>", "</s>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[: max(0, vocab_size - 64)],
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[: max(0, vocab_size - 64)],
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
@@ -38,9 +43,17 @@ def build_tokenizer(path: Path, vocab_size: int, seed: int = 0):
     return fast
 
 
-def build_tiny_llama(path: Path, vocab_size: int = 512, seed: int = 0, hidden: int = 64,
-                     layers: int = 2, heads: int = 2, kv_heads: int = 1, logit_scale: float = 1.0,
-                     weights_seed: int | None = None) -> Path:
+def build_tiny_llama(
+    path: Path,
+    vocab_size: int = 512,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 2,
+    kv_heads: int = 1,
+    logit_scale: float = 1.0,
+    weights_seed: int | None = None,
+) -> Path:
     """A random Llama whose head size (hidden / heads = 32) the CPU attention supports.
 
     ``seed`` fixes the tokenizer (models built with the same seed share a vocabulary);
@@ -54,10 +67,17 @@ def build_tiny_llama(path: Path, vocab_size: int = 512, seed: int = 0, hidden: i
     tok = build_tokenizer(path, vocab_size, seed)
     torch.manual_seed(seed if weights_seed is None else weights_seed)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=4096, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False, torch_dtype="float32",
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # sharper, more varied next-token laws than the default init

@@ -79,8 +79,10 @@ def main() -> None:
     args = ap.parse_args()
     rows = acceptance_table(args.vocab, args.trees, args.temperature)
     base = {shape: tau for shape, method, _, tau, _ in rows if method in ("token", "rrsw")}
-    print(f"Exact expected tokens per step (tau), toy bigram pair, V={args.vocab}, "
-          f"T={args.temperature}, {args.trees} drafted trees per method\n")
+    print(
+        f"Exact expected tokens per step (tau), toy bigram pair, V={args.vocab}, "
+        f"T={args.temperature}, {args.trees} drafted trees per method\n"
+    )
     print(f"{'tree':5} {'verifier':12} {'scheme':7} {'tau':>7} {'+-':>6} {'gain':>7}")
     for shape, method, scheme, tau, se in rows:
         gain = 100.0 * (tau / base[shape] - 1.0)

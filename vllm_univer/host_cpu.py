@@ -42,5 +42,9 @@ def host_cpu() -> HostCpu:
             elif key.strip() == "model name" and model == "unknown CPU":
                 model = value.strip()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return HostCpu(model=model, capability=torch.backends.cpu.get_cpu_capability(),
-                   native_bf16=bool(flags & {"avx512_bf16", "amx_bf16"}), cores=cores)
+    return HostCpu(
+        model=model,
+        capability=torch.backends.cpu.get_cpu_capability(),
+        native_bf16=bool(flags & {"avx512_bf16", "amx_bf16"}),
+        cores=cores,
+    )

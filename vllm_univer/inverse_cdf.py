@@ -34,31 +34,34 @@ class BlockCdf:
         self.vocab = vocab
         self.num_blocks = nb = -(-vocab // block)
         full = vocab // block
-        sums = [weights[..., :full * block].unflatten(-1, (full, block)).sum(-1)] if full else []
+        sums = [weights[..., : full * block].unflatten(-1, (full, block)).sum(-1)] if full else []
         if full < nb:
-            sums.append(weights[..., full * block:].sum(-1, keepdim=True))
+            sums.append(weights[..., full * block :].sum(-1, keepdim=True))
         # One spare column at the end takes the writes of absent (-1) excluded tokens.
         self.block_sums = torch.cat(sums + [weights.new_zeros(weights.shape[:-1] + (1,))], -1)  # [..., nb + 1]
 
     def draw(self, generator: torch.Generator | None = None, exclude: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row [...] with P(i) = w_i / sum(w) over the tokens not in
         ``exclude`` [..., k] (-1 entries ignored); -1 for a row with no such mass."""
-        block, nb = self.block, self.num_blocks
+        block = self.block
         block_cdf = self._sums_without(exclude).to(torch.float64).cumsum(-1)  # [..., nb]
         total = block_cdf[..., -1:].contiguous()
         u = torch.rand(total.shape, generator=generator, device=total.device, dtype=torch.float64)
         target = u * total
         # The first block whose cumulative sum exceeds the target; u * total can round
         # up to the total (probability ~2^-53): cap at the last block of positive weight.
-        chosen = torch.minimum(torch.searchsorted(block_cdf, target, right=True),
-                               torch.searchsorted(block_cdf, total, right=False))  # [..., 1]
+        chosen = torch.minimum(
+            torch.searchsorted(block_cdf, target, right=True), torch.searchsorted(block_cdf, total, right=False)
+        )  # [..., 1]
         before = torch.where(chosen > 0, block_cdf.gather(-1, (chosen - 1).clamp(min=0)), torch.zeros_like(target))
         inner_cdf = self._block_weights(chosen, exclude).squeeze(-2).to(torch.float64).cumsum(-1)  # [..., block]
         # The same rule inside the block; rounding between the two sums can put the
         # remainder at or past the block's end: cap at its last token of positive weight.
         remainder = (target - before).clamp(min=0)
-        offset = torch.minimum(torch.searchsorted(inner_cdf, remainder, right=True),
-                               torch.searchsorted(inner_cdf, inner_cdf[..., -1:].contiguous(), right=False))
+        offset = torch.minimum(
+            torch.searchsorted(inner_cdf, remainder, right=True),
+            torch.searchsorted(inner_cdf, inner_cdf[..., -1:].contiguous(), right=False),
+        )
         token = (chosen * block + offset).squeeze(-1)
         return torch.where(total.squeeze(-1) > 0, token, -1)
 
@@ -73,7 +76,7 @@ class BlockCdf:
         if exclude is not None and exclude.shape[-1] > 0:
             hit_block = torch.where(exclude >= 0, exclude // self.block, self.num_blocks)  # [..., k] (nb: spare)
             sums = sums.scatter(-1, hit_block, self._block_weights(hit_block, exclude).sum(-1))
-        return sums[..., :self.num_blocks]
+        return sums[..., : self.num_blocks]
 
     def _block_weights(self, blocks: torch.Tensor, exclude: torch.Tensor | None) -> torch.Tensor:
         """blocks [..., j] -> the weights of each block [..., j, block], 0 past the
@@ -93,8 +96,9 @@ class BlockCdf:
         return padded.scatter_(-1, offset, 0.0)[..., :block]
 
 
-def sample_from_weights(weights: torch.Tensor, generator: torch.Generator | None = None,
-                        block: int | None = None) -> torch.Tensor:
+def sample_from_weights(
+    weights: torch.Tensor, generator: torch.Generator | None = None, block: int | None = None
+) -> torch.Tensor:
     """One index per row of ``weights`` [..., V] >= 0 with P(i) = w_i / sum(w) -> [...]
     (-1 for a row without mass). See ``BlockCdf``."""
     return BlockCdf(weights, block).draw(generator)

@@ -8,24 +8,61 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops whose result the host must wait for on CUDA: a scalar read, or an output
 # whose size depends on the data.
-HOST_SYNC_OPS = frozenset({
-    "aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal", "aten.nonzero",
-    "aten.masked_select", "aten.unique", "aten._unique", "aten._unique2", "aten.unique_consecutive",
-    "aten.unique_dim", "aten.bincount", "aten.repeat_interleave", "aten.allclose",
-})
+HOST_SYNC_OPS = frozenset(
+    {
+        "aten._local_scalar_dense",
+        "aten.item",
+        "aten.is_nonzero",
+        "aten.equal",
+        "aten.nonzero",
+        "aten.masked_select",
+        "aten.unique",
+        "aten._unique",
+        "aten._unique2",
+        "aten.unique_consecutive",
+        "aten.unique_dim",
+        "aten.bincount",
+        "aten.repeat_interleave",
+        "aten.allclose",
+    }
+)
 # Ops that only describe existing memory: no kernel on any device.
-VIEW_OPS = frozenset({
-    "aten.view", "aten._unsafe_view", "aten.reshape", "aten.expand", "aten.as_strided", "aten.slice",
-    "aten.select", "aten.unsqueeze", "aten.squeeze", "aten.permute", "aten.transpose", "aten.t",
-    "aten.alias", "aten.detach", "aten.unbind", "aten.split", "aten.split_with_sizes", "aten.chunk",
-    "aten.narrow", "aten.diagonal", "aten.view_as", "aten.expand_as", "aten.lift_fresh", "aten.empty",
-    "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
-})
+VIEW_OPS = frozenset(
+    {
+        "aten.view",
+        "aten._unsafe_view",
+        "aten.reshape",
+        "aten.expand",
+        "aten.as_strided",
+        "aten.slice",
+        "aten.select",
+        "aten.unsqueeze",
+        "aten.squeeze",
+        "aten.permute",
+        "aten.transpose",
+        "aten.t",
+        "aten.alias",
+        "aten.detach",
+        "aten.unbind",
+        "aten.split",
+        "aten.split_with_sizes",
+        "aten.chunk",
+        "aten.narrow",
+        "aten.diagonal",
+        "aten.view_as",
+        "aten.expand_as",
+        "aten.lift_fresh",
+        "aten.empty",
+        "aten.empty_like",
+        "aten.empty_strided",
+        "aten.new_empty",
+        "aten.new_empty_strided",
+    }
+)
 
 
 def _name(func) -> str:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Iterable, Sequence
 from functools import cached_property
-from typing import Iterable, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ class TreeSpec:
 
     # ------------------------------------------------------------------ build
     @classmethod
-    def parse(cls, spec: str | Sequence[Sequence[int]] | "TreeSpec") -> "TreeSpec":
+    def parse(cls, spec: str | Sequence[Sequence[int]] | TreeSpec) -> TreeSpec:
         """``"WxD"`` (W children per node, depth D; ``"1xD"`` is a chain) or a list of paths."""
         if isinstance(spec, TreeSpec):
             return spec
@@ -56,16 +56,14 @@ class TreeSpec:
             raise ValueError(f"malformed tree {spec!r}: width and depth must be >= 1")
         num = sum(width**d for d in range(1, depth + 1))
         if num > MAX_TREE_NODES:
-            raise ValueError(
-                f"tree {spec!r} has {num} draft nodes; at most {MAX_TREE_NODES} are supported"
-            )
+            raise ValueError(f"tree {spec!r} has {num} draft nodes; at most {MAX_TREE_NODES} are supported")
         paths = [()]
         for d in range(1, depth + 1):
             paths.extend(itertools.product(range(width), repeat=d))
         return cls(paths)
 
     @classmethod
-    def from_paths(cls, paths: Iterable[Sequence[int]]) -> "TreeSpec":
+    def from_paths(cls, paths: Iterable[Sequence[int]]) -> TreeSpec:
         """Tree from child-slot paths of its draft nodes; every prefix must be listed.
 
         Within a parent the slots must be 0..m-1 (no gaps); the order of the
@@ -87,9 +85,7 @@ class TreeSpec:
         if not clean:
             raise ValueError("malformed tree: no draft nodes")
         if len(clean) > MAX_TREE_NODES:
-            raise ValueError(
-                f"tree has {len(clean)} draft nodes; at most {MAX_TREE_NODES} are supported"
-            )
+            raise ValueError(f"tree has {len(clean)} draft nodes; at most {MAX_TREE_NODES} are supported")
         for t in clean:
             if len(t) > 1 and t[:-1] not in clean:
                 raise ValueError(f"malformed tree: path {t} is listed but its prefix {t[:-1]} is not")
@@ -163,11 +159,9 @@ class TreeSpec:
     def internal_levels(self) -> list[torch.Tensor]:
         """Nodes that have child slots, grouped by depth 0..D-1 (each LongTensor [n_d])."""
         has_kids = self.num_children > 0
-        return [
-            torch.nonzero(has_kids & (self.depth == d)).flatten() for d in range(self.max_depth)
-        ]
+        return [torch.nonzero(has_kids & (self.depth == d)).flatten() for d in range(self.max_depth)]
 
-    def on(self, device: torch.device | str) -> "_TreeTensors":
+    def on(self, device: torch.device | str) -> _TreeTensors:
         """The index tensors the verifiers use, on ``device`` (cached per device)."""
         device = torch.device(device)
         cached = self._device_cache.get(device)

@@ -90,7 +90,9 @@ def decide_descent(tt: _TreeTensors, alpha: torch.Tensor, uniforms: torch.Tensor
     return node
 
 
-def end_node_law(verifier: TreeVerifier, tt: _TreeTensors, weight: torch.Tensor, stop: torch.Tensor | None) -> torch.Tensor:
+def end_node_law(
+    verifier: TreeVerifier, tt: _TreeTensors, weight: torch.Tensor, stop: torch.Tensor | None
+) -> torch.Tensor:
     """Exact P(end node = e) [B, N+1] from the per-node weights of ``allocate``."""
     if verifier.family is Family.POSTORDER:
         order = tt.postorder_rank.argsort()

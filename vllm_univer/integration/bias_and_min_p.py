@@ -42,8 +42,11 @@ class RequestBiasAndMinP:
             min_p.append(float(getattr(params, "min_p", 0.0) or 0.0))
         self._bias = None
         if rows:
-            self._bias = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device),
-                          torch.tensor(values, dtype=torch.float32, device=device))
+            self._bias = (
+                torch.tensor(rows, device=device),
+                torch.tensor(tokens, device=device),
+                torch.tensor(values, dtype=torch.float32, device=device),
+            )
         self._min_p = torch.tensor(min_p, dtype=torch.float32, device=device) if any(min_p) else None
         self._key = key
 
@@ -52,7 +55,7 @@ class RequestBiasAndMinP:
         """[B] float32, or None when no request of the batch sets min_p."""
         return self._min_p
 
-    def logit_bias(self) -> "TreeLogitBias | None":
+    def logit_bias(self) -> TreeLogitBias | None:
         return TreeLogitBias(*self._bias) if self._bias is not None else None
 
 

@@ -41,7 +41,7 @@ class UniverConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _tree_fits_verifier(self) -> "UniverConfig":
+    def _tree_fits_verifier(self) -> UniverConfig:
         verifier = get_verifier(self.verifier)
         if verifier.chain_only and not self.tree_spec.is_chain:
             raise ValueError(

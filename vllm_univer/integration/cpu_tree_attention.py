@@ -14,8 +14,7 @@ from .kv_cache_views import cpu_kv_views
 from .tree_attention_plan import TreeAttentionPlan
 
 
-def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, output,
-                      plan: TreeAttentionPlan) -> None:
+def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, output, plan: TreeAttentionPlan) -> None:
     """Overwrite ``output`` at the plan's rows with exact tree attention.
 
     query [tokens, Hq, Dh], key/value [tokens, Hkv, Dh], kv_cache as vLLM's CPU
@@ -34,8 +33,18 @@ def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, o
         positions = plan.context_lens.unsqueeze(1) + torch.arange(plan.mask.shape[1], device=query.device)
         tree_k = gather_paged(key_cache, block_table, positions)
         tree_v = gather_paged(value_cache, block_table, positions)
-    out = tree_attention(q, tree_k, tree_v, key_cache, value_cache, block_table, plan.context_lens,
-                         plan.mask, scale=impl.scale, max_context_len=plan.max_context_len)
+    out = tree_attention(
+        q,
+        tree_k,
+        tree_v,
+        key_cache,
+        value_cache,
+        block_table,
+        plan.context_lens,
+        plan.mask,
+        scale=impl.scale,
+        max_context_len=plan.max_context_len,
+    )
     flat_out = output.view(-1, heads, head_size)
     if plan.row_valid is None:
         flat_out[plan.query_rows.flatten()] = out.flatten(0, 1).to(flat_out.dtype)

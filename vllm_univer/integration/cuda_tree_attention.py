@@ -15,8 +15,7 @@ from .kv_cache_views import standard_kv_views
 from .tree_attention_plan import TreeAttentionPlan
 
 
-def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, output,
-                      plan: TreeAttentionPlan) -> None:
+def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, output, plan: TreeAttentionPlan) -> None:
     """Overwrite ``output`` at the plan's rows with exact tree attention.
 
     query [tokens, Hq, Dh]; kv_cache [num_blocks, Hkv, block_size, 2*Dh] with the
@@ -25,8 +24,15 @@ def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, o
     heads, head_size = impl.num_heads, impl.head_size
     key_cache, value_cache = standard_kv_views(kv_cache, head_size)
     paged_tree_attention_triton(
-        query.view(-1, heads, head_size), key_cache, value_cache,
-        attn_metadata.block_table[plan.request_index], plan.context_lens, plan.query_rows, plan.mask,
-        output.view(-1, heads, head_size), scale=impl.scale, row_valid=plan.row_valid,
+        query.view(-1, heads, head_size),
+        key_cache,
+        value_cache,
+        attn_metadata.block_table[plan.request_index],
+        plan.context_lens,
+        plan.query_rows,
+        plan.mask,
+        output.view(-1, heads, head_size),
+        scale=impl.scale,
+        row_valid=plan.row_valid,
         max_context_len=plan.max_context_len,
     )

@@ -38,8 +38,11 @@ def cpu_kv_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.
     # Key half of (block, head): bs * Dh elements, transposed: [Dh, bs].
     keys = kv_cache.as_strided((num_blocks, block_size, heads, head_size), (s_block, 1, s_head, block_size))
     # Value half: the next bs * Dh elements, row-major [bs, Dh].
-    values = kv_cache.as_strided((num_blocks, block_size, heads, head_size), (s_block, head_size, s_head, 1),
-                                 storage_offset=kv_cache.storage_offset() + block_size * head_size)
+    values = kv_cache.as_strided(
+        (num_blocks, block_size, heads, head_size),
+        (s_block, head_size, s_head, 1),
+        storage_offset=kv_cache.storage_offset() + block_size * head_size,
+    )
     return keys, values
 
 

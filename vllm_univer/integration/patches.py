@@ -42,7 +42,9 @@ def patch_engine_args_create_speculative_config() -> None:
             check_engine_options(self)
             spec = {k.replace("-", "_"): v for k, v in spec.items()}
             return create_univer_speculative_config(
-                spec, target_model_config=target_model_config, target_parallel_config=target_parallel_config)
+                spec, target_model_config=target_model_config, target_parallel_config=target_parallel_config
+            )
+
         return create_speculative_config
 
     _wraps_once(EngineArgs, "create_speculative_config", make)
@@ -63,6 +65,7 @@ def patch_model_runner() -> None:
         def __init__(self, vllm_config, device, *args, **kwargs):
             original(self, vllm_config, device, *args, **kwargs)
             self.univer = TreeRunner(self) if is_univer(self.speculative_config) else None
+
         return __init__
 
     def make_initialize_kv_cache(original):
@@ -70,6 +73,7 @@ def patch_model_runner() -> None:
             original(self, *args, **kwargs)
             if getattr(self, "univer", None) is not None:
                 self.univer.check_layers()  # refuse unsupported layers at start-up, not on the first step
+
         return initialize_kv_cache
 
     def make_prepare_inputs(original):
@@ -78,6 +82,7 @@ def patch_model_runner() -> None:
             if getattr(self, "univer", None) is not None:
                 self.univer.prepare_tree_tokens(result[1])
             return result
+
         return _prepare_inputs
 
     def make_build_attention_metadata(original):
@@ -86,6 +91,7 @@ def patch_model_runner() -> None:
             if getattr(self, "univer", None) is not None:
                 self.univer.attach_plan(attn_metadata)
             return attn_metadata, common
+
         return _build_attention_metadata
 
     def make_propose(original):
@@ -94,6 +100,7 @@ def patch_model_runner() -> None:
                 return original(self, scheduler_output, sampled_token_ids, sampling_metadata, *args, **kwargs)
             self._draft_probs = None
             return self.univer.propose(sampled_token_ids, sampling_metadata)
+
         return propose_draft_token_ids
 
     _wraps_once(GPUModelRunner, "__init__", make_init)
@@ -124,13 +131,14 @@ def patch_attention_forwards() -> None:
             def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
                 plan = getattr(attn_metadata, "tree_plan", None)
                 if plan is None:
-                    return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
-                                    **kwargs)
+                    return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
                 if not plan.covers_all_rows:
                     original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
                 forward_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output, plan)
                 return output
+
             return forward
+
         return make
 
     for kind, (module_name, class_name) in BACKENDS.items():
@@ -156,6 +164,7 @@ def patch_vllm_config_v2_model_runner() -> None:
             if is_univer(self.speculative_config):
                 unsupported.append(f"speculative method '{METHOD_NAME}'")
             return unsupported
+
         return _get_v2_model_runner_unsupported_features
 
     _wraps_once(VllmConfig, "_get_v2_model_runner_unsupported_features", make)
@@ -181,6 +190,7 @@ def patch_input_processor_validate_params() -> None:
                     parameter, message = problem
                     raise VLLMValidationError(message, parameter=parameter)
             return result
+
         return _validate_params
 
     _wraps_once(InputProcessor, "_validate_params", make)
@@ -199,6 +209,7 @@ def patch_sampling_params_validate_spec_decode() -> None:
             if is_univer(speculative_config):
                 return None
             return original(self, speculative_config)
+
         return _validate_spec_decode
 
     _wraps_once(SamplingParams, "_validate_spec_decode", make)
@@ -228,8 +239,10 @@ def patch_structured_output_manager() -> None:
             tree = tree_of(self)
             if tree is None or not structured_output_request_ids:
                 return original(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
-            return tree_grammar_bitmask(self, tree, requests, structured_output_request_ids,
-                                        scheduled_spec_decode_tokens)
+            return tree_grammar_bitmask(
+                self, tree, requests, structured_output_request_ids, scheduled_spec_decode_tokens
+            )
+
         return grammar_bitmask
 
     def make_validate_tokens(original):
@@ -237,6 +250,7 @@ def patch_structured_output_manager() -> None:
             if tree_of(self) is not None:
                 return spec_tokens
             return original(self, request, spec_tokens)
+
         return validate_tokens
 
     _wraps_once(StructuredOutputManager, "grammar_bitmask", make_grammar_bitmask)
@@ -265,6 +279,7 @@ def patch_proposer_dummy_run() -> None:
                 return original(self, *args, **kwargs)
             finally:
                 self.num_speculative_tokens = num_nodes
+
         return dummy_run
 
     _wraps_once(SpecDecodeBaseProposer, "dummy_run", make)
@@ -284,13 +299,15 @@ def patch_cpu_expand_kernel() -> None:
         return
 
     def make(original):
-        def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None,
-                                **kwargs):
+        def _expand_kernel_impl(
+            output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None, **kwargs
+        ):
             counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
             values = input_val.to(output.dtype)
             values = torch.where(values == replace_from, torch.full_like(values, replace_to), values)
             expanded = values.repeat_interleave(counts)
             output[: expanded.numel()] = expanded
+
         return _expand_kernel_impl
 
     _wraps_once(cpu_triton_utils, "_expand_kernel_impl", make)

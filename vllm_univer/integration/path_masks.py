@@ -39,8 +39,9 @@ class TreePathMasks:
     """tokens [B, T] (node tokens, -1 = none), ancestors [T, D] (the node at depth
     j+1 on the path to each node, -1 past it), depth [T], sampling_metadata: vLLM's."""
 
-    def __init__(self, tokens: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor, sampling_metadata,
-                 batch: int):
+    def __init__(
+        self, tokens: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor, sampling_metadata, batch: int
+    ):
         self.tokens, self.ancestors, self.depth = tokens, ancestors, depth
         self.meta, self.batch = sampling_metadata, batch
         self.bad_words = {b: w for b, w in (sampling_metadata.bad_words_token_ids or {}).items() if b < batch}
@@ -48,14 +49,17 @@ class TreePathMasks:
 
     @staticmethod
     def needed(sampling_metadata) -> bool:
-        return (sampling_metadata.allowed_token_ids_mask is not None or bool(sampling_metadata.bad_words_token_ids)
-                or bool(min_tokens_state(sampling_metadata)))
+        return (
+            sampling_metadata.allowed_token_ids_mask is not None
+            or bool(sampling_metadata.bad_words_token_ids)
+            or bool(min_tokens_state(sampling_metadata))
+        )
 
     def apply(self, logits: torch.Tensor) -> None:
         """logits [B, T, V] float32, in place."""
         allowed = self.meta.allowed_token_ids_mask  # [num_reqs, V], True = not allowed
         if allowed is not None:
-            logits.masked_fill_(allowed[:self.batch].unsqueeze(1), float("-inf"))
+            logits.masked_fill_(allowed[: self.batch].unsqueeze(1), float("-inf"))
         if self.bad_words:
             self._ban_bad_words(logits)
         if self.min_tokens:
@@ -68,8 +72,9 @@ class TreePathMasks:
         values.masked_fill_(banned, float("-inf"))
         t = torch.arange(rows, device=logits.device).unsqueeze(0).expand_as(banned)
         # accumulate: two bans of one entry add -inf twice instead of racing.
-        logits.index_put_((request.unsqueeze(1).expand_as(banned), t, token.unsqueeze(1).expand_as(banned)), values,
-                          accumulate=True)
+        logits.index_put_(
+            (request.unsqueeze(1).expand_as(banned), t, token.unsqueeze(1).expand_as(banned)), values, accumulate=True
+        )
 
     def _ban_bad_words(self, logits: torch.Tensor) -> None:
         device = logits.device
@@ -80,16 +85,21 @@ class TreePathMasks:
         if history == 0:
             self._ban(logits, request, last, torch.ones(len(words), logits.shape[1], dtype=torch.bool, device=device))
             return
-        prefix = torch.tensor([[ANY_TOKEN] * (history - len(w) + 1) + list(w[:-1]) for _, w in words],
-                              device=device)  # [W, H], right-aligned
+        prefix = torch.tensor(
+            [[ANY_TOKEN] * (history - len(w) + 1) + list(w[:-1]) for _, w in words], device=device
+        )  # [W, H], right-aligned
         outputs = self.meta.output_token_ids
         tails = {b: outputs[b][-history:] for b in self.bad_words}
-        tail = torch.tensor([[NO_TOKEN] * (history - len(tails[b])) + list(tails[b]) for b, _ in words],
-                            device=device)  # [W, H]
+        tail = torch.tensor(
+            [[NO_TOKEN] * (history - len(tails[b])) + list(tails[b]) for b, _ in words], device=device
+        )  # [W, H]
         # Path tokens of every row (depth 1 .. d), NO_TOKEN past the row's depth.
         rows, depth_max = self.ancestors.shape
-        path = self.tokens[request].gather(1, self.ancestors.clamp(min=0).flatten().unsqueeze(0)
-                                           .expand(len(words), -1)).view(len(words), rows, depth_max)
+        path = (
+            self.tokens[request]
+            .gather(1, self.ancestors.clamp(min=0).flatten().unsqueeze(0).expand(len(words), -1))
+            .view(len(words), rows, depth_max)
+        )
         path = path.masked_fill((self.ancestors < 0).unsqueeze(0), NO_TOKEN)
         text = torch.cat([tail.unsqueeze(1).expand(-1, rows, -1), path], -1)  # [W, T, H + D]
         # The last H tokens of row t's text end at position H + depth(t).

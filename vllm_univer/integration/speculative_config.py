@@ -70,5 +70,10 @@ def create_univer_speculative_config(spec: dict[str, Any], **engine_fields) -> U
     return UniverSpeculativeConfig(**theirs, **engine_fields, tree=ours.tree, verifier=ours.verifier)
 
 
-__all__ = ["METHOD_NAME", "UniverSpeculativeConfig", "check_engine_options", "create_univer_speculative_config",
-           "is_univer"]
+__all__ = [
+    "METHOD_NAME",
+    "UniverSpeculativeConfig",
+    "check_engine_options",
+    "create_univer_speculative_config",
+    "is_univer",
+]

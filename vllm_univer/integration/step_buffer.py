@@ -20,8 +20,13 @@ import torch
 
 
 class StepBuffer:
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, keep: bool | None = None,
-                 max_kept_bytes: int = 1 << 30):
+    def __init__(
+        self,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+        keep: bool | None = None,
+        max_kept_bytes: int = 1 << 30,
+    ):
         self.device = torch.device(device)
         self.dtype = dtype
         self.keep = self.device.type == "cpu" if keep is None else keep
@@ -40,8 +45,11 @@ class StepBuffer:
 
     def holds(self, tensor: torch.Tensor | None) -> bool:
         """Whether ``tensor`` is a view of the kept buffer (so the next ``get`` overwrites it)."""
-        return (tensor is not None and self._flat is not None
-                and tensor.untyped_storage().data_ptr() == self._flat.untyped_storage().data_ptr())
+        return (
+            tensor is not None
+            and self._flat is not None
+            and tensor.untyped_storage().data_ptr() == self._flat.untyped_storage().data_ptr()
+        )
 
     def release(self) -> None:
         """Drop the kept buffer (the next ``get`` allocates a fresh one)."""

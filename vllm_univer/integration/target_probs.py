@@ -64,8 +64,9 @@ def tree_target_probs(
     return softmax_(scaled).view(batch, rows, vocab), greedy
 
 
-def processed_logits(logits: torch.Tensor, path_transforms: Sequence = (),
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+def processed_logits(
+    logits: torch.Tensor, path_transforms: Sequence = (), out: torch.Tensor | None = None
+) -> torch.Tensor:
     """logits [B, T, V] -> a float32 copy with the path transforms applied in order:
     what vLLM's greedy sampler takes the argmax of, and samples from after temperature.
     One [B, T, V] float32 buffer (``out`` if given), transformed in place (the
@@ -117,8 +118,9 @@ class TreePenalties:
         meta, batch = self.meta, self.batch
         _, rows, vocab = logits.shape
         device = logits.device
-        generated = make_tensor_with_pad(meta.output_token_ids[:batch], pad=vocab, device="cpu",
-                                         dtype=torch.int64).to(device)  # [B, Lo]
+        generated = make_tensor_with_pad(meta.output_token_ids[:batch], pad=vocab, device="cpu", dtype=torch.int64).to(
+            device
+        )  # [B, Lo]
         if generated.dim() == 1:  # no request has generated anything yet
             generated = generated.view(batch, 0)
         path = self.tokens.gather(1, self.ancestors.clamp(min=0).flatten().unsqueeze(0).expand(batch, -1))

@@ -24,9 +24,9 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from ..drafting import draft_children, top_tokens
 from ..tree import TreeSpec
-from .tree_attention_plan import TreeAttentionPlan
 from .step_buffer import StepBuffer
 from .target_probs import softmax_, split_greedy
+from .tree_attention_plan import TreeAttentionPlan
 from .tree_state import DraftedTrees, TreeState
 
 
@@ -49,8 +49,8 @@ class TreeDrafter:
         for d in range(tree.max_depth):
             first, last = self.level_span[d]
             groups = []
-            for m in sorted(set(num_children[first:last + 1].tolist()) - {0}):
-                parents = torch.nonzero(num_children[first:last + 1] == m).flatten() + first
+            for m in sorted(set(num_children[first : last + 1].tolist()) - {0}):
+                parents = torch.nonzero(num_children[first : last + 1] == m).flatten() + first
                 lo, hi = int(parents[0]) - first, int(parents[-1]) - first + 1
                 in_level = slice(lo, hi) if hi - lo == len(parents) else (parents - first).to(runner.device)
                 groups.append((parents.to(runner.device), tree.children[parents, :m].to(runner.device), m, in_level))
@@ -93,7 +93,7 @@ class TreeDrafter:
         start = np.minimum(np.array([self.state.draft_kv_len.get(r, 0) for r in active_ids], dtype=np.int64), root_pos)
         # Level 0 tokens: committed ones from the batch's token table, then this step's.
         level0 = [
-            input_batch.token_ids_cpu[i, s:committed[i]].tolist() + new_tokens[i][max(0, s - committed[i]):]
+            input_batch.token_ids_cpu[i, s : committed[i]].tolist() + new_tokens[i][max(0, s - committed[i]) :]
             for i, s in zip(active.tolist(), start.tolist())
         ]
         block_rows = block_table.get_cpu_tensor()[torch.from_numpy(active)]
@@ -102,8 +102,18 @@ class TreeDrafter:
         banned = sampling_metadata.allowed_token_ids_mask
         if banned is not None:  # draft inside the allowed set: other drafts would always be rejected
             banned = banned[torch.from_numpy(active).to(banned.device)]
-        tokens, q = self._draft_levels(active, root_pos, start, level0, block_rows, block_size, temperature,
-                                       greedy, sampling_metadata.generators, banned)
+        tokens, q = self._draft_levels(
+            active,
+            root_pos,
+            start,
+            level0,
+            block_rows,
+            block_size,
+            temperature,
+            greedy,
+            sampling_metadata.generators,
+            banned,
+        )
         for r, req_id in zip(root_pos.tolist(), active_ids):
             self.state.draft_kv_len[req_id] = r + 1  # the context and the root
         self.state.add(DraftedTrees(active_ids, tokens, q))
@@ -118,8 +128,9 @@ class TreeDrafter:
             return split_greedy(torch.zeros(len(active)))
         return split_greedy(temperature.cpu()[torch.from_numpy(active)])
 
-    def _draft_levels(self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy,
-                      generators, banned):
+    def _draft_levels(
+        self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned
+    ):
         tree, runner = self.tree, self.runner
         device = runner.device
         reqs = len(active)
@@ -132,8 +143,9 @@ class TreeDrafter:
         flat_row = np.repeat(np.arange(reqs), lens)
         flat_pos = np.repeat(start, lens) + offsets
         token_ids = np.fromiter((t for chunk in level0 for t in chunk), dtype=np.int64, count=int(query_start[-1]))
-        hidden = self._forward(token_ids, flat_pos, flat_row, flat_pos, query_start, root_pos + 1,
-                               block_rows, block_size, plan=None)
+        hidden = self._forward(
+            token_ids, flat_pos, flat_row, flat_pos, query_start, root_pos + 1, block_rows, block_size, plan=None
+        )
         root_logits = self._logits(hidden[torch.from_numpy(query_start[1:] - 1)])
 
         vocab = root_logits.shape[-1]
@@ -147,16 +159,22 @@ class TreeDrafter:
             # draw's law but the verifier reads them at a leaf end node: keep them finite.
             batch_ids = self.runner.input_batch.req_ids
             q = self._q_buffer((reqs, n1, vocab), {batch_ids[i] for i in active})
-            q[:, self.level_span[tree.max_depth][0]:] = 0.0
+            q[:, self.level_span[tree.max_depth][0] :] = 0.0
         temp = temperature.to(device).view(-1, 1)
-        self._draw_children(0, tokens, self._level_rows(q, 0, root_logits.unsqueeze(1), temp.unsqueeze(-1), banned),
-                            greedy, generators, active)
+        self._draw_children(
+            0,
+            tokens,
+            self._level_rows(q, 0, root_logits.unsqueeze(1), temp.unsqueeze(-1), banned),
+            greedy,
+            generators,
+            active,
+        )
 
         context = torch.from_numpy(root_pos).to(device)
         for d in range(1, tree.max_depth):
             first, last = self.level_span[d]
             width = last - first + 1
-            node_ids = tokens[:, first:last + 1].clamp(min=0).flatten().cpu().numpy()
+            node_ids = tokens[:, first : last + 1].clamp(min=0).flatten().cpu().numpy()
             rows = np.repeat(np.arange(reqs), width)
             slot_pos = (root_pos[:, None] + np.arange(first, last + 1)[None]).flatten()
             rope_pos = np.repeat(root_pos + d, width)
@@ -165,16 +183,26 @@ class TreeDrafter:
                 row_valid=None,
                 request_index=torch.arange(reqs, device=device),
                 context_lens=context,
-                mask=tree.ancestor_mask[first:last + 1, :last + 1].to(device),
+                mask=tree.ancestor_mask[first : last + 1, : last + 1].to(device),
                 keys_from_rows=False,
                 covers_all_rows=True,
                 max_context_len=int(root_pos.max()),
             )
-            hidden = self._forward(node_ids, rope_pos, rows, slot_pos, np.arange(reqs + 1) * width,
-                                   root_pos + last + 1, block_rows, block_size, plan=plan)
+            hidden = self._forward(
+                node_ids,
+                rope_pos,
+                rows,
+                slot_pos,
+                np.arange(reqs + 1) * width,
+                root_pos + last + 1,
+                block_rows,
+                block_size,
+                plan=plan,
+            )
             logits = self._logits(hidden).view(reqs, width, vocab)
-            self._draw_children(d, tokens, self._level_rows(q, d, logits, temp.unsqueeze(-1), banned),
-                                greedy, generators, active)
+            self._draw_children(
+                d, tokens, self._level_rows(q, d, logits, temp.unsqueeze(-1), banned), greedy, generators, active
+            )
         return tokens, q
 
     def _level_rows(self, q, depth: int, logits: torch.Tensor, temp: torch.Tensor, banned) -> torch.Tensor:
@@ -186,14 +214,17 @@ class TreeDrafter:
         if q is None:
             return _masked(logits, banned)
         first, last = self.level_span[depth]
-        rows = q[:, first:last + 1]
+        rows = q[:, first : last + 1]
         return softmax_(_masked(rows.copy_(logits).div_(temp), banned))
 
     def _q_buffer(self, shape: tuple[int, int, int], replaced: set[str]) -> torch.Tensor:
         """This step's q rows, in the buffer kept across steps unless a tree that
         is not ``replaced`` this step (a request the scheduler skipped) still reads the old rows."""
-        if any(self.q_rows.holds(drafted.draft_probs)
-               for req_id, (drafted, _) in self.state.trees.items() if req_id not in replaced):
+        if any(
+            self.q_rows.holds(drafted.draft_probs)
+            for req_id, (drafted, _) in self.state.trees.items()
+            if req_id not in replaced
+        ):
             self.q_rows.release()
         return self.q_rows.get(shape)
 
@@ -222,8 +253,18 @@ class TreeDrafter:
         with self.timers.measure("draft_forward"):
             return self.proposer.model.compute_logits(hidden)
 
-    def _forward(self, token_ids, rope_pos, rows, slot_pos, query_start, seq_lens, block_rows, block_size,
-                 plan: TreeAttentionPlan | None) -> torch.Tensor:
+    def _forward(
+        self,
+        token_ids,
+        rope_pos,
+        rows,
+        slot_pos,
+        query_start,
+        seq_lens,
+        block_rows,
+        block_size,
+        plan: TreeAttentionPlan | None,
+    ) -> torch.Tensor:
         """One draft-model forward over a flat batch of tokens.
 
         token_ids/rope_pos/rows/slot_pos: numpy [T] (request row of each token and
@@ -261,8 +302,10 @@ class TreeDrafter:
         slot_mappings = {name: slot_mapping for name in proposer._draft_attn_layer_names}
         input_ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64)).to(device=device, dtype=torch.int32)
         positions = torch.from_numpy(np.asarray(rope_pos, dtype=np.int64)).to(device)
-        with self.timers.measure("draft_forward"), set_forward_context(
-                per_layer, proposer.vllm_config, num_tokens=num_tokens, slot_mapping=slot_mappings):
+        with (
+            self.timers.measure("draft_forward"),
+            set_forward_context(per_layer, proposer.vllm_config, num_tokens=num_tokens, slot_mapping=slot_mappings),
+        ):
             hidden = proposer.model(input_ids=input_ids, positions=positions, inputs_embeds=None)
         if isinstance(hidden, tuple):
             hidden = hidden[0]

@@ -36,8 +36,9 @@ class TreeGrammarBitmask:
         for node in range(len(parent) - 1, 0, -1):
             self.subtree[parent[node]].extend(self.subtree[node])
 
-    def fill(self, grammar, request_id: str, node_tokens: list[int], bitmask: torch.Tensor, first_row: int,
-             full_mask: int) -> int:
+    def fill(
+        self, grammar, request_id: str, node_tokens: list[int], bitmask: torch.Tensor, first_row: int, full_mask: int
+    ) -> int:
         """Fill the rows of one request's root and scheduled nodes.
 
         grammar: vLLM's ``StructuredOutputGrammar`` of the request, at the state
@@ -65,10 +66,12 @@ class TreeGrammarBitmask:
             if child > scheduled:
                 break  # children are numbered in increasing order; the rest are not scheduled
             token = node_tokens[child - 1]
-            if (not grammar.is_terminated() and _allows(bitmask[row], token)
-                    and grammar.accept_tokens(request_id, [token])):
-                self._fill_below(grammar, request_id, child, node_tokens, bitmask, first_row, full_mask,
-                                 scheduled)
+            if (
+                not grammar.is_terminated()
+                and _allows(bitmask[row], token)
+                and grammar.accept_tokens(request_id, [token])
+            ):
+                self._fill_below(grammar, request_id, child, node_tokens, bitmask, first_row, full_mask, scheduled)
                 grammar.rollback(1)
             else:  # unreachable subtree: any valid rows will do
                 rows = [first_row + v for v in self.subtree[child] if v <= scheduled]
@@ -83,8 +86,13 @@ def _allows(row: torch.Tensor, token: int) -> bool:
     return (int(row[word]) >> (token & 31)) & 1 == 1
 
 
-def tree_grammar_bitmask(manager, tree_bitmask: TreeGrammarBitmask, requests: dict,
-                         structured_output_request_ids: list[str], scheduled_spec_decode_tokens: dict):
+def tree_grammar_bitmask(
+    manager,
+    tree_bitmask: TreeGrammarBitmask,
+    requests: dict,
+    structured_output_request_ids: list[str],
+    scheduled_spec_decode_tokens: dict,
+):
     """``StructuredOutputManager.grammar_bitmask`` for tree drafts: the same
     result layout (rows of each structured request in ``structured_output_request_ids``
     order, 1 + scheduled nodes each) as an int32 numpy array.
@@ -94,7 +102,8 @@ def tree_grammar_bitmask(manager, tree_bitmask: TreeGrammarBitmask, requests: di
     if manager._grammar_bitmask is None:
         max_batch = manager.vllm_config.scheduler_config.max_num_seqs
         manager._grammar_bitmask = manager.backend.allocate_token_bitmask(
-            max_batch * (1 + manager.vllm_config.num_speculative_tokens))
+            max_batch * (1 + manager.vllm_config.num_speculative_tokens)
+        )
     bitmask = manager._grammar_bitmask
     next_row = 0
     for req_id in structured_output_request_ids:

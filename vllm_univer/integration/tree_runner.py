@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from .kv_cache_views import layer_kv_views
-from .tree_attention_plan import TreeAttentionPlan, check_layer_supported
 from .timers import StepTimers
+from .tree_attention_plan import TreeAttentionPlan, check_layer_supported
 from .tree_drafter import TreeDrafter
 from .tree_sampler import TreeVerificationSampler, tree_rows
 from .tree_state import TreeState
@@ -33,8 +33,9 @@ class TreeRunner:
         self.tree = config.tree_spec
         self.state = TreeState()
         self.timers = StepTimers(runner.device)
-        self.sampler = TreeVerificationSampler(runner, self.tree, config.verifier, self.state, self.kv_layers,
-                                               self.timers)
+        self.sampler = TreeVerificationSampler(
+            runner, self.tree, config.verifier, self.state, self.kv_layers, self.timers
+        )
         self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
         runner.rejection_sampler = self.sampler
         self._pending_plan: TreeAttentionPlan | None = None
@@ -89,7 +90,7 @@ class TreeRunner:
         runner = self.runner
         device = runner.positions.device
         batch = num_draft.shape[0]
-        query_start = torch.from_numpy(runner.query_start_loc.np[:batch + 1].astype("int64"))
+        query_start = torch.from_numpy(runner.query_start_loc.np[: batch + 1].astype("int64"))
         computed = torch.from_numpy(runner.input_batch.num_computed_tokens_cpu[:batch].astype("int64"))
         n = num_draft[tree_reqs]
         row_valid = torch.arange(self.tree.num_nodes + 1).unsqueeze(0) <= n.unsqueeze(1)  # [R, N+1]

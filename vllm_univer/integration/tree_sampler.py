@@ -86,13 +86,15 @@ class TreeVerificationSampler:
             # Argmax matching needs neither probabilities nor q: the argmax of the
             # processed logits, as vLLM's greedy sampler takes it.
             if transforms:
-                tree_logits = processed_logits(tree_logits, transforms,
-                                               out=self.probs_buffer.get(tuple(tree_logits.shape)))
+                tree_logits = processed_logits(
+                    tree_logits, transforms, out=self.probs_buffer.get(tuple(tree_logits.shape))
+                )
             argmax = tree_logits.argmax(-1)
             result = verify_greedy(tree, tokens, argmax)
         else:
-            result = self._verify_sampled(tokens, q, q_missing, tree_logits, temperature, transforms,
-                                          sampling_metadata, batch)
+            result = self._verify_sampled(
+                tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch
+            )
         output, end = result.output_token_ids, result.end_node
 
         with self.timers.measure("kv_moves"):
@@ -103,14 +105,20 @@ class TreeVerificationSampler:
             logprobs = self._logprobs(logits, rows.to(device), end, output, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
-    def _verify_sampled(self, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata,
-                        batch: int):
+    def _verify_sampled(
+        self, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch: int
+    ):
         tree = self.tree
         with self.timers.measure("target_probs"):
-            p, greedy = tree_target_probs(tree_logits, temperature, sampling_metadata.top_k,
-                                          sampling_metadata.top_p, transforms,
-                                          out=self.probs_buffer.get(tuple(tree_logits.shape)),
-                                          min_p=self.bias_and_min_p.min_p)
+            p, greedy = tree_target_probs(
+                tree_logits,
+                temperature,
+                sampling_metadata.top_k,
+                sampling_metadata.top_p,
+                transforms,
+                out=self.probs_buffer.get(tuple(tree_logits.shape)),
+                min_p=self.bias_and_min_p.min_p,
+            )
         # Trees drafted in an all-greedy step have no q; they belong to greedy
         # requests, whose outcome is argmax matching, so any valid rows will do.
         if q is None:
@@ -124,8 +132,16 @@ class TreeVerificationSampler:
         for row, generator in sampling_metadata.generators.items():
             if row >= batch:
                 continue
-            one = verify(self.method, tree, tokens[row:row + 1], p[row:row + 1], q[row:row + 1],
-                         generator=generator, greedy=greedy[row:row + 1], validate=False)
+            one = verify(
+                self.method,
+                tree,
+                tokens[row : row + 1],
+                p[row : row + 1],
+                q[row : row + 1],
+                generator=generator,
+                greedy=greedy[row : row + 1],
+                validate=False,
+            )
             result.output_token_ids[row], result.end_node[row] = one.output_token_ids[0], one.end_node[0]
         return result
 

@@ -30,8 +30,9 @@ def accepted_path_moves(context_lens: torch.Tensor, path_nodes: torch.Tensor):
     return request[keep], src[keep], dst[keep]
 
 
-def move_paged_kv(cache: torch.Tensor, block_table: torch.Tensor, request: torch.Tensor,
-                  src: torch.Tensor, dst: torch.Tensor) -> None:
+def move_paged_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, request: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> None:
     """Copy cache entries of logical positions ``src`` to ``dst`` (in place).
 
     cache: [num_blocks, block_size, ...] (a view of the layer's K or V cache);

@@ -78,7 +78,9 @@ def paged_context_attention(query, key_cache, value_cache, block_table, context_
     max_len = int(max_context_len) if max_context_len is not None else int(context_lens.max())
     if max_len == 0:
         b, t, h, d = query.shape
-        return query.new_zeros(b, t, h, d, dtype=torch.float32), query.new_full((b, t, h), float("-inf"), dtype=torch.float32)
+        return query.new_zeros(b, t, h, d, dtype=torch.float32), query.new_full(
+            (b, t, h), float("-inf"), dtype=torch.float32
+        )
     keys, valid = gather_context(key_cache, block_table, context_lens, max_len)
     values, _ = gather_context(value_cache, block_table, context_lens, max_len)
     heads = query.shape[2]
@@ -95,7 +97,9 @@ def tree_self_attention(query, tree_keys, tree_values, ancestor_mask, scale=None
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     heads = query.shape[2]
     mask = ancestor_mask if ancestor_mask.dim() == 3 else ancestor_mask.unsqueeze(0)
-    return _masked_attention(query, _expand_kv_heads(tree_keys, heads), _expand_kv_heads(tree_values, heads), mask, scale)
+    return _masked_attention(
+        query, _expand_kv_heads(tree_keys, heads), _expand_kv_heads(tree_values, heads), mask, scale
+    )
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):
@@ -111,12 +115,23 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     return out_a * w_a + out_b * w_b, lse
 
 
-def tree_attention(query, tree_keys, tree_values, key_cache, value_cache, block_table, context_lens,
-                   ancestor_mask, scale=None, max_context_len=None):
+def tree_attention(
+    query,
+    tree_keys,
+    tree_values,
+    key_cache,
+    value_cache,
+    block_table,
+    context_lens,
+    ancestor_mask,
+    scale=None,
+    max_context_len=None,
+):
     """Full tree attention: context part and tree part, merged. Shapes as above;
     returns out [B, T, Hq, Dh] in the query's dtype."""
-    ctx_out, ctx_lse = paged_context_attention(query, key_cache, value_cache, block_table, context_lens,
-                                               scale, max_context_len)
+    ctx_out, ctx_lse = paged_context_attention(
+        query, key_cache, value_cache, block_table, context_lens, scale, max_context_len
+    )
     tree_out, tree_lse = tree_self_attention(query, tree_keys, tree_values, ancestor_mask, scale)
     out, _ = merge_attention_states(ctx_out, ctx_lse, tree_out, tree_lse)
     return out.to(query.dtype)

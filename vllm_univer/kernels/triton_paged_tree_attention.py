@@ -26,16 +26,52 @@ import triton.language as tl
 
 @triton.jit
 def _paged_tree_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, context_lens_ptr, query_rows_ptr, row_valid_ptr, mask_ptr,
-    stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ot, stride_oh,
-    stride_bt, stride_qr, stride_rv,
-    part_out_ptr, part_lse_ptr, stride_pr, stride_ps, stride_pt, stride_ph, stride_lr, stride_ls, stride_lt,
-    num_queries, num_tree_keys, head_size, groups, block_size, scale, keys_per_split,
-    HAS_ROW_VALID: tl.constexpr, IEEE_DOT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    block_table_ptr,
+    context_lens_ptr,
+    query_rows_ptr,
+    row_valid_ptr,
+    mask_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_qr,
+    stride_rv,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_pr,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_lr,
+    stride_ls,
+    stride_lt,
+    num_queries,
+    num_tree_keys,
+    head_size,
+    groups,
+    block_size,
+    scale,
+    keys_per_split,
+    HAS_ROW_VALID: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -49,8 +85,11 @@ def _paged_tree_attention_kernel(
     token = tl.load(query_rows_ptr + req * stride_qr + t, mask=row_ok, other=0)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_size
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
 
     context_len = tl.load(context_lens_ptr + req)
     total = context_len + num_tree_keys
@@ -65,18 +104,38 @@ def _paged_tree_attention_kernel(
         block = tl.load(block_table_ptr + req * stride_bt + pos // block_size, mask=in_range, other=0).to(tl.int64)
         offset = pos % block_size
         kv_ok = in_range[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
-                    + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
-        v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
-                    + d[None, :] * stride_vd, mask=kv_ok, other=0.0)
+        k = tl.load(
+            k_ptr
+            + block[:, None] * stride_kb
+            + offset[:, None] * stride_ks
+            + kv_head * stride_kh
+            + d[None, :] * stride_kd,
+            mask=kv_ok,
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr
+            + block[:, None] * stride_vb
+            + offset[:, None] * stride_vs
+            + kv_head * stride_vh
+            + d[None, :] * stride_vd,
+            mask=kv_ok,
+            other=0.0,
+        )
         if IEEE_DOT:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
             scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N], float32 accumulation
         tree_key = pos - context_len
         in_tree = in_range & (tree_key >= 0)
-        ancestor = tl.load(mask_ptr + t[:, None] * num_tree_keys + tree_key[None, :],
-                           mask=row_ok[:, None] & in_tree[None, :], other=0) != 0
+        ancestor = (
+            tl.load(
+                mask_ptr + t[:, None] * num_tree_keys + tree_key[None, :],
+                mask=row_ok[:, None] & in_tree[None, :],
+                other=0,
+            )
+            != 0
+        )
         visible = ((pos < context_len)[None, :] & row_ok[:, None]) | ancestor
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -92,20 +151,40 @@ def _paged_tree_attention_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tile = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=tile)
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=tile,
+        )
     else:  # a partial result and its log-sum-exp, merged by the caller
-        tl.store(part_out_ptr + req * stride_pr + split * stride_ps + t[:, None] * stride_pt
-                 + head[:, None] * stride_ph + d[None, :], out, mask=tile)
+        tl.store(
+            part_out_ptr
+            + req * stride_pr
+            + split * stride_ps
+            + t[:, None] * stride_pt
+            + head[:, None] * stride_ph
+            + d[None, :],
+            out,
+            mask=tile,
+        )
         lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + req * stride_lr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
 
 
-def paged_tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                                block_table: torch.Tensor, context_lens: torch.Tensor, query_rows: torch.Tensor,
-                                ancestor_mask: torch.Tensor, output: torch.Tensor, scale: float | None = None,
-                                row_valid: torch.Tensor | None = None, max_context_len: int | None = None,
-                                num_splits: int | None = None) -> None:
+def paged_tree_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_rows: torch.Tensor,
+    ancestor_mask: torch.Tensor,
+    output: torch.Tensor,
+    scale: float | None = None,
+    row_valid: torch.Tensor | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+) -> None:
     """Write exact tree attention into ``output`` at the tree queries' rows.
 
     query [tokens, Hq, Dh] and output [tokens, Hq, Dh]: a forward's flat batch
@@ -145,24 +224,49 @@ def paged_tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, va
     if num_splits is None:
         num_splits = _num_splits(query.device, num_reqs * kv_heads * tiles, max_context_len)
     max_keys = (max_context_len if max_context_len is not None else 1 << 30) + num_tree_keys
-    keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n if num_splits > 1 \
-        else 1 << 30
+    keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n if num_splits > 1 else 1 << 30
     part_out = part_lse = output  # unused pointers when one program walks all keys
     if num_splits > 1:
-        part_out = torch.empty(num_reqs, num_splits, num_queries, heads, head_size, device=query.device,
-                               dtype=torch.float32)
+        part_out = torch.empty(
+            num_reqs, num_splits, num_queries, heads, head_size, device=query.device, dtype=torch.float32
+        )
         part_lse = torch.empty(num_reqs, num_splits, num_queries, heads, device=query.device, dtype=torch.float32)
     _paged_tree_attention_kernel[(num_reqs, kv_heads * num_splits, tiles)](
-        query, key_cache, value_cache, output, block_table, context_lens, rows, valid, mask,
-        query.stride(0), query.stride(1),
-        *key_cache.stride(), *value_cache.stride(),
-        output.stride(0), output.stride(1),
-        block_table.stride(0), rows.stride(0), valid.stride(0),
-        part_out, part_lse, *(part_out.stride()[:4] if num_splits > 1 else (0, 0, 0, 0)),
+        query,
+        key_cache,
+        value_cache,
+        output,
+        block_table,
+        context_lens,
+        rows,
+        valid,
+        mask,
+        query.stride(0),
+        query.stride(1),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        output.stride(0),
+        output.stride(1),
+        block_table.stride(0),
+        rows.stride(0),
+        valid.stride(0),
+        part_out,
+        part_lse,
+        *(part_out.stride()[:4] if num_splits > 1 else (0, 0, 0, 0)),
         *(part_lse.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-        num_queries, num_tree_keys, head_size, groups, key_cache.shape[1], scale, keys_per_split,
-        HAS_ROW_VALID=row_valid is not None, IEEE_DOT=query.dtype == torch.float32, NUM_SPLITS=num_splits,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_queries,
+        num_tree_keys,
+        head_size,
+        groups,
+        key_cache.shape[1],
+        scale,
+        keys_per_split,
+        HAS_ROW_VALID=row_valid is not None,
+        IEEE_DOT=query.dtype == torch.float32,
+        NUM_SPLITS=num_splits,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
     )
     if num_splits > 1:
         merged = _merge_splits(part_out, part_lse)  # [R, Tq, Hq, Dh]

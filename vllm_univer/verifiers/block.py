@@ -8,8 +8,6 @@ chain), and Y ~ [P~_i p_i - q_i]+ (Y ~ p_g at the leaf).
 
 from __future__ import annotations
 
-import torch
-
 from ..ops import clipped_ratio, continue_prob, gather_tokens
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 

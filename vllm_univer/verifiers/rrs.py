@@ -33,14 +33,17 @@ class RecursiveRejectionVerifier(TreeVerifier):
         p_mass, q_mass = ones, ones
         alphas = []
         for j in range(nodes.tokens.shape[-1]):  # child slots; nodes stay batched
-            xj = nodes.tokens[..., j:j + 1]
+            xj = nodes.tokens[..., j : j + 1]
             exists = xj >= 0
             if j > 0:
                 p_mass, removed_q_mass = replay.masses()
                 q_mass = q_mass if removed_q_mass is None else removed_q_mass
             p_x, q_x = replay.at(xj)
-            alphas.append(clipped_ratio(p_x / torch.where(p_mass > 0, p_mass, 1.0),
-                                        q_x / torch.where(q_mass > 0, q_mass, 1.0)).squeeze(-1))
+            alphas.append(
+                clipped_ratio(
+                    p_x / torch.where(p_mass > 0, p_mass, 1.0), q_x / torch.where(q_mass > 0, q_mass, 1.0)
+                ).squeeze(-1)
+            )
             # The residual is empty only when alpha = 1 (this rejection has probability 0).
             replay.reject(1, torch.where(exists, safe_ratio(p_mass, q_mass), 0.0), xj)
         residual = None

@@ -6,8 +6,6 @@ rejection at v, Y ~ [p_v - q_v]+.
 
 from __future__ import annotations
 
-import torch
-
 from ..ops import clipped_ratio, gather_tokens
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 

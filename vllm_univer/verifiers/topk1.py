@@ -27,7 +27,7 @@ class Topk1Node:
     has_sampled: torch.Tensor  # [B, n, 1] bool
 
     @classmethod
-    def read(cls, nodes: NodeBatch) -> "Topk1Node":
+    def read(cls, nodes: NodeBatch) -> Topk1Node:
         sampled, top = nodes.tokens[..., :1], nodes.tokens[..., 1:]
         q_off = nodes.q.sum(-1, keepdim=True) - gather_tokens(nodes.q, top).sum(-1, keepdim=True)
         has_sampled = (sampled >= 0) & (q_off > 0)

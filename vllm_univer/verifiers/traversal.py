@@ -41,7 +41,7 @@ class TraversalVerifier(TreeVerifier):
         residual = torch.empty_like(nodes.p) if want_residual else None
         child_scales = []
         for j in range(slots):  # child slots; nodes stay batched
-            xj = nodes.tokens[..., j:j + 1]
+            xj = nodes.tokens[..., j : j + 1]
             exists = xj >= 0
             t_x, d_x = replay.at(xj)
             t_safe = torch.where(t_mass > 0, t_mass, 1.0)

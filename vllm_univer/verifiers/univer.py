@@ -41,9 +41,7 @@ class UniVerVerifier(TreeVerifier):
         rho = (scale * p_off_top - carried).clamp(min=0)
         stop = continue_prob(rho, scale).squeeze(-1)
 
-        scale_sampled = clipped_ratio(
-            scale * gather_tokens(nodes.p, node.sampled), node.q_bar_at(nodes, node.sampled)
-        )
+        scale_sampled = clipped_ratio(scale * gather_tokens(nodes.p, node.sampled), node.q_bar_at(nodes, node.sampled))
         room = (1.0 - carried - exclusive_cumsum(top_mass)).clamp(min=0)
         child_scale = torch.cat([scale_sampled, clipped_ratio(top_mass, room)], -1)
         residual = node.residual_rows(nodes, scale) if want_residual else None
