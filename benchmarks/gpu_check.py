@@ -207,15 +207,29 @@ def cuda_median_ms(fn) -> float:
 
 
 def timings(device: torch.device, lines: list[str]) -> None:
-    methods = ("univer", "traversal", "rrsw", "greedy")
+    """verify per call: the fused Triton path (univer, greedy, target_only take it
+    on CUDA) beside the PyTorch node rules of the same methods and the others,
+    against the time it takes to read p and q once at the H200's 4.3 TB/s."""
+    # (column, method, fused): fused None = what verify picks on CUDA.
+    columns = [
+        ("univer", "univer", None),
+        ("univer torch", "univer", False),
+        ("greedy", "greedy", None),
+        ("greedy torch", "greedy", False),
+        ("target_only", "target_only", None),
+        ("traversal", "traversal", None),
+        ("rrsw", "rrsw", None),
+    ]
     lines += [
         "",
         "## verify timings on CUDA (ms, median of 10)",
         "",
-        "| V | B | tree | token chain (same rows) | "
-        + " | ".join(methods)
-        + " | univer / chain per row | univer peak extra / inputs |",
-        "|---" * (6 + len(methods)) + "|",
+        "`torch`: the PyTorch node rules (fused=False); the others as `verify` runs them on CUDA.",
+        "",
+        "| V | B | tree | read p,q once | token chain (same rows) | "
+        + " | ".join(c for c, _, _ in columns)
+        + " | univer / read | univer peak extra / inputs |",
+        "|---" * (7 + len(columns)) + "|",
     ]
 
     run = cuda_median_ms
@@ -225,24 +239,25 @@ def timings(device: torch.device, lines: list[str]) -> None:
             for shape in ("1x5", "2x5", "3x3"):
                 tree = TreeSpec.parse(shape)
                 n1 = tree.num_nodes + 1
+                read_ms = batch * n1 * vocab * 8 / 4.3e12 * 1e3
                 chain = TreeSpec.parse(f"1x{tree.num_nodes}")
                 ct, cp, cq = (x.to(device) for x in make_inputs("token", chain, batch, vocab))
                 t_chain = run(lambda: verify("token", chain, ct, cp, cq, validate=False))
                 del ct, cp, cq
-                row = [vocab, batch, shape, f"{t_chain:.2f}"]
+                row = [vocab, batch, shape, f"{read_ms:.3f}", f"{t_chain:.2f}"]
                 univer_ms, peak = None, None
-                for method in methods:
+                for column, method, fused in columns:
                     tokens, p, q = (x.to(device) for x in make_inputs(method, tree, batch, vocab))
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
-                    ms = run(lambda: verify(method, tree, tokens, p, q, validate=False))
-                    if method == "univer":
+                    ms = run(lambda: verify(method, tree, tokens, p, q, validate=False, fused=fused))
+                    if column == "univer":
                         univer_ms = ms
                         peak = (torch.cuda.max_memory_allocated() - base) / (p.numel() + q.numel()) / 4
-                    row.append(f"{ms:.2f}")
+                    row.append(f"{ms:.3f}")
                     del tokens, p, q
-                row += [f"{univer_ms / n1 / (t_chain / (tree.num_nodes + 1)):.2f}", f"{peak:.2f}"]
+                row += [f"{univer_ms / read_ms:.1f}", f"{peak:.2f}"]
                 lines.append("| " + " | ".join(str(x) for x in row) + " |")
                 print(lines[-1], flush=True)
 

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .fused_tree_pass import FUSED_METHODS, fused_allocate, fused_available, fused_next_token
 from .inverse_cdf import sample_from_weights
 from .ops import normalize
 from .tree import TreeSpec
-from .tree_pass import allocate, decide_descent, decide_postorder, end_node_law, node_residuals
+from .tree_pass import allocate, decide_descent, decide_postorder, end_node_law, finish_stop, node_residuals
 from .validation import check_inputs
 from .verifiers import Family, get_verifier
 
@@ -42,6 +43,7 @@ def verify(
     generator: torch.Generator | None = None,
     greedy: torch.Tensor | None = None,
     validate: bool = True,
+    fused: bool | None = None,
 ) -> VerifyOutput:
     """Verify a batch of draft trees: sample the accepted path and the next token.
 
@@ -60,6 +62,9 @@ def verify(
             Y = argmax p.
         validate: check the inputs (one host sync); engines that already
             guarantee well-formed inputs may skip it.
+        fused: run univer / greedy / target_only as Triton kernels, one launch
+            per depth level plus one for the next token (``fused_tree_pass``;
+            the same law). None: on CUDA when Triton is there.
 
     The law of (path, Y) is exactly ``outcome_law``; averaged over the draft
     scheme's trees it is the target's law (lossless). Runs on the inputs' device
@@ -72,27 +77,40 @@ def verify(
     verifier = get_verifier(method)
     if validate:
         check_inputs(verifier, tree, draft_token_ids, target_probs, draft_probs, greedy)
+    if fused is None:
+        fused = fused_available(method, target_probs, draft_probs)
+    elif fused and method not in FUSED_METHODS:
+        raise ValueError(f"no fused kernels for {method!r}; they exist for {', '.join(FUSED_METHODS)}")
     device = target_probs.device
     tt = tree.on(device)
     dtype = _work_dtype(target_probs)
     tokens = draft_token_ids.long()
-    p = target_probs.to(dtype)
-    q = draft_probs.to(dtype)
+    # The kernels read any float dtype in place; the PyTorch rules work in dtype.
+    p = target_probs if fused else target_probs.to(dtype)
+    q = draft_probs if fused else draft_probs.to(dtype)
     batch = tokens.shape[0]
 
-    weight, stop = allocate(verifier, tt, tokens, p, q)
+    if fused:
+        weight, stop, q_bar_scale = fused_allocate(verifier, tt, tokens, p, q, dtype)
+        if verifier.family is Family.POSTORDER:
+            stop = finish_stop(tt, tokens, weight, stop)
+    else:
+        weight, stop = allocate(verifier, tt, tokens, p, q)
     uniforms = torch.rand(batch, tree.num_nodes + 1, generator=generator, device=device, dtype=dtype)
     if verifier.family is Family.POSTORDER:
         end = decide_postorder(tt, stop, uniforms)
     else:
         end = decide_descent(tt, weight, uniforms, tree.max_depth)
 
-    residual = node_residuals(verifier, tt, tokens, p, q, weight, end.unsqueeze(-1)).squeeze(1)
-    p_end = p.gather(1, end.view(-1, 1, 1).expand(-1, 1, p.shape[-1])).squeeze(1)
-    # An empty residual at the end node has probability 0 in exact arithmetic;
-    # fall back to p_end so rounding can never produce an arbitrary token.
-    empty = residual.sum(-1, keepdim=True) <= 0
-    next_token = sample_from_weights(torch.where(empty, p_end, residual), generator)
+    if fused:
+        next_token = fused_next_token(verifier, tt, tokens, p, q, end, weight, q_bar_scale, generator)
+    else:
+        residual = node_residuals(verifier, tt, tokens, p, q, weight, end.unsqueeze(-1)).squeeze(1)
+        p_end = p.gather(1, end.view(-1, 1, 1).expand(-1, 1, p.shape[-1])).squeeze(1)
+        # An empty residual at the end node has probability 0 in exact arithmetic;
+        # fall back to p_end so rounding can never produce an arbitrary token.
+        empty = residual.sum(-1, keepdim=True) <= 0
+        next_token = sample_from_weights(torch.where(empty, p_end, residual), generator)
 
     if greedy is not None:
         greedy_end, greedy_next = _argmax_matching(tt, tokens, p.argmax(-1), tree.max_depth)

@@ -58,12 +58,16 @@ def allocate(
         weight[:, level.kid_ids] = child_w.flatten(1)[:, level.kid_pos]
         if postorder:
             stop[:, nodes] = out.stop_prob
-    if postorder:
-        # A leaf stops with its entry scale; a missing node has scale 0.
-        stop = torch.where(tt.is_internal, stop, weight)
-        stop = torch.where(tokens >= 0, stop, torch.zeros_like(stop))
-        stop[:, 0] = 1.0  # the root always qualifies once reached
-    return weight, stop
+    return weight, finish_stop(tt, tokens, weight, stop) if postorder else None
+
+
+def finish_stop(tt: _TreeTensors, tokens: torch.Tensor, weight: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """POSTORDER stop probabilities of every node from those of the internal nodes
+    [B, N+1]: a leaf stops with its entry scale, a missing node never, the root always."""
+    stop = torch.where(tt.is_internal, stop, weight)
+    stop = torch.where(tokens >= 0, stop, torch.zeros_like(stop))
+    stop[:, 0] = 1.0  # the root always qualifies once reached
+    return stop
 
 
 def decide_postorder(tt: _TreeTensors, stop: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,167 @@
+"""The fused (Triton) path of ``verify`` for univer, greedy and target_only
+equals the PyTorch node rules: run by Triton's interpreter on CPU, in a
+subprocess (TRITON_INTERPRET must be set before Triton is imported).
+
+* the law of the end node that the fused node weights and stop probabilities
+  give (through the shared ``decide_*``: ``end_node_law``) equals the PyTorch
+  rules' to 1e-12 in float64, and to float32 rounding for float32 and bfloat16
+  rows (weights themselves may differ where a rule is 0/0-conditioned, e.g.
+  q = p, only on events of probability ~1e-16);
+* the next token drawn at a given end node with a given uniform is the inverse
+  CDF of that node's exact residual law (``outcome_law``), checked on a grid of
+  uniforms away from the CDF's steps (nodes whose residual mass is below 1e-9,
+  where rounding decides emptiness, skipped), and an empty residual falls back
+  to p;
+* ``verify(fused=True)`` returns well-formed outputs whose greedy rows equal
+  argmax matching.
+
+On a GPU, ``benchmarks/gpu_check.py`` samples ``verify`` (which takes this path
+there) against ``outcome_law``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECK = textwrap.dedent("""
+    import torch
+    from vllm_univer import TreeSpec, outcome_law, verify
+    from vllm_univer.fused_tree_pass import fused_allocate, fused_next_token
+    from vllm_univer.tree_pass import allocate, end_node_law, finish_stop, node_residuals
+    from vllm_univer.verifiers import Family, get_verifier
+
+    gen = torch.Generator().manual_seed(0)
+    IRREGULAR = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
+
+    def rows(batch, n1, vocab, zeros):
+        x = torch.softmax(torch.randn(batch, n1, vocab, generator=gen, dtype=torch.float64) * 2, -1)
+        if zeros:
+            x[..., : vocab // 3] = 0
+            x[:, 1, :] = 1.0  # ties
+        return x / x.sum(-1, keepdim=True)
+
+    def draft_tokens(tree, batch, vocab, distinct=True):
+        # topk1 trees have distinct siblings (the sampled token is off the top set);
+        # target_only takes any scheme, repeats included.
+        tokens = torch.randint(0, vocab, (batch, tree.num_nodes + 1), generator=gen)
+        for parent in range(tree.num_nodes + 1):
+            kids = tree.children[parent][tree.children[parent] >= 0]
+            if distinct and len(kids):
+                tokens[:, kids] = torch.stack([torch.randperm(vocab, generator=gen)[: len(kids)] for _ in range(batch)])
+        gone = torch.rand(batch, tree.num_nodes + 1, generator=gen) < 0.15
+        gone[:, 0] = False
+        for node in range(1, tree.num_nodes + 1):  # breadth-first: parents first
+            gone[:, node] |= gone[:, int(tree.parent[node])]
+        return tokens.masked_fill(gone, -1)
+
+    def check_case(method, spec, vocab, zeros, dtype):
+        tree = TreeSpec.parse(spec)
+        tt = tree.on(torch.device("cpu"))
+        verifier = get_verifier(method)
+        batch, n1 = 6, tree.num_nodes + 1
+        p, q = rows(batch, n1, vocab, zeros), rows(batch, n1, vocab, not zeros)
+        if method != "target_only":
+            q[0] = p[0]  # q = p: empty residuals at internal nodes
+        tokens = draft_tokens(tree, batch, vocab, distinct=method != "target_only")
+        w_ref, s_ref = allocate(verifier, tt, tokens, p.to(dtype).double(), q.to(dtype).double())
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        w, s, q_bar_scale = fused_allocate(verifier, tt, tokens, p.to(dtype), q.to(dtype), work)
+        tol = 1e-12 if dtype == torch.float64 else 2e-5
+        if verifier.family is Family.POSTORDER:
+            s = finish_stop(tt, tokens, w, s).double()
+        else:
+            s = None
+        law_ref, law_fused = end_node_law(verifier, tt, w_ref, s_ref), end_node_law(verifier, tt, w.double(), s)
+        assert torch.allclose(law_fused, law_ref, atol=tol), (method, spec, (law_fused - law_ref).abs().max())
+        assert torch.allclose(law_ref.sum(-1), torch.ones(batch, dtype=torch.float64))
+        if dtype != torch.float64:
+            return
+        all_nodes = torch.arange(n1).expand(batch, -1)
+        mass = node_residuals(verifier, tt, tokens, p, q, w_ref, all_nodes).sum(-1)  # [B, N+1]
+        # Y at every existing node, on a grid of uniforms, against the exact residual law.
+        law = outcome_law(method, tree, tokens, p, q)  # [B, N+1, V]
+        grid = torch.linspace(0.0005, 0.9995, 41, dtype=torch.float64)
+        for node in range(n1):
+            exists = (tokens[:, node] >= 0) | (node == 0)
+            for b in torch.nonzero(exists).flatten().tolist():
+                y_law = law[b, node]
+                if y_law.sum() <= 0 or mass[b, node] < 1e-9:
+                    continue  # never reached, or rounding decides whether the residual is empty
+                cdf = (y_law / y_law.sum()).cumsum(0)
+                far = (cdf.unsqueeze(0) - grid.unsqueeze(1)).abs().min(1).values > 1e-9
+                us = grid[far]
+                k = us.numel()
+                expected = torch.searchsorted(cdf, us, right=True).clamp(max=vocab - 1)
+                # Rows of request b repeated k times; one uniform each (the generator's draws replaced).
+                end = torch.full((k,), node)
+                sel = [b] * k
+                got = _draw_with(verifier, tt, tokens[sel], p[sel], q[sel], end, w[sel], q_bar_scale[sel], us)
+                assert torch.equal(got, expected), (method, spec, node, b, got, expected)
+
+    def _draw_with(verifier, tt, tokens, p, q, end, weight, q_bar_scale, uniforms):
+        from vllm_univer.kernels.triton_topk1_verify import residual_draw
+        from vllm_univer.verifiers import Family
+        scale = weight if verifier.family is Family.POSTORDER else torch.ones_like(weight)
+        return residual_draw(verifier.name, p, q, tokens, tt.children, end, scale, q_bar_scale, uniforms)
+
+    # An exactly empty residual draws from p: target_only's children cover p's support.
+    tree = TreeSpec.parse("2x1")
+    tt = tree.on(torch.device("cpu"))
+    target_only = get_verifier("target_only")
+    p = torch.zeros(1, 3, 6, dtype=torch.float64)
+    p[..., 2], p[..., 4] = 0.25, 0.75
+    tokens = torch.tensor([[-1, 4, 2]])
+    w, _, q_bar_scale = fused_allocate(target_only, tt, tokens, p, p, torch.float64)
+    us = torch.tensor([0.1, 0.3, 0.9], dtype=torch.float64)
+    p3 = p.expand(3, -1, -1)
+    root = torch.zeros(3, dtype=torch.long)
+    w3, scale3 = w.expand(3, -1), q_bar_scale.expand(3, -1)
+    got = _draw_with(target_only, tt, tokens.expand(3, -1), p3, p3, root, w3, scale3, us)
+    assert got.tolist() == [2, 4, 4], got
+
+    for method in ("univer", "greedy", "target_only"):
+        for spec in ("2x2", "3x2", "1x3", IRREGULAR):
+            for zeros in (False, True):
+                check_case(method, spec, 7, zeros, torch.float64)
+        check_case(method, "2x2", 5000, False, torch.float64)  # two vocabulary blocks
+        check_case(method, "2x3", 300, False, torch.float32)
+        check_case(method, "2x3", 300, True, torch.bfloat16)
+
+    # verify(fused=True): outputs well formed; greedy rows are argmax matching.
+    tree = TreeSpec.parse("2x3")
+    p, q = rows(8, tree.num_nodes + 1, 50, False), rows(8, tree.num_nodes + 1, 50, False)
+    tokens = draft_tokens(tree, 8, 50)
+    greedy = torch.arange(8) % 2 == 0
+    for method in ("univer", "greedy", "target_only"):
+        fused = verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(3), greedy=greedy,
+                       fused=True)
+        plain = verify(method, tree, tokens, p, q, greedy=greedy, fused=False)
+        assert torch.equal(fused.output_token_ids[greedy], plain.output_token_ids[greedy])
+        depth = fused.num_accepted
+        assert ((fused.output_token_ids >= 0).sum(1) == depth + 1).all()
+    print("FUSED OK")
+""")
+
+
+def test_fused_topk1_verify_equals_the_node_rules_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=1800)
+    assert proc.returncode == 0 and "FUSED OK" in proc.stdout, proc.stderr[-5000:]
+
+
+def test_fused_path_refuses_methods_without_kernels():
+    import torch
+
+    from vllm_univer import TreeSpec, verify
+
+    tree = TreeSpec.parse("2x2")
+    p = torch.full((1, 7, 4), 0.25)
+    with pytest.raises(ValueError, match="no fused kernels for 'traversal'"):
+        verify("traversal", tree, torch.zeros(1, 7, dtype=torch.long), p, p, fused=True)

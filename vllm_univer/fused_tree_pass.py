@@ -1,0 +1,68 @@
+"""``verify`` for univer, greedy and target_only in a few fused launches (Triton):
+one per depth level for the node rules, one for the next token
+(``kernels/triton_topk1_verify.py``). Same laws as the PyTorch node rules of
+``tree_pass`` (tested against them and against ``outcome_law`` in Triton's
+interpreter); ``verify`` takes this path on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tree import _TreeTensors
+from .verifiers import Family, TreeVerifier
+
+FUSED_METHODS = ("univer", "greedy", "target_only")
+
+
+def fused_available(method: str, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> bool:
+    """The fused path serves ``method`` for these rows: CUDA, Triton importable,
+    the vocabulary dimension contiguous."""
+    if method not in FUSED_METHODS or not target_probs.is_cuda:
+        return False
+    if target_probs.stride(-1) != 1 or draft_probs.stride(-1) != 1:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fused_allocate(
+    verifier: TreeVerifier, tt: _TreeTensors, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tree_pass.allocate`` in one launch per level. tokens [B, N+1] int64; p, q
+    [B, N+1, V] (any float dtype) -> weight [B, N+1] and stop [B, N+1] (``dtype``;
+    stop is all zeros for DESCENT rules) and q_bar_scale [B, N+1] float64
+    (1 / q(off T) of nodes with a sampled child, else 0) for ``fused_next_token``."""
+    from .kernels.triton_topk1_verify import topk1_level
+
+    batch, n1, _ = p.shape
+    weight = torch.zeros(batch, n1, dtype=dtype, device=p.device)
+    weight[:, 0] = 1.0
+    stop = torch.zeros_like(weight)
+    q_bar_scale = torch.zeros(batch, n1, dtype=torch.float64, device=p.device)
+    for level in tt.levels:  # a level's scales need its parents'
+        topk1_level(verifier.name, p, q, tokens, level.nodes, tt.children, weight, stop, q_bar_scale)
+    return weight, stop, q_bar_scale
+
+
+def fused_next_token(
+    verifier: TreeVerifier,
+    tt: _TreeTensors,
+    tokens: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    end: torch.Tensor,
+    weight: torch.Tensor,
+    q_bar_scale: torch.Tensor,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Y [B] drawn from the residual row of each request's end node [B] (p at the
+    end node where that row is empty, as ``verify`` does)."""
+    from .kernels.triton_topk1_verify import residual_draw
+
+    uniforms = torch.rand(p.shape[0], generator=generator, device=p.device, dtype=torch.float64)
+    scale = weight if verifier.family is Family.POSTORDER else torch.ones_like(weight)
+    return residual_draw(verifier.name, p, q, tokens, tt.children, end, scale, q_bar_scale, uniforms)

@@ -1,0 +1,286 @@
+"""Triton kernels: the node rules of the ``topk1`` verifiers (univer, greedy) and
+of target_only, one launch per depth level, and the draw of the next token from
+the end node's residual, one launch per step (the CUDA path of ``verify``).
+
+The PyTorch node rules (``verifiers/univer.py``, ``greedy.py``,
+``target_only.py``) issue ~100 small ATen ops per level, each a kernel launch on
+CUDA: a 2x5 tree took 5.4 ms per ``verify`` on an H200 whatever the batch.
+Here one program per (request, node of the level) reads the node's p and q rows
+and does the whole rule:
+
+    pass 1   sum p, sum q                                   (target_only: sum p)
+    pass 2   F' = sum_y min(q(y), P~ q(off T) p(y))          (univer, greedy)
+    then     the rule's O(C) arithmetic on the child slots, exactly as the
+             PyTorch rule writes it (same formulas, float64 accumulation),
+
+and writes each child's weight (P~ for univer, alpha for the DESCENT rules),
+the node's stop probability h (univer) and the factor 1 / q(off T) that turns q
+into q_bar (0 when the node has no sampled child) for the residual draw.
+
+The next token: one program per request walks the end node's residual row
+three times (its mass and p's, then an inverse-CDF search in float64 block
+sums), never writing a [B, V] row.
+
+Tensors: p, q [B, N+1, V] (last dim contiguous; float32, bfloat16 or float64);
+tokens [B, N+1] int64 (-1: missing); children [N+1, C] int64 (-1 padded).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+UNIVER, GREEDY, TARGET_ONLY = 0, 1, 2
+RULES = {"univer": UNIVER, "greedy": GREEDY, "target_only": TARGET_ONLY}
+
+
+@triton.jit
+def _clipped_ratio(num, den):
+    # min(1, num / den) for num, den >= 0, with x/0 = 1 for x > 0 and 0/0 = 0 (ops.clipped_ratio).
+    safe = tl.where(den > 0, den, 1.0)
+    ratio = tl.where(den > 0, num / safe, tl.where(num > 0, 1.0, 0.0))
+    return tl.minimum(ratio, 1.0)
+
+
+@triton.jit
+def _topk1_level_kernel(
+    p_ptr,
+    q_ptr,
+    tokens_ptr,
+    nodes_ptr,
+    children_ptr,
+    weight_ptr,  # [B, N+1] work dtype: read (univer: P~ of the node), written (children)
+    stop_ptr,  # [B, N+1] work dtype: h of the node (univer)
+    q_bar_scale_ptr,  # [B, N+1] float64: 1 / q(off T), 0 without a sampled child
+    stride_pb,
+    stride_pn,
+    stride_qb,
+    stride_qn,
+    stride_tb,
+    stride_cn,
+    stride_wb,
+    vocab,
+    num_slots,
+    RULE: tl.constexpr,
+    SLOTS: tl.constexpr,  # num_slots rounded up to a power of 2
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    node = tl.load(nodes_ptr + tl.program_id(1))
+    p_row = p_ptr + b * stride_pb + node * stride_pn
+    q_row = q_ptr + b * stride_qb + node * stride_qn
+
+    slot = tl.arange(0, SLOTS)
+    kid = tl.load(children_ptr + node * stride_cn + slot, mask=slot < num_slots, other=-1)
+    tok = tl.load(tokens_ptr + b * stride_tb + tl.maximum(kid, 0), mask=kid >= 0, other=-1)
+    has_tok = tok >= 0
+    p_tok = tl.load(p_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
+
+    offs = tl.arange(0, BLOCK_V)
+    p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    q_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    for start in range(0, vocab, BLOCK_V):
+        inside = start + offs < vocab
+        p_acc += tl.load(p_row + start + offs, mask=inside, other=0.0).to(tl.float64)
+        if RULE != TARGET_ONLY:
+            q_acc += tl.load(q_row + start + offs, mask=inside, other=0.0).to(tl.float64)
+    p_sum = tl.sum(p_acc, axis=0)
+
+    if RULE == TARGET_ONLY:
+        # alpha_j = p(x_j) / (sum p - p of the distinct earlier tokens); a repeat gets 0.
+        earlier = (tok[:, None] == tok[None, :]) & (slot[None, :] < slot[:, None])
+        first = has_tok & (tl.max(earlier.to(tl.int32), axis=1) == 0)
+        mass = tl.where(first, p_tok, 0.0)
+        child = _clipped_ratio(mass, tl.maximum(p_sum - (tl.cumsum(mass, axis=0) - mass), 0.0))
+    else:
+        # Topk1Node.read: slot 0 the sampled child r ~ q_bar, slots 1.. the top set T.
+        q_tok = tl.load(q_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
+        on_top = has_tok & (slot >= 1)
+        q_off = tl.sum(q_acc, axis=0) - tl.sum(tl.where(on_top, q_tok, 0.0), axis=0)
+        r_tok = tl.sum(tl.where(slot == 0, tok, 0), axis=0)
+        p_r = tl.sum(tl.where(slot == 0, p_tok, 0.0), axis=0)
+        q_r = tl.sum(tl.where(slot == 0, q_tok, 0.0), axis=0)
+        has_sampled = (r_tok >= 0) & (q_off > 0)
+        q_off = tl.where(has_sampled, q_off, 1.0)
+        if RULE == UNIVER:
+            scale = tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
+        else:
+            scale = tl.full((), 1.0, tl.float64)
+        # F = sum_{y not in T} min(q_bar(y), scale p(y)) = (sum_y min(q, scale q_off p) - on T) / q_off
+        factor = scale * q_off
+        full = tl.zeros([BLOCK_V], dtype=tl.float64)
+        for start in range(0, vocab, BLOCK_V):
+            inside = start + offs < vocab
+            p_blk = tl.load(p_row + start + offs, mask=inside, other=0.0).to(tl.float64)
+            q_blk = tl.load(q_row + start + offs, mask=inside, other=0.0).to(tl.float64)
+            full += tl.minimum(q_blk, p_blk * factor)
+        top_min = tl.sum(tl.where(on_top, tl.minimum(q_tok, p_tok * factor), 0.0), axis=0)
+        carried = tl.maximum((tl.sum(full, axis=0) - top_min) / q_off, 0.0)
+        carried = tl.where(has_sampled, carried, 0.0)
+        q_bar_r = tl.where(has_sampled, q_r / q_off, 0.0)
+        p_top = tl.where(on_top, p_tok, 0.0)
+        if RULE == UNIVER:
+            top_mass = scale * p_top
+            rho = tl.maximum(scale * (p_sum - tl.sum(p_top, axis=0)) - carried, 0.0)
+            den = rho + (1.0 - scale)  # ops.continue_prob
+            stop = tl.where(den > 0, rho / tl.where(den > 0, den, 1.0), 1.0)
+            stop = tl.minimum(tl.maximum(stop, 0.0), 1.0)
+            tl.store(stop_ptr + b * stride_wb + node, stop.to(stop_ptr.dtype.element_ty))
+            room = tl.maximum(1.0 - carried - (tl.cumsum(top_mass, axis=0) - top_mass), 0.0)
+            child = tl.where(slot == 0, _clipped_ratio(scale * p_r, q_bar_r), _clipped_ratio(top_mass, room))
+        else:  # GREEDY
+            g_total = p_sum - carried
+            room = tl.maximum(g_total - (tl.cumsum(p_top, axis=0) - p_top), 0.0)
+            child = tl.where(slot == 0, _clipped_ratio(p_r, q_bar_r), _clipped_ratio(p_top, room))
+        q_bar_scale = tl.where(has_sampled, 1.0 / q_off, 0.0)
+        tl.store(q_bar_scale_ptr + b * stride_wb + node, q_bar_scale)
+    child = tl.where(has_tok, child, 0.0)
+    tl.store(weight_ptr + b * stride_wb + kid, child.to(weight_ptr.dtype.element_ty), mask=kid >= 0)
+
+
+@triton.jit
+def _residual_weight(p_blk, q_blk, in_set, scale, q_bar_scale, RULE: tl.constexpr):
+    # The unnormalised law of Y at the end node (the rules' residual rows).
+    if RULE == TARGET_ONLY:
+        res = p_blk  # p with every child token removed
+    else:
+        res = tl.maximum(scale * p_blk - q_blk * q_bar_scale, 0.0)  # [P~ p - q_bar]+ off T
+    return tl.where(in_set, 0.0, res)
+
+
+@triton.jit
+def _residual_draw_kernel(
+    p_ptr,
+    q_ptr,
+    tokens_ptr,
+    children_ptr,
+    end_ptr,  # [B] int64
+    weight_ptr,  # [B, N+1]: P~ (univer)
+    q_bar_scale_ptr,  # [B, N+1] float64
+    uniform_ptr,  # [B] float64
+    out_ptr,  # [B] int64
+    stride_pb,
+    stride_pn,
+    stride_qb,
+    stride_qn,
+    stride_tb,
+    stride_cn,
+    stride_wb,
+    vocab,
+    num_slots,
+    RULE: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    node = tl.load(end_ptr + b)
+    p_row = p_ptr + b * stride_pb + node * stride_pn
+    q_row = q_ptr + b * stride_qb + node * stride_qn
+    slot = tl.arange(0, SLOTS)
+    kid = tl.load(children_ptr + node * stride_cn + slot, mask=slot < num_slots, other=-1)
+    tok = tl.load(tokens_ptr + b * stride_tb + tl.maximum(kid, 0), mask=kid >= 0, other=-1)
+    if RULE != TARGET_ONLY:
+        tok = tl.where(slot >= 1, tok, -1)  # only the top set T is removed; the sampled token stays
+    if RULE == UNIVER:
+        scale = tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
+    else:
+        scale = tl.full((), 1.0, tl.float64)
+    q_bar_scale = tl.load(q_bar_scale_ptr + b * stride_wb + node)
+
+    offs = tl.arange(0, BLOCK_V)
+    res_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + offs
+        inside = idx < vocab
+        p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
+        q_blk = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+        in_set = tl.max((idx[:, None] == tok[None, :]).to(tl.int32), axis=1) > 0
+        res_acc += _residual_weight(p_blk, q_blk, in_set, scale, q_bar_scale, RULE)
+        p_acc += p_blk
+    res_total = tl.sum(res_acc, axis=0)
+    # An empty residual has probability 0 in exact arithmetic; draw from p then (as verify does).
+    use_p = res_total <= 0
+    total = tl.where(use_p, tl.sum(p_acc, axis=0), res_total)
+    target = tl.load(uniform_ptr + b) * total
+
+    # Inverse CDF: the first token whose running mass exceeds the target; the
+    # block totals are summed in the same order as above, so the last block
+    # always holds it (its last positive token if rounding inside a block says otherwise).
+    running = tl.zeros((), dtype=tl.float64)
+    found = tl.zeros((), dtype=tl.int32)
+    choice = tl.zeros((), dtype=tl.int64)
+    last_positive = tl.zeros((), dtype=tl.int64)
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + offs
+        inside = idx < vocab
+        p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
+        q_blk = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+        in_set = tl.max((idx[:, None] == tok[None, :]).to(tl.int32), axis=1) > 0
+        w = tl.where(use_p, p_blk, _residual_weight(p_blk, q_blk, in_set, scale, q_bar_scale, RULE))
+        block_total = tl.sum(w, axis=0)
+        crosses = (running + tl.cumsum(w, axis=0) > target) & (w > 0)
+        first = tl.min(tl.where(crosses, idx, vocab), axis=0)
+        positive_here = tl.max(tl.where(w > 0, idx, -1), axis=0)
+        last_positive = tl.where(positive_here >= 0, positive_here.to(tl.int64), last_positive)
+        block_holds = (found == 0) & (running + block_total > target)
+        pick = tl.where(first < vocab, first.to(tl.int64), last_positive)
+        choice = tl.where(block_holds, pick, choice)
+        found = tl.where(block_holds, 1, found)
+        running += block_total
+    choice = tl.where(found == 1, choice, last_positive)
+    tl.store(out_ptr + b, choice)
+
+
+def _launch_shape(num_slots: int, vocab: int) -> tuple[int, int]:
+    return triton.next_power_of_2(max(num_slots, 2)), min(4096, triton.next_power_of_2(vocab))
+
+
+def topk1_level(
+    rule: str,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    tokens: torch.Tensor,
+    nodes: torch.Tensor,
+    children: torch.Tensor,
+    weight: torch.Tensor,
+    stop: torch.Tensor,
+    q_bar_scale: torch.Tensor,
+) -> None:
+    """The node rule at ``nodes`` [n] (one depth level) of every request, in place:
+    children's weights into ``weight`` [B, N+1], h into ``stop`` (univer) and
+    1 / q(off T) into ``q_bar_scale`` [B, N+1] float64."""
+    batch, _, vocab = p.shape
+    slots, block_v = _launch_shape(children.shape[1], vocab)
+    _topk1_level_kernel[(batch, nodes.numel())](
+        p, q, tokens, nodes, children, weight, stop, q_bar_scale,
+        p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0), weight.stride(0),
+        vocab, children.shape[1],
+        RULE=RULES[rule], SLOTS=slots, BLOCK_V=block_v,
+    )  # fmt: skip
+
+
+def residual_draw(
+    rule: str,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    tokens: torch.Tensor,
+    children: torch.Tensor,
+    end: torch.Tensor,
+    weight: torch.Tensor,
+    q_bar_scale: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """Next token [B] int64 drawn from the end node's residual row (``uniforms``
+    [B] float64 in [0, 1))."""
+    batch, _, vocab = p.shape
+    slots, block_v = _launch_shape(children.shape[1], vocab)
+    out = torch.empty(batch, dtype=torch.long, device=p.device)
+    _residual_draw_kernel[(batch,)](
+        p, q, tokens, children, end, weight, q_bar_scale, uniforms, out,
+        p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0), weight.stride(0),
+        vocab, children.shape[1],
+        RULE=RULES[rule], SLOTS=slots, BLOCK_V=block_v,
+    )  # fmt: skip
+    return out
