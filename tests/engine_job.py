@@ -6,7 +6,7 @@ next test. Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one
 after another.
 
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
-"params": [{...SamplingParams kwargs}, ...]}], "margins": bool}]}. A prompt is a
+"params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool}]}. A prompt is a
 string or a list of token ids. Result (the last stdout line, after ``RESULT``):
 per engine {"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs":
 [[{token: logprob}]] per output, when asked for, "margins" and "top2" with
@@ -75,6 +75,11 @@ def _op_counts(worker) -> dict:
     return univer.timers.op_counts() if univer is not None else {}
 
 
+def _sizer_summary(worker) -> dict:
+    univer = getattr(worker.model_runner, "univer", None)
+    return univer.sizer.summary() if univer is not None and univer.sizer is not None else {}
+
+
 def _sampling_params(kwargs: dict):
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
@@ -122,6 +127,8 @@ def _run_engine(engine: dict) -> dict:
         except Exception as exc:  # noqa: BLE001
             calls.append({"error": f"{type(exc).__name__}: {exc}"})
     result = {"calls": calls, "spec": _spec_counters(llm)}
+    if engine.get("sizer"):  # tree "auto": the depths it chose and what it learnt
+        result["sizer"] = llm.collective_rpc(_sizer_summary)[0]
     if os.environ.get("VLLM_UNIVER_OP_COUNTS") == "1":  # set by the test that wants them
         result["op_counts"] = llm.collective_rpc(_op_counts)[0]
     del llm

@@ -1,6 +1,11 @@
 """The user-facing ``--speculative-config`` fields of ``method: "univer"``.
 
     {"method": "univer", "model": DRAFT, "tree": "2x5", "verifier": "univer"}
+    {"method": "univer", "model": DRAFT, "tree": "auto", "max_tree": "2x5"}
+
+``"tree": "auto"`` drafts, each step, the depth cut of ``max_tree`` (default
+``DEFAULT_TREE``; 0 = no speculation) that the measured cost and acceptance
+models expect to give the most tokens per second (``vllm_univer.sizing``).
 
 Validated with pydantic before vLLM sees anything, so a bad tree or verifier
 fails at config time with a message that names the field. No vLLM import here.
@@ -18,6 +23,7 @@ from ..verifiers import METHODS, get_verifier
 METHOD_NAME = "univer"
 DEFAULT_TREE = "2x5"
 DEFAULT_VERIFIER = "univer"
+AUTO_TREE = "auto"
 
 
 class UniverConfig(BaseModel):
@@ -27,6 +33,7 @@ class UniverConfig(BaseModel):
 
     tree: str | list[list[int]] = DEFAULT_TREE
     verifier: str = DEFAULT_VERIFIER
+    max_tree: str | list[list[int]] | None = None
 
     @field_validator("verifier")
     @classmethod
@@ -37,11 +44,21 @@ class UniverConfig(BaseModel):
     @field_validator("tree")
     @classmethod
     def _valid_tree(cls, value):
-        TreeSpec.parse(value)  # ValueError saying what is malformed
+        if value != AUTO_TREE:
+            TreeSpec.parse(value)  # ValueError saying what is malformed
+        return value
+
+    @field_validator("max_tree")
+    @classmethod
+    def _valid_max_tree(cls, value):
+        if value is not None:
+            TreeSpec.parse(value)
         return value
 
     @model_validator(mode="after")
     def _tree_fits_verifier(self) -> UniverConfig:
+        if self.max_tree is not None and not self.auto:
+            raise ValueError(f"max_tree applies to tree 'auto' (got tree {self.tree!r}); drop one of them")
         verifier = get_verifier(self.verifier)
         if verifier.chain_only and not self.tree_spec.is_chain:
             raise ValueError(
@@ -51,7 +68,14 @@ class UniverConfig(BaseModel):
         return self
 
     @property
+    def auto(self) -> bool:
+        return self.tree == AUTO_TREE
+
+    @property
     def tree_spec(self) -> TreeSpec:
+        """The tree drafted (with ``auto``: the largest, cut per step)."""
+        if self.auto:
+            return TreeSpec.parse(self.max_tree if self.max_tree is not None else DEFAULT_TREE)
         return TreeSpec.parse(self.tree)
 
     @property
@@ -64,7 +88,7 @@ class UniverConfig(BaseModel):
 
 
 # Keys of the user's dict that belong to us, not to vLLM's SpeculativeConfig.
-OWN_KEYS = ("tree", "verifier")
+OWN_KEYS = ("tree", "verifier", "max_tree")
 
 
 def split_user_config(spec: dict[str, Any]) -> tuple[UniverConfig, dict[str, Any]]:
@@ -90,4 +114,12 @@ def split_user_config(spec: dict[str, Any]) -> tuple[UniverConfig, dict[str, Any
     return ours, theirs
 
 
-__all__ = ["DEFAULT_TREE", "DEFAULT_VERIFIER", "METHOD_NAME", "METHODS", "UniverConfig", "split_user_config"]
+__all__ = [
+    "AUTO_TREE",
+    "DEFAULT_TREE",
+    "DEFAULT_VERIFIER",
+    "METHOD_NAME",
+    "METHODS",
+    "UniverConfig",
+    "split_user_config",
+]

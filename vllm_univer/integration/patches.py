@@ -274,7 +274,8 @@ def patch_proposer_dummy_run() -> None:
             if not is_univer(spec):
                 return original(self, *args, **kwargs)
             num_nodes = self.num_speculative_tokens
-            self.num_speculative_tokens = spec.univer.tree_spec.max_depth  # the forward count it loops over
+            # The forward count it loops over (``TreeSizer`` times a single forward).
+            self.num_speculative_tokens = getattr(self, "univer_forwards", None) or spec.univer.tree_spec.max_depth
             try:
                 return original(self, *args, **kwargs)
             finally:
@@ -283,6 +284,28 @@ def patch_proposer_dummy_run() -> None:
         return dummy_run
 
     _wraps_once(SpecDecodeBaseProposer, "dummy_run", make)
+
+
+def patch_worker_warm_up() -> None:
+    """``Worker.compile_or_warm_up_model`` (GPU) and ``CPUWorker``'s own: after
+    vLLM's warm-up, ``tree: auto`` times the target's and the draft's forwards
+    (``TreeRunner.calibrate``), so the server is calibrated before it answers."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    def make(original):
+        def compile_or_warm_up_model(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            tree_runner = getattr(self.model_runner, "univer", None)
+            if tree_runner is not None:
+                tree_runner.calibrate()
+            return result
+
+        return compile_or_warm_up_model
+
+    for worker in (Worker, CPUWorker):
+        if "compile_or_warm_up_model" in worker.__dict__:
+            _wraps_once(worker, "compile_or_warm_up_model", make)
 
 
 def patch_cpu_expand_kernel() -> None:
@@ -322,5 +345,6 @@ ALL_PATCHES = (
     patch_sampling_params_validate_spec_decode,
     patch_structured_output_manager,
     patch_proposer_dummy_run,
+    patch_worker_warm_up,
     patch_cpu_expand_kernel,
 )

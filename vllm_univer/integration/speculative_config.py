@@ -24,10 +24,11 @@ class UniverSpeculativeConfig(SpeculativeConfig):
 
     tree: str | list[list[int]] = DEFAULT_TREE
     verifier: str = DEFAULT_VERIFIER
+    max_tree: str | list[list[int]] | None = None
 
     @property
     def univer(self) -> UniverConfig:
-        return UniverConfig(tree=self.tree, verifier=self.verifier)
+        return UniverConfig(tree=self.tree, verifier=self.verifier, max_tree=self.max_tree)
 
 
 def is_univer(speculative_config: Any) -> bool:
@@ -67,7 +68,9 @@ def create_univer_speculative_config(spec: dict[str, Any], **engine_fields) -> U
     ``engine_fields`` are the ones vLLM adds itself (target model and parallel configs).
     """
     ours, theirs = split_user_config({k: v for k, v in spec.items() if k != "method"})
-    return UniverSpeculativeConfig(**theirs, **engine_fields, tree=ours.tree, verifier=ours.verifier)
+    return UniverSpeculativeConfig(
+        **theirs, **engine_fields, tree=ours.tree, verifier=ours.verifier, max_tree=ours.max_tree
+    )
 
 
 __all__ = [

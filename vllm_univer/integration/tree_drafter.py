@@ -56,20 +56,25 @@ class TreeDrafter:
                 groups.append((parents.to(runner.device), tree.children[parents, :m].to(runner.device), m, in_level))
             self.child_groups.append(groups)
         self.q_rows = StepBuffer(runner.device)  # the draft rows q, [B, N+1, V]
+        self.forward_tokens: list[int] = []  # query tokens of each draft forward of the last step
 
     # ------------------------------------------------------------------ step
-    def propose(self, sampled_token_ids, sampling_metadata) -> list[list[int]]:
-        """Draft a tree for every request that got tokens this step.
+    def propose(self, sampled_token_ids, sampling_metadata, depth=None) -> list[list[int]]:
+        """Draft a tree, cut to ``depth`` (None: the whole tree; 0: none; an int,
+        or one per batch row), for every request that got tokens this step.
 
         sampled_token_ids: the verifier's output [B, D+1] (-1 padded), before the
         runner's bookkeeping has appended it to the batch's token lists.
-        Returns vLLM's draft lists: N node tokens in breadth-first order per
-        request (a node that does not exist is sent as token 0 and ignored by
-        the verifier), [] for requests without a tree.
+        Returns vLLM's draft lists: the nodes of depth <= ``depth`` in
+        breadth-first order per request (a node that does not exist is sent as
+        token 0 and ignored by the verifier), [] for requests without a tree.
+        The verifier reads a breadth-first prefix as the tree cut to its last full level.
         """
         runner, tree = self.runner, self.tree
+        self.forward_tokens = []
         input_batch = runner.input_batch
         batch = input_batch.num_reqs
+        depths = np.broadcast_to(np.asarray(tree.max_depth if depth is None else depth, dtype=np.int64), (batch,))
         req_ids = input_batch.req_ids[:batch]
         # Requests the scheduler skipped this step are out of the batch but still live.
         self.state.forget_except(runner.requests.keys())
@@ -83,10 +88,12 @@ class TreeDrafter:
         root_pos = committed + np.array([len(t) for t in new_tokens], dtype=np.int64) - 1
         capacity = block_table.num_blocks_per_row[:batch].astype(np.int64) * block_size
         fits = (root_pos + self.last_run_node < capacity) & (root_pos + tree.max_depth < runner.max_model_len)
-        active = np.nonzero(got_token & fits)[0]
+        # A request cut to depth 0 gets no tree; the draft cache catches up when a later step drafts.
+        active = np.nonzero(got_token & fits & (depths > 0))[0]
         drafts: list[list[int]] = [[] for _ in range(batch)]
         if active.size == 0:
             return drafts
+        cut = depths[active]
 
         root_pos = root_pos[active]
         active_ids = [req_ids[i] for i in active]
@@ -113,14 +120,26 @@ class TreeDrafter:
             greedy,
             sampling_metadata.generators,
             banned,
+            int(cut.max()),
         )
+        self._cut(tokens, q, cut)
         for r, req_id in zip(root_pos.tolist(), active_ids):
             self.state.draft_kv_len[req_id] = r + 1  # the context and the root
         self.state.add(DraftedTrees(active_ids, tokens, q))
         node_tokens = tokens[:, 1:].clamp(min=0).tolist()
-        for row, i in enumerate(active.tolist()):
-            drafts[i] = node_tokens[row]
+        for row, (i, d) in enumerate(zip(active.tolist(), cut.tolist())):
+            drafts[i] = node_tokens[row][: self.level_span[d][1]]
         return drafts
+
+    def _cut(self, tokens: torch.Tensor, q: torch.Tensor | None, cut: np.ndarray) -> None:
+        """Rows drafted deeper than their cut (the batch ran to the deepest cut):
+        nodes below the cut removed, their q rows zero (the cut's leaves are read, never drawn from)."""
+        for d in np.unique(cut)[:-1].tolist():
+            rows = torch.from_numpy(np.nonzero(cut == d)[0]).to(tokens.device)
+            first_below = self.level_span[d][1] + 1
+            tokens[rows, first_below:] = -1
+            if q is not None:
+                q[rows, self.level_span[d][0] :] = 0.0
 
     def _draft_temperature(self, sampling_metadata, active: np.ndarray):
         temperature = sampling_metadata.temperature
@@ -129,7 +148,7 @@ class TreeDrafter:
         return split_greedy(temperature.cpu()[torch.from_numpy(active)])
 
     def _draft_levels(
-        self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned
+        self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned, depth
     ):
         tree, runner = self.tree, self.runner
         device = runner.device
@@ -159,7 +178,7 @@ class TreeDrafter:
             # draw's law but the verifier reads them at a leaf end node: keep them finite.
             batch_ids = self.runner.input_batch.req_ids
             q = self._q_buffer((reqs, n1, vocab), {batch_ids[i] for i in active})
-            q[:, self.level_span[tree.max_depth][0] :] = 0.0
+            q[:, self.level_span[depth][0] :] = 0.0
         temp = temperature.to(device).view(-1, 1)
         self._draw_children(
             0,
@@ -171,7 +190,7 @@ class TreeDrafter:
         )
 
         context = torch.from_numpy(root_pos).to(device)
-        for d in range(1, tree.max_depth):
+        for d in range(1, depth):
             first, last = self.level_span[d]
             width = last - first + 1
             node_ids = tokens[:, first : last + 1].clamp(min=0).flatten().cpu().numpy()
@@ -277,6 +296,7 @@ class TreeDrafter:
         blocks = block_rows[rows_t, slot_pos_t // block_size].long()
         slot_mapping = (blocks * block_size + slot_pos_t % block_size).to(device)
         num_tokens = len(token_ids)
+        self.forward_tokens.append(num_tokens)
         query_start_cpu = torch.from_numpy(np.asarray(query_start, dtype=np.int32))
         seq_lens_cpu = torch.from_numpy(np.asarray(seq_lens, dtype=np.int32))
         common = CommonAttentionMetadata(

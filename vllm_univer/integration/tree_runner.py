@@ -15,6 +15,7 @@ from .timers import StepTimers
 from .tree_attention_plan import TreeAttentionPlan, check_layer_supported
 from .tree_drafter import TreeDrafter
 from .tree_sampler import TreeVerificationSampler, tree_rows
+from .tree_sizer import TreeSizer
 from .tree_state import TreeState
 
 
@@ -33,8 +34,16 @@ class TreeRunner:
         self.tree = config.tree_spec
         self.state = TreeState()
         self.timers = StepTimers(runner.device)
+        self.sizer = None
+        if config.auto:
+            if runner.parallel_config.world_size > 1:
+                # Each worker would time its own steps and could cut its trees differently.
+                raise NotImplementedError(
+                    "tree 'auto' runs on a single worker; with tensor or pipeline parallelism give a fixed tree"
+                )
+            self.sizer = TreeSizer(runner, self.tree)
         self.sampler = TreeVerificationSampler(
-            runner, self.tree, config.verifier, self.state, self.kv_layers, self.timers
+            runner, self.tree, config.verifier, self.state, self.kv_layers, self.timers, self.sizer
         )
         self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
         runner.rejection_sampler = self.sampler
@@ -119,9 +128,20 @@ class TreeRunner:
         for metadata in {id(m): m for m in attn_metadata.values()}.values():
             metadata.tree_plan = plan
 
+    def calibrate(self) -> None:
+        """After vLLM's warm-up: time the forwards ``tree: auto`` chooses with."""
+        if self.sizer is not None:
+            self.sizer.calibrate()
+
     def propose(self, sampled_token_ids, sampling_metadata):
+        depth = None
+        if self.sizer is not None:
+            depth = self.sizer.choose(self.runner.input_batch.num_reqs)
         with self.timers.measure("draft"):
-            return self.drafter.propose(sampled_token_ids, sampling_metadata)
+            drafts = self.drafter.propose(sampled_token_ids, sampling_metadata, depth)
+        if self.sizer is not None:
+            self.sizer.drafted(self.drafter.forward_tokens)
+        return drafts
 
 
 def _refuse_custom_logits_processors(logitsprocs) -> None:

@@ -40,8 +40,9 @@ def tree_rows(first_row: torch.Tensor, num_draft: torch.Tensor, num_nodes: int) 
 
 
 class TreeVerificationSampler:
-    def __init__(self, runner, tree: TreeSpec, method: str, state: TreeState, kv_layers, timers):
+    def __init__(self, runner, tree: TreeSpec, method: str, state: TreeState, kv_layers, timers, sizer=None):
         self.runner = runner
+        self.sizer = sizer  # TreeSizer of ``tree: auto``: learns from the accepted depths
         self.tree = tree
         self.method = method
         self.state = state
@@ -99,7 +100,7 @@ class TreeVerificationSampler:
 
         with self.timers.measure("kv_moves"):
             self._keep_accepted_kv(batch, end)
-        self._update_draft_kv_len(req_ids, num_draft_list, tree.on(device).depth[end])
+        self._update_draft_kv_len(req_ids, num_draft_list, keep_depth, tree.on(device).depth[end])
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, rows.to(device), end, output, sampling_metadata.max_num_logprobs)
@@ -195,15 +196,20 @@ class TreeVerificationSampler:
             move_paged_kv(keys, block_table, request, src, dst)
             move_paged_kv(values, block_table, request, src, dst)
 
-    def _update_draft_kv_len(self, req_ids, num_draft, accepted: torch.Tensor) -> None:
+    def _update_draft_kv_len(self, req_ids, num_draft, keep_depth: torch.Tensor, accepted: torch.Tensor) -> None:
         """The draft cache now holds the context, the root and the accepted nodes
-        the drafter ran (every node above the deepest level)."""
+        the drafter ran (every node above the deepest level of the tree as cut)."""
         computed = self.runner.input_batch.num_computed_tokens_cpu
         query_start = self.runner.query_start_loc.np
-        deepest_run = self.tree.max_depth - 1
-        for i, (req_id, n, k) in enumerate(zip(req_ids, num_draft, accepted.tolist())):
+        accepted = accepted.cpu().numpy()
+        keep_depth = keep_depth.numpy()
+        if self.sizer is not None:
+            drafted = np.asarray(num_draft) > 0
+            temperature = self.runner.input_batch.temperature_cpu[: len(req_ids)]
+            self.sizer.observe_acceptance(temperature[drafted], keep_depth[drafted], accepted[drafted])
+        for i, (req_id, n, k, cut) in enumerate(zip(req_ids, num_draft, accepted.tolist(), keep_depth.tolist())):
             if n > 0:
-                self.state.draft_kv_len[req_id] = int(computed[i]) + 1 + min(k, deepest_run)
+                self.state.draft_kv_len[req_id] = int(computed[i]) + 1 + min(k, max(cut - 1, 0))
             elif query_start[i + 1] - query_start[i] > 1:
                 # A prompt chunk (new or resumed request): draft it from the start.
                 self.state.draft_kv_len[req_id] = 0

@@ -1,0 +1,162 @@
+"""``"tree": "auto"``: the depth cut of the configured tree for each step
+(``vllm_univer.sizing``), fed with this runner's measurements.
+
+* Start-up (after vLLM's warm-up, ``calibrate``): the target's and the draft's
+  forward times at a few token counts, through vLLM's own dummy runs.
+* Every step: the wall-clock period between two drafting calls, against the
+  forwards that period ran (the target's scheduled tokens, the draft forwards
+  of the previous drafting), corrects the cost model of the depth it ran at;
+  the verifier's accepted depths update the acceptance model.
+
+Decisions are made on the host from host data (no device sync of their own).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+from ..sizing import AcceptanceModel, DepthChooser, ForwardCost, StepCostModel, StepWork, temperature_band
+from ..tree import TreeSpec
+
+logger = init_logger(__name__)
+
+# Steps whose period exceeds the prediction by this factor are taken for idle
+# gaps or stalls and left out, unless they keep coming (then the machine is slower).
+STALL_FACTOR = 3.0
+STALLS_BEFORE_BELIEVED = 8
+# Test hook: a fixed cycle of depth cuts, "2,0,3" -> batch row i at decision k is
+# cut to depths[(k + i) % 3] (cuts that change between steps and within a batch),
+# in place of the choice; the measurements still run.
+SCHEDULE_ENV = "VLLM_UNIVER_AUTO_DEPTHS"
+# Forwards are timed at start-up up to this many query tokens (compute-bound beyond: linear).
+CALIBRATION_MAX_TOKENS = 128
+
+
+class TreeSizer:
+    def __init__(self, runner, tree: TreeSpec):
+        self.runner = runner
+        self.tree = tree
+        self.widths = torch.bincount(tree.depth, minlength=tree.max_depth + 1).tolist()
+        self.acceptance = AcceptanceModel(tree.max_depth)
+        self.chooser: DepthChooser | None = None
+        self._last: tuple[float, int, list[int]] | None = None  # (time, depth, draft forward tokens)
+        self._stalls = 0
+        schedule = os.environ.get(SCHEDULE_ENV)
+        self._schedule = [int(d) for d in schedule.split(",")] if schedule else None
+        if self._schedule and not all(0 <= d <= tree.max_depth for d in self._schedule):
+            raise ValueError(f"{SCHEDULE_ENV}={schedule!r}: depths must lie in 0..{tree.max_depth}")
+        self._decisions = 0
+        self.requests_at_depth = Counter()  # depth cut -> request-steps drafted at it
+
+    # -------------------------------------------------------------- start-up
+    def calibrate(self) -> None:
+        """Time the target's and the draft's forwards at token counts 1, 2, 4, ...
+        up to what one step can schedule, at most ``CALIBRATION_MAX_TOKENS``
+        (beyond, the cost model extends the last slope), through vLLM's dummy runs."""
+        runner = self.runner
+        cap = min(
+            runner.scheduler_config.max_num_batched_tokens,
+            runner.scheduler_config.max_num_seqs * (self.tree.num_nodes + 1),
+            CALIBRATION_MAX_TOKENS,
+        )
+        sizes = sorted({1 << k for k in range(int(np.log2(max(cap, 1))) + 1)} | {cap})
+        proposer = runner.drafter
+        sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+
+        def timed(fn) -> float:
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            return time.perf_counter() - start
+
+        def target_run(n):
+            # The runner's dummy run also makes the drafter's: shadow it on this instance.
+            proposer.dummy_run = lambda *args, **kwargs: None
+            try:
+                runner._dummy_run(n)
+            finally:
+                del proposer.dummy_run
+
+        start_all = time.perf_counter()
+        devices = [runner.device] if runner.device.type == "cuda" else []
+        proposer.univer_forwards = 1  # one draft forward per dummy run (patch_proposer_dummy_run)
+        try:
+            with torch.random.fork_rng(devices=devices):  # vLLM seeded the generators after its warm-up
+                target_run(sizes[0])
+                proposer.dummy_run(sizes[0])  # warm: first calls allocate
+                target = [timed(lambda n=n: target_run(n)) for n in sizes]
+                draft = [timed(lambda n=n: proposer.dummy_run(n)) for n in sizes]
+        finally:
+            del proposer.univer_forwards
+        self.chooser = DepthChooser(
+            StepCostModel(ForwardCost(sizes, target), ForwardCost(sizes, draft), self.widths), self.acceptance
+        )
+        logger.info(
+            "tree auto: calibrated in %.1f s; forward ms at %s tokens: target %s, draft %s",
+            time.perf_counter() - start_all,
+            sizes,
+            [round(t * 1e3, 2) for t in target],
+            [round(t * 1e3, 2) for t in draft],
+        )
+
+    # ------------------------------------------------------------ each step
+    def choose(self, batch: int):
+        """Depth cut for the trees drafted now, for the ``batch`` requests in the
+        runner's batch (the next step's batch, as far as anyone knows): one int
+        for all, or (test schedule) one per batch row."""
+        now = time.perf_counter()
+        if self.chooser is None:  # not calibrated (warm-up skipped): speculate in full
+            return self.tree.max_depth
+        self._observe_period(now, batch)
+        temperature = self.runner.input_batch.temperature_cpu[:batch]
+        depth = self.chooser.choose(temperature_band(np.where(temperature < 1e-5, 0.0, temperature)))
+        self._decisions += 1
+        if self._schedule is not None:
+            cycle = np.asarray(self._schedule)
+            depth = cycle[(self._decisions + np.arange(batch)) % len(cycle)]
+        depths = np.broadcast_to(depth, (batch,))
+        self.requests_at_depth.update(depths.tolist())
+        self._last = (now, int(depths.max(initial=0)), None)
+        return depth
+
+    def drafted(self, forward_tokens: list[int]) -> None:
+        """The draft forwards the drafting of this step ran (query tokens each)."""
+        if self._last is not None:
+            self._last = (self._last[0], self._last[1], list(forward_tokens))
+
+    def observe_acceptance(self, temperature: np.ndarray, cut_depths: np.ndarray, accepted: np.ndarray) -> None:
+        """Verified trees: their requests' temperatures, cut depths and accepted depths."""
+        bands = temperature_band(np.where(temperature < 1e-5, 0.0, temperature))
+        self.acceptance.observe(bands, cut_depths, accepted)
+
+    def _observe_period(self, now: float, batch: int) -> None:
+        if self._last is None or self._last[2] is None:
+            return
+        started, depth, draft_tokens = self._last
+        target_tokens = int(self.runner.query_start_loc.np[batch])
+        work = StepWork(target_tokens=target_tokens, draft_tokens=draft_tokens)
+        cost = self.chooser.cost
+        period = now - started
+        if period > STALL_FACTOR * cost.raw_seconds(work) * cost.factor(depth) and cost.seen[depth]:
+            self._stalls += 1
+            if self._stalls < STALLS_BEFORE_BELIEVED:
+                return
+        self._stalls = 0
+        cost.observe(depth, work, period)
+
+    def summary(self) -> dict:
+        """Steps per chosen depth, the acceptance hazards and cost corrections (benchmarks, tests)."""
+        if self.chooser is None:
+            return {}
+        return {
+            "requests_at_depth": {int(d): n for d, n in sorted(self.requests_at_depth.items())},
+            "hazards": self.acceptance.hazards().round(3).tolist(),
+            "cost_correction": self.chooser.cost.correction.round(3).tolist(),
+        }

@@ -1,0 +1,101 @@
+"""What a decode step costs on this machine, from measurements.
+
+A step with tree speculation cut to depth d (d = 0: no speculation) for R
+requests does
+
+* one target forward over R * (n_d + 1) query rows (n_d: tree nodes of depth <= d),
+* d draft forwards (none for d = 0): level 0 over R rows (the roots; more when
+  the draft cache has to catch up) and level j = 1 .. d-1 over R * w_j rows
+  (w_j: tree nodes of depth j),
+* the verifier and the package's bookkeeping, which the correction absorbs.
+
+Each forward's time is a piecewise-linear function of its number of query
+tokens, measured at start-up at a few sizes (``ForwardCost``); a correction
+factor per depth, learnt from the wall-clock period of the steps actually run
+against what the model predicts for the work they did, takes in what the
+start-up runs leave out (attention over long contexts, sampling, verification,
+the scheduler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class ForwardCost:
+    """Seconds of one model forward as a function of its query tokens:
+    piecewise linear through the measured points, extended along the last
+    segment's slope beyond them."""
+
+    def __init__(self, tokens: list[int], seconds: list[float]):
+        if len(tokens) != len(seconds) or not tokens:
+            raise ValueError("ForwardCost needs one time per measured size")
+        order = np.argsort(tokens)
+        self.tokens = np.asarray(tokens, dtype=np.float64)[order]
+        # A forward never gets cheaper with more tokens: measurement noise aside.
+        self.seconds = np.maximum.accumulate(np.asarray(seconds, dtype=np.float64)[order])
+
+    def __call__(self, tokens) -> np.ndarray:
+        t = np.asarray(tokens, dtype=np.float64)
+        inside = np.interp(t, self.tokens, self.seconds)
+        if len(self.tokens) < 2:
+            return inside
+        slope = (self.seconds[-1] - self.seconds[-2]) / max(self.tokens[-1] - self.tokens[-2], 1.0)
+        return np.where(t > self.tokens[-1], self.seconds[-1] + slope * (t - self.tokens[-1]), inside)
+
+
+@dataclass
+class StepWork:
+    """The forwards one step ran: target query tokens and each draft forward's."""
+
+    target_tokens: int
+    draft_tokens: list[int] = field(default_factory=list)
+
+
+class StepCostModel:
+    """Predicted seconds of a step, per depth cut, for a batch of R requests.
+
+    depth_widths[j] = tree nodes of depth j (j = 0 is the root: 1).
+    """
+
+    def __init__(self, target: ForwardCost, draft: ForwardCost, depth_widths: list[int], smoothing: float = 0.1):
+        self.target = target
+        self.draft = draft
+        self.widths = np.asarray(depth_widths, dtype=np.int64)
+        self.rows_through = np.cumsum(self.widths)  # [D+1]: rows per request at depth cut d
+        self.smoothing = smoothing
+        self.correction = np.ones(len(self.widths))  # per depth cut; 1 until a step of that cut is seen
+        self.seen = np.zeros(len(self.widths), dtype=bool)
+
+    def work(self, num_requests: int, depth: int) -> StepWork:
+        """The forwards a step of ``num_requests`` decodes cut to ``depth`` runs."""
+        r = num_requests
+        draft = [r * int(self.widths[j]) for j in range(depth)]  # level j's forward runs depth-j nodes
+        return StepWork(target_tokens=r * int(self.rows_through[depth]), draft_tokens=draft)
+
+    def raw_seconds(self, work: StepWork) -> float:
+        draft = float(np.sum(self.draft(work.draft_tokens))) if work.draft_tokens else 0.0
+        return float(self.target(work.target_tokens)) + draft
+
+    def seconds(self, num_requests: int, depth: int) -> float:
+        return self.raw_seconds(self.work(num_requests, depth)) * self.factor(depth)
+
+    def observe(self, depth: int, work: StepWork, seconds: float) -> None:
+        """A step cut to ``depth`` that did ``work`` took ``seconds`` of wall clock."""
+        predicted = self.raw_seconds(work)
+        if predicted <= 0 or not np.isfinite(seconds) or seconds <= 0:
+            return
+        # Clamped: one stall (a long prefill, the host busy elsewhere) must not swing the choice.
+        ratio = float(np.clip(seconds / predicted, 0.25 * self.factor(depth), 4.0 * self.factor(depth)))
+        if not self.seen[depth]:
+            self.correction[depth], self.seen[depth] = ratio, True
+        else:
+            self.correction[depth] += self.smoothing * (ratio - self.correction[depth])
+
+    def factor(self, depth: int) -> float:
+        if self.seen[depth]:
+            return float(self.correction[depth])
+        # Not run yet at this cut: what the cuts already run say about the model's bias.
+        return float(np.mean(self.correction[self.seen])) if self.seen.any() else 1.0
