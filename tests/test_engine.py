@@ -315,3 +315,45 @@ def test_logprobs_are_the_targets(models):
     # The rounding bound the tie-aware greedy comparisons rest on (greedy_identity).
     print(f"\nlargest |tree row - plain row| logprob difference: {worst:.2e} (bound {LOGPROB_ROUNDING:.0e})")
     assert worst <= LOGPROB_ROUNDING
+
+
+AUTO_SCHEDULE = {"VLLM_UNIVER_AUTO_DEPTHS": "3,0,2,1"}
+
+
+def auto(draft: str, max_tree, verifier: str = "univer") -> dict:
+    return {"method": "univer", "model": draft, "tree": "auto", "max_tree": max_tree, "verifier": verifier}
+
+
+def test_greedy_identity_with_tree_auto_cuts(models):
+    """tree "auto" with a fixed cycle of depth cuts (``tree_sizer.SCHEDULE_ENV``):
+    cuts change between steps and between the requests of one batch, with steps
+    and requests that do not speculate (depth 0) and draft caches that then catch
+    up. Greedy output equals no speculation for univer, traversal and token."""
+    target, draft = models
+    job = call(prompts(6, seed=3), temperature=0.0, max_tokens=120, ignore_eos=True)
+    cases = [("univer", "2x3"), ("traversal", "2x3"), ("token", "1x4")]
+    engines = [reference(target, [job])] + [
+        {**engine(target, [job], auto(draft, tree, method)), "sizer": True} for method, tree in cases
+    ]
+    results = run_engines(engines, env=AUTO_SCHEDULE)
+    ref = results[0]["calls"][0]
+    for case, result in zip(cases, results[1:]):
+        assert "error" not in result, (case, result.get("error"))
+        assert_greedy_identical(result["calls"][0]["outputs"], ref, case)
+        assert set(result["sizer"]["requests_at_depth"]) == {"0", "1", "2", "3"}, result["sizer"]
+        assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_tree_auto_chooses_for_itself(models):
+    """tree "auto" without a schedule: calibrated at start-up, a choice every step
+    (here a draft as large as its target: drafting cannot pay, so mostly depth 0),
+    and the greedy output is the target's."""
+    target, draft = models
+    job = call(prompts(4, seed=5), temperature=0.0, max_tokens=80, ignore_eos=True)
+    results = run_engines([reference(target, [job]), {**engine(target, [job], auto(draft, "2x3")), "sizer": True}])
+    assert "error" not in results[1], results[1].get("error")
+    assert_greedy_identical(results[1]["calls"][0]["outputs"], results[0]["calls"][0], "auto")
+    sizer = results[1]["sizer"]
+    print("tree auto on the tiny pair:", sizer)
+    assert sum(sizer["requests_at_depth"].values()) >= 80  # a choice per request-step
+    assert len(sizer["cost_correction"]) == 4 and len(sizer["hazards"][0]) == 3

@@ -233,6 +233,32 @@ def test_generated_law_equals_target_law(small_models):
                 assert chi_square_pvalue(counts.sum(axis=(3,)).ravel(), unbiased.sum(axis=(3,)).ravel()) < 1e-6
 
 
+def test_tree_auto_cuts_law_equals_target_law(small_models):
+    """tree "auto" with depth cuts that change between steps and between requests
+    (``tree_sizer.SCHEDULE_ENV``, depths 2, 0, 1 of a 2x2 tree), at T = 1: the law
+    of the first three tokens and of (t3, t4) is the target's."""
+    target, draft = small_models
+    prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
+    sampling = {"temperature": 1.0, "max_tokens": 4, "ignore_eos": True}
+    spec = {"method": "univer", "model": draft, "tree": "auto", "max_tree": "2x2"}
+    job = {
+        "kwargs": {"model": target, "max_model_len": 64, "max_num_seqs": 64, "speculative_config": spec},
+        "calls": [{"prompts": prompts, "params": [sampling] * len(prompts)}],
+        "sizer": True,
+    }
+    (result,) = run_engines([job], env={"VLLM_UNIVER_AUTO_DEPTHS": "2,0,1"})
+    assert "error" not in result, result.get("error")
+    assert set(result["sizer"]["requests_at_depth"]) == {"0", "1", "2"}
+    assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    outputs = result["calls"][0]["outputs"]
+    for i, prompt in enumerate(PROMPTS):
+        counts = counts_of(outputs[i * REQUESTS_PER_PROMPT : (i + 1) * REQUESTS_PER_PROMPT])
+        law = exact_law_of_tokens(target, prompt, {"temperature": 1.0})
+        for axes in ((3,), (0, 1)):
+            pvalue = chi_square_pvalue(counts.sum(axis=axes).ravel(), law.sum(axis=axes).ravel())
+            assert pvalue > 1e-3, (i, axes, pvalue)
+
+
 def test_path_options_law_equals_target_law(small_models):
     """allowed_token_ids, bad_words and min_tokens at temperature 1: the generated
     law is the target's under those options (applied per tree path, drafts

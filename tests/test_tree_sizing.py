@@ -1,0 +1,138 @@
+"""``tree: auto``'s models and choice (``vllm_univer.sizing``) on fake
+measurements: no vLLM, no timing."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from vllm_univer.sizing import AcceptanceModel, DepthChooser, ForwardCost, StepCostModel, StepWork, temperature_band
+from vllm_univer.tree import TreeSpec
+
+WIDTHS_2X3 = [1, 2, 4, 8]  # nodes per depth of "2x3"
+
+
+def test_widths_helper_matches_the_tree():
+    tree = TreeSpec.parse("2x3")
+    assert np.bincount(tree.depth.numpy()).tolist() == WIDTHS_2X3
+
+
+def test_forward_cost_interpolates_and_extends_the_last_slope():
+    cost = ForwardCost([1, 4, 16], [1.0, 2.0, 5.0])
+    assert cost(1) == 1.0 and cost(4) == 2.0
+    assert cost(10) == pytest.approx(3.5)
+    assert cost(28) == pytest.approx(8.0)  # slope 0.25 per token past 16
+    # Noise never makes more tokens cheaper.
+    assert ForwardCost([1, 2, 4], [1.0, 0.8, 2.0])(2) == 1.0
+
+
+def test_step_work_counts_target_rows_and_draft_forwards():
+    model = StepCostModel(ForwardCost([1, 1000], [0.0, 1.0]), ForwardCost([1, 1000], [0.0, 0.5]), WIDTHS_2X3)
+    assert model.work(4, 0) == StepWork(target_tokens=4, draft_tokens=[])
+    assert model.work(4, 2) == StepWork(target_tokens=4 * 7, draft_tokens=[4, 8])
+    assert model.work(3, 3) == StepWork(target_tokens=3 * 15, draft_tokens=[3, 6, 12])
+
+
+def test_cost_correction_is_learnt_per_depth_and_clamped():
+    flat = ForwardCost([1, 100], [1.0, 1.0])
+    model = StepCostModel(flat, flat, WIDTHS_2X3, smoothing=0.5)
+    assert model.seconds(1, 0) == 1.0 and model.seconds(1, 2) == 3.0
+    model.observe(0, model.work(1, 0), 2.0)
+    assert model.seconds(1, 0) == pytest.approx(2.0)
+    assert model.seconds(1, 2) == pytest.approx(6.0)  # unseen depth: the mean correction of the seen ones
+    model.observe(2, model.work(1, 2), 3.0)
+    assert model.seconds(1, 2) == pytest.approx(3.0)  # first sight of a depth: taken as is
+    model.observe(2, model.work(1, 2), 300.0)  # a stall: at most 4x the current factor, then smoothed
+    assert model.seconds(1, 2) == pytest.approx(3.0 * (1 + 0.5 * 3))
+
+
+def test_temperature_bands():
+    assert temperature_band([0.0, 0.2, 0.5, 0.7, 1.0, 1.3]).tolist() == [0, 1, 1, 2, 2, 3]
+
+
+def test_expected_tokens_compose_hazards_along_the_depth():
+    model = AcceptanceModel(3, prior_weight=1e-9)
+    # Band 2: every tree cut to depth 3; accepted depths 0, 1, 2, 3 in the ratio 1 : 1 : 1 : 1.
+    model.observe([2] * 4, [3] * 4, [0, 1, 2, 3])
+    h = model.hazards()[2]
+    assert h == pytest.approx([3 / 4, 2 / 3, 1 / 2], rel=1e-6)
+    expected = model.expected_tokens([2])[0]
+    survival = np.cumprod(h)
+    assert expected == pytest.approx([1, 1 + survival[0], 1 + survival[:2].sum(), 1 + survival.sum()])
+    assert expected[3] == pytest.approx(1 + (0 + 1 + 2 + 3) / 4, rel=1e-6)  # E[1 + A] of the sample
+
+
+def test_trees_cut_above_a_depth_say_nothing_about_it():
+    model = AcceptanceModel(3, prior_hazard=0.5, prior_weight=2.0, memory=1.0)
+    # Ten trees cut to depth 1, all accepted to the cut: evidence for h_1 only.
+    model.observe([0] * 10, [1] * 10, [1] * 10)
+    h = model.hazards()[0]
+    assert h[0] == pytest.approx((1 + 10) / (2 + 10))
+    assert h[1:] == pytest.approx([0.5, 0.5])
+    # Other bands untouched.
+    assert model.hazards()[1] == pytest.approx([0.5, 0.5, 0.5])
+
+
+def test_forgetting_follows_a_change_in_acceptance():
+    model = AcceptanceModel(1, prior_weight=1.0, memory=0.9)
+    for _ in range(100):
+        model.observe([1], [1], [1])
+    for _ in range(100):
+        model.observe([1], [1], [0])
+    assert model.hazards()[1, 0] < 0.01
+
+
+def chooser_with(target_per_token, target_fixed, draft_per_forward, hazard, widths=WIDTHS_2X3, explore=0):
+    target = ForwardCost([1, 10_000], [target_fixed + target_per_token, target_fixed + 10_000 * target_per_token])
+    draft = ForwardCost([1, 10_000], [draft_per_forward, draft_per_forward])
+    acceptance = AcceptanceModel(len(widths) - 1, prior_hazard=hazard, prior_weight=1.0)
+    return DepthChooser(StepCostModel(target, draft, widths), acceptance, explore_every=explore)
+
+
+def test_choice_is_no_speculation_when_drafting_cannot_pay():
+    # Compute-bound target (every row costs as much as the fixed part) and a draft as big as the target.
+    chooser = chooser_with(target_per_token=1.0, target_fixed=0.0, draft_per_forward=1.0, hazard=0.9, explore=1)
+    assert [chooser.choose([2, 2]) for _ in range(20)] == [0] * 20  # exploration never tries a cut that cannot pay
+
+
+def test_choice_is_the_full_tree_when_rows_and_drafts_are_nearly_free():
+    chooser = chooser_with(target_per_token=1e-6, target_fixed=1.0, draft_per_forward=1e-3, hazard=0.8)
+    assert chooser.choose([2] * 8) == 3
+
+
+def test_choice_is_the_known_best_cut_in_between():
+    # Target: 1 + 0.02 per row; draft forward 0.1; hazard 0.7; 4 requests.
+    # Rows per request at cut d: 1, 3, 7, 15. Step seconds: 1.08, 1.34, 1.76, 2.50;
+    # tokens: 4 * (1, 1.7, 2.19, 2.533) -> rates 3.70, 5.07, 4.98, 4.05: depth 1 wins, depth 2 close.
+    chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7)
+    rates = chooser.rates([2] * 4)
+    tokens = 4 * np.array([1, 1.7, 1 + 0.7 + 0.49, 1 + 0.7 + 0.49 + 0.343])
+    seconds = np.array([1 + 0.02 * 4 * r + 0.1 * d for d, r in enumerate([1, 3, 7, 15])])
+    assert rates == pytest.approx(tokens / seconds, rel=1e-9)
+    assert chooser.choose([2] * 4) == int(np.argmax(tokens / seconds)) == 1
+    # With a better draft the best cut moves deeper: exhaustive check over hazards.
+    for hazard in (0.3, 0.8, 0.95):
+        chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=hazard)
+        surv = np.cumprod([hazard] * 3)
+        tokens = 4 * (1 + np.concatenate([[0], np.cumsum(surv)]))
+        assert chooser.choose([2] * 4) == int(np.argmax(tokens / seconds)), hazard
+
+
+def test_choice_weighs_each_request_by_its_band():
+    chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7)
+    chooser.acceptance.observe([0] * 400, [3] * 400, [3] * 400)  # greedy requests: everything accepted
+    chooser.acceptance.observe([3] * 400, [3] * 400, [0] * 400)  # hot requests: nothing accepted
+    # Greedy: tokens 4 * (1, 2, 3, 4) over 1.08, 1.34, 1.76, 2.50 s: depth 2 (6.8/s) beats 3 (6.4/s).
+    assert chooser.choose([0] * 4) == 2
+    assert chooser.choose([3] * 4) == 0
+    for mix in itertools.product([0, 3], repeat=4):
+        rates = chooser.rates(list(mix))
+        assert chooser.choose(list(mix)) == int(np.argmax(rates))
+
+
+def test_exploration_tries_the_next_cut_now_and_then():
+    chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7, explore=4)
+    picks = [chooser.choose([2] * 4) for _ in range(8)]
+    assert picks == [1, 1, 1, 2, 1, 1, 1, 2]
