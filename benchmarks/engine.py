@@ -68,6 +68,10 @@ def engine_configs(quick: bool) -> list[dict]:
         },
         {"name": "univer 2x5", "spec": {"method": "univer", "tree": "2x5", "verifier": "univer"}, "cells": SPEED_CELLS},
         {"name": "univer 2x3", "spec": {"method": "univer", "tree": "2x3", "verifier": "univer"}, "cells": SPEED_CELLS},
+        *(
+            {"name": f"{v} auto", "spec": {"method": "univer", "tree": "auto", "verifier": v}, "cells": SPEED_CELLS}
+            for v in ("univer", "traversal")
+        ),
     ]
     if not quick:
         configs += [
@@ -93,6 +97,19 @@ def _spec_counters(llm) -> dict:
     return out
 
 
+def _sizer(worker) -> dict:
+    univer = getattr(worker.model_runner, "univer", None)
+    return univer.sizer.summary() if univer is not None and univer.sizer is not None else {}
+
+
+def serving_dtype() -> str:
+    import torch
+
+    from vllm_univer.host_cpu import host_cpu
+
+    return "bfloat16" if torch.cuda.is_available() else host_cpu().serving_dtype()[0]
+
+
 def _timers(worker) -> dict:
     univer = getattr(worker.model_runner, "univer", None)
     return dict(univer.timers.totals) if univer is not None else {}
@@ -107,7 +124,7 @@ def run_one_engine(job: dict) -> dict:
     llm = LLM(
         model=job["target"],
         speculative_config=spec,
-        dtype="bfloat16",
+        dtype=serving_dtype(),
         enforce_eager=True,
         max_model_len=2048,
         max_num_seqs=8,
@@ -135,6 +152,7 @@ def run_one_engine(job: dict) -> dict:
             **{"temperature": temperature, "max_tokens": new_tokens, "ignore_eos": True, "seed": None, **structured}
         )
         before, timers_before = _spec_counters(llm), llm.collective_rpc(_timers)[0]
+        depths_before = llm.collective_rpc(_sizer)[0].get("requests_at_depth", {})
         start = time.perf_counter()
         outputs = llm.generate(texts[:batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
@@ -163,6 +181,9 @@ def run_one_engine(job: dict) -> dict:
                 tau=1 + accepted / max(drafts, 1),
                 accepted_per_depth=[a / max(drafts, 1) for a in per_pos if a] or [0.0],
             )
+        depths_after = llm.collective_rpc(_sizer)[0].get("requests_at_depth", {})
+        if depths_after:  # tree auto: request-steps per depth cut in this cell
+            cell["requests_at_depth"] = {d: n - depths_before.get(d, 0) for d, n in depths_after.items()}
         if timers_after:
             spent = {k: timers_after.get(k, 0.0) - timers_before.get(k, 0.0) for k in timers_after}
             outside = spent.get("verify", 0.0) + spent.get("draft", 0.0) - spent.get("draft_forward", 0.0)
@@ -223,7 +244,9 @@ def device_label() -> str:
 
     if torch.cuda.is_available():
         return f"CUDA build, {torch.cuda.get_device_name()}"
-    return f"CPU build, {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
+    from vllm_univer.host_cpu import host_cpu
+
+    return f"CPU build, {host_cpu().label}, {platform.platform()}"
 
 
 def tau_standard_error(cell: dict) -> float:
@@ -249,7 +272,8 @@ def report(results: list[dict], command: str) -> str:
     lines = [
         "# Tree speculation through vLLM 0.32: speed and acceptance",
         "",
-        f"Command: `{command}`. Machine: {device_label()}; Qwen2.5-Coder 1.5B target / 0.5B draft, bfloat16, "
+        f"Command: `{command}`. Machine: {device_label()}; Qwen2.5-Coder 1.5B target / 0.5B draft, "
+        f"{serving_dtype()}, "
         "enforce_eager, MT-Bench prompts (chat template), ignore_eos. One engine per row, one process per "
         "engine, one engine at a time. Rows are saved in the JSON file beside this one; `--rerun NAME...` "
         "replaces the named rows.",
@@ -257,7 +281,9 @@ def report(results: list[dict], command: str) -> str:
         "tau = mean tokens per step = 1 + accepted / drafts (vLLM's spec-decode counters), +- its standard "
         "error (steps treated as independent). "
         "'outside forwards' = share of wall time in tree bookkeeping, verification and KV moves "
-        "(everything the package adds except the target and draft forward passes).",
+        "(everything the package adds except the target and draft forward passes). "
+        "`auto` rows: tree 'auto' (max_tree 2x5); 'depth cuts' = share of request-steps drafted at depth 0 / 1 / ... "
+        "(0: no speculation).",
         "",
         "| engine | batch | T | new tokens | tok/s | vs no spec | tau | accepted per depth | outside forwards |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -269,11 +295,37 @@ def report(results: list[dict], command: str) -> str:
             tau = f"{c['tau']:.2f} +- {tau_standard_error(c):.2f}" if "tau" in c else "-"
             depth = " / ".join(f"{a:.2f}" for a in c.get("accepted_per_depth", [])) or "-"
             share = f"{100 * c['overhead_share']:.1f}%" if "overhead_share" in c else "-"
+            if "requests_at_depth" in c:
+                total = max(sum(c["requests_at_depth"].values()), 1)
+                cuts = " / ".join(f"{100 * n / total:.0f}%" for _, n in sorted(c["requests_at_depth"].items()))
+                depth = f"{depth}; depth cuts {cuts}"
             lines.append(
                 f"| {r['name']} | {c['batch']} | {c['temperature']:g} | {c['new_tokens']} | "
                 f"{c['tok_per_s']:.2f} | {ratio:.2f}x | {tau} | {depth} | {share} |"
             )
-    return "\n".join(lines + offline_agreement(results)) + "\n"
+    return "\n".join(lines + offline_agreement(results) + auto_goal(results)) + "\n"
+
+
+def auto_goal(results: list[dict]) -> list[str]:
+    """The worst matrix cell of tree 'auto' against the best other row there, and against no speculation."""
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in results:
+        if r["name"].endswith("(JSON)"):
+            continue
+        for c in r["cells"]:
+            cells.setdefault((c["batch"], c["temperature"]), {})[r["name"]] = c["tok_per_s"]
+    worst_best, worst_plain = float("inf"), float("inf")
+    for rows in cells.values():
+        autos = {n: v for n, v in rows.items() if n.endswith(" auto")}
+        others = {n: v for n, v in rows.items() if not n.endswith(" auto")}
+        if not autos or not others or "no speculation" not in rows:
+            continue
+        best_auto = max(autos.values())
+        worst_best = min(worst_best, best_auto / max(others.values()))
+        worst_plain = min(worst_plain, best_auto / rows["no speculation"])
+    if worst_best == float("inf"):
+        return []
+    return ["", f"AUTO worst cell: auto / best other = {worst_best:.2f}x; auto / no speculation >= {worst_plain:.2f}x"]
 
 
 def offline_agreement(results: list[dict], tree: str = "2x5", temperature: float = 1.0) -> list[str]:

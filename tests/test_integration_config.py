@@ -22,6 +22,14 @@ def test_paths_and_chain_verifiers():
     assert split_user_config({"model": "d", "tree": "1x5", "verifier": "block"})[0].scheme == "chain"
 
 
+def test_tree_auto_schedules_the_largest_tree():
+    ours, theirs = split_user_config({"model": "d", "tree": "auto"})
+    assert ours.auto and ours.tree_spec.num_nodes == 62 and theirs["num_speculative_tokens"] == 62
+    ours, theirs = split_user_config({"model": "d", "tree": "auto", "max_tree": "1x4", "verifier": "token"})
+    assert ours.tree_spec.is_chain and theirs["num_speculative_tokens"] == 4
+    assert not split_user_config({"model": "d", "tree": "2x3"})[0].auto
+
+
 @pytest.mark.parametrize(
     "spec,match",
     [
@@ -32,6 +40,9 @@ def test_paths_and_chain_verifiers():
         ({"model": "d", "tree": "2x3", "verifier": "block"}, "single chain"),
         ({"model": "d", "tree": "2x3", "num_speculative_tokens": 5}, "disagrees with tree"),
         ({"tree": "2x3"}, "needs a draft model"),
+        ({"model": "d", "tree": "2x3", "max_tree": "2x5"}, "max_tree applies to tree 'auto'"),
+        ({"model": "d", "tree": "auto", "max_tree": "2z5"}, "malformed tree"),
+        ({"model": "d", "tree": "auto", "verifier": "token"}, "single chain"),
     ],
 )
 def test_bad_configs(spec, match):
