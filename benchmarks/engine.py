@@ -27,10 +27,11 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from vllm_univer.tools.json_job import print_result, run_json_job
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -89,14 +90,6 @@ def engine_configs(quick: bool) -> list[dict]:
 
 
 # ----------------------------------------------------------------- one engine
-def _spec_counters(llm) -> dict:
-    out = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode"):
-            out[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
-    return out
-
-
 def _sizer(worker) -> dict:
     univer = getattr(worker.model_runner, "univer", None)
     return univer.sizer.summary() if univer is not None and univer.sizer is not None else {}
@@ -117,6 +110,8 @@ def _timers(worker) -> dict:
 
 def run_one_engine(job: dict) -> dict:
     from vllm import LLM, SamplingParams
+
+    from vllm_univer.tools.spec_counters import spec_counters
 
     spec = job["spec"]
     if spec is not None:
@@ -151,12 +146,12 @@ def run_one_engine(job: dict) -> dict:
         params = SamplingParams(
             **{"temperature": temperature, "max_tokens": new_tokens, "ignore_eos": True, "seed": None, **structured}
         )
-        before, timers_before = _spec_counters(llm), llm.collective_rpc(_timers)[0]
+        before, timers_before = spec_counters(llm), llm.collective_rpc(_timers)[0]
         depths_before = llm.collective_rpc(_sizer)[0].get("requests_at_depth", {})
         start = time.perf_counter()
         outputs = llm.generate(texts[:batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
-        after, timers_after = _spec_counters(llm), llm.collective_rpc(_timers)[0]
+        after, timers_after = spec_counters(llm), llm.collective_rpc(_timers)[0]
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         cell = {
             "batch": batch,
@@ -218,17 +213,10 @@ def run_matrix(args) -> list[dict]:
             "json": config.get("json", False),
         }
         print(f"[engine] {config['name']} ...", flush=True)
-        proc = subprocess.run(
-            [sys.executable, __file__, "--one"],
-            input=json.dumps(job),
-            text=True,
-            capture_output=True,
-            env={**os.environ, **ENV},
-        )
-        line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT ")), None)
-        if line is None:
-            raise RuntimeError(f"{config['name']} failed:\n{proc.stderr[-5000:]}")
-        results.append(json.loads(line[len("RESULT ") :]))
+        result, stderr = run_json_job([__file__, "--one"], job, {**os.environ, **ENV})
+        if result is None:
+            raise RuntimeError(f"{config['name']} failed:\n{stderr[-5000:]}")
+        results.append(result)
         print(json.dumps(results[-1]["cells"]), flush=True)
         out_json.write_text(json.dumps({"engines": results, "command": " ".join(sys.argv)}, indent=1))
     out_json.write_text(json.dumps({"engines": results, "command": " ".join(sys.argv)}, indent=1))
@@ -381,7 +369,7 @@ def main() -> None:
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(run_one_engine(json.load(sys.stdin))), flush=True)
+        print_result(run_one_engine(json.load(sys.stdin)))
         return
     results = run_matrix(args)
     command = (

@@ -19,7 +19,6 @@ Writes gpu_check.md into DIR (default benchmarks/results).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -32,25 +31,7 @@ from verifier_overhead import make_inputs  # noqa: E402
 from vllm_univer import METHODS, TreeSpec, outcome_law, verify  # noqa: E402
 from vllm_univer.kernels import tree_attention  # noqa: E402
 from vllm_univer.kernels.tree_attention import gather_paged  # noqa: E402
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value, pooling cells with expected count < 5."""
-    n = counts.sum().item()
-    expected = probs.double() * n
-    small = expected < 5
-    obs = torch.cat([counts[~small].double(), counts[small].double().sum().view(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep] * (obs[keep].sum() / exp[keep].sum())
-    stat, dof = float(((obs - exp) ** 2 / exp).sum()), max(int(keep.sum()) - 1, 1)
-    try:
-        from scipy.stats import chi2
-
-        return float(chi2.sf(stat, dof))
-    except ImportError:  # Wilson-Hilferty normal approximation of the chi-square tail
-        z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-        return 0.5 * math.erfc(z / math.sqrt(2))
+from vllm_univer.tools.goodness_of_fit import chi_square_pvalue  # noqa: E402
 
 
 def paged_inputs(device, dtype, gen, reqs=4, context=300, spec="2x5", hq=12, hkv=2, dh=128, bs=16):
@@ -115,7 +96,7 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
         counts = torch.bincount(cells, minlength=law.numel()).cpu()
         flat = law.reshape(4, -1).cpu()
         impossible = int(counts.view(4, -1)[flat == 0].sum())
-        pvals = [chi_square_pvalue(counts.view(4, -1)[t], flat[t]) for t in range(4)]
+        pvals = [chi_square_pvalue(counts.view(4, -1)[t].numpy(), flat[t].numpy()) for t in range(4)]
         good = impossible == 0 and min(pvals) > 1e-4
         ok &= good
         lines.append(

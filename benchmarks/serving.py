@@ -20,16 +20,15 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from vllm_univer.host_cpu import host_cpu
+from vllm_univer.tools.local_server import vllm_serve
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -45,57 +44,19 @@ CONFIGS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(target: str, draft: str, spec: dict | None, log: Path):
-    port = _free_port()
-    cmd = [
-        str(Path(sys.executable).parent / "vllm"),
-        "serve",
-        target,
-        "--served-model-name",
-        "target",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--enforce-eager",
-        "--max-model-len",
-        "2048",
-        "--max-num-seqs",
-        "16",
-        "--seed",
-        "0",
-    ]
+def server_args(target: str, draft: str, spec: dict | None) -> list[str]:
+    args = [target, "--served-model-name", "target", "--dtype", serving_dtype(), "--enforce-eager"]
+    args += ["--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0"]
     if spec is not None:
-        cmd += ["--speculative-config", json.dumps({**spec, "model": draft})]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4"}
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited; see {log}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return proc, url
-        except OSError:
-            time.sleep(2)
-    raise TimeoutError(f"server not up; see {log}")
+        args += ["--speculative-config", json.dumps({**spec, "model": draft})]
+    return args
 
 
-def stop_server(proc) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+def serving_dtype() -> str:
+    return host_cpu().serving_dtype()[0]
+
+
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
 async def one_request(client, prompt: str, max_tokens: int, temperature: float, delay: float) -> dict:
@@ -160,8 +121,8 @@ def report(results: dict, args) -> str:
     lines = [
         "# Serving benchmark: vllm serve + openai clients (CPU build)",
         "",
-        f"Command: `python benchmarks/serving.py {' '.join(sys.argv[1:])}`. Machine: {platform.machine()}, "
-        f"{os.cpu_count()} cores, {platform.platform()}. Qwen2.5-Coder 1.5B target / 0.5B draft, bfloat16, "
+        f"Command: `python benchmarks/serving.py {' '.join(sys.argv[1:])}`. Machine: {host_cpu().label}, "
+        f"{platform.platform()}. Qwen2.5-Coder 1.5B target / 0.5B draft, {serving_dtype()}, "
         f"MT-Bench prompts (chat), {args.requests} requests per rate, Poisson arrivals, {args.max_tokens} output "
         f"tokens (ignore_eos), temperature {args.temperature}. One server at a time, all rows from one run.",
         "",
@@ -202,13 +163,11 @@ def main() -> None:
     for name in args.configs:
         print(f"[serving] {name} ...", flush=True)
         log = Path(tempfile.gettempdir()) / f"vllm_univer_serving_{name}.log"
-        proc, url = start_server(target, draft, CONFIGS[name], log)
-        try:
+        args_ = server_args(target, draft, CONFIGS[name])
+        with vllm_serve(args_, {**os.environ, **SERVER_ENV}, timeout=600, log_path=log, grace=60) as (_, url):
             results[name] = [
                 asyncio.run(drive(url, texts, rate, args.max_tokens, args.temperature)) for rate in args.rates
             ]
-        finally:
-            stop_server(proc)
         print(json.dumps(results[name]), flush=True)
         (RESULTS / "serving.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     text = report(results, args)

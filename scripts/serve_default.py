@@ -13,9 +13,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
+
+from vllm_univer.tools.local_server import vllm_executable, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -81,7 +81,7 @@ def main() -> None:
     name = os.environ.get("SERVED_MODEL_NAME", "qwen2.5-coder-1.5b")
     dtype, hardware, engine_args = hardware_defaults(sys.argv[1:])
     cmd = [
-        str(Path(sys.executable).parent / "vllm"),
+        vllm_executable(),
         "serve",
         str(target),
         "--served-model-name",
@@ -110,16 +110,11 @@ def main() -> None:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    while server.poll() is None:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    print(
-                        EXAMPLE.format(url=url, name=name, tree=tree, verifier=verifier, hardware=hardware), flush=True
-                    )
-                    break
-        except OSError:
-            time.sleep(2)
+    try:
+        wait_healthy(server, url, timeout=float("inf"))
+        print(EXAMPLE.format(url=url, name=name, tree=tree, verifier=verifier, hardware=hardware), flush=True)
+    except RuntimeError:
+        pass  # the server exited: its status is ours
     try:
         sys.exit(server.wait())
     except KeyboardInterrupt:

@@ -23,9 +23,10 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import sys
 import traceback
+
+from vllm_univer.tools.json_job import print_result, run_json_job
 
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -43,31 +44,14 @@ if os.environ.get("UNIVER_TEST_ATTENTION_BACKEND"):
 def run_engines(engines: list[dict], timeout: float = 1200, env: dict | None = None) -> list[dict]:
     """Run ``engines`` (see the module docstring) in a subprocess, with ``env``
     added to its environment; return their results."""
-    env = {**os.environ, **ENV, **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, __file__],
-        input=json.dumps({"engines": engines}),
-        text=True,
-        capture_output=True,
-        env=env,
-        timeout=timeout,
-    )
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"engine job failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+    result, stderr = run_json_job([__file__], {"engines": engines}, {**os.environ, **ENV, **(env or {})}, timeout)
+    if result is None:
+        raise RuntimeError(f"engine job failed:\n{stderr[-6000:]}")
+    return result
 
 
 def _prompt(p):
     return {"prompt_token_ids": p} if isinstance(p, list) else p
-
-
-def _spec_counters(llm) -> dict:
-    counters = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith(("vllm:spec_decode", "vllm:num_preemptions")):
-            counters[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
-    return counters
 
 
 def _op_counts(worker) -> dict:
@@ -94,6 +78,8 @@ def _sampling_params(kwargs: dict):
 def _run_engine(engine: dict) -> dict:
     from greedy_identity import top2_from_logprobs
     from vllm import LLM
+
+    from vllm_univer.tools.spec_counters import spec_counters
 
     margins = engine.get("margins", False)
     kwargs = {**BASE_KWARGS, **engine["kwargs"]}
@@ -126,7 +112,7 @@ def _run_engine(engine: dict) -> dict:
             calls.append(entry)
         except Exception as exc:  # noqa: BLE001
             calls.append({"error": f"{type(exc).__name__}: {exc}"})
-    result = {"calls": calls, "spec": _spec_counters(llm)}
+    result = {"calls": calls, "spec": spec_counters(llm, ("vllm:spec_decode", "vllm:num_preemptions"))}
     if engine.get("sizer"):  # tree "auto": the depths it chose and what it learnt
         result["sizer"] = llm.collective_rpc(_sizer_summary)[0]
     if os.environ.get("VLLM_UNIVER_OP_COUNTS") == "1":  # set by the test that wants them
@@ -144,7 +130,7 @@ def main() -> None:
             results.append(_run_engine(engine))
         except Exception:  # noqa: BLE001
             results.append({"error": traceback.format_exc()})
-    print("RESULT " + json.dumps(results), flush=True)
+    print_result(results)
 
 
 if __name__ == "__main__":

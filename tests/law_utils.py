@@ -16,7 +16,6 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-from scipy import stats
 
 from vllm_univer import TreeSpec, outcome_law
 
@@ -192,25 +191,3 @@ def expected_accepted(method, scheme, tree, target, draft) -> float:
     probs, _, law = step_law_over_trees(method, scheme, tree, target, draft)
     depth = tree.depth.numpy()
     return float((probs[:, None] * law.sum(-1) * depth[None, :]).sum())
-
-
-def chi_square_pvalue(counts: np.ndarray, expected_probs: np.ndarray, min_expected: float = 5.0) -> float:
-    """Goodness of fit of ``counts`` to ``expected_probs`` (flat arrays), pooling
-    cells whose expected count is below ``min_expected`` into one cell; 0 if an
-    outcome of probability 0 was observed."""
-    if counts[expected_probs == 0].sum() > 0:
-        return 0.0  # an outcome of probability 0 was observed
-    counts, expected_probs = counts[expected_probs > 0], expected_probs[expected_probs > 0]
-    n = counts.sum()
-    expected = expected_probs * n
-    small = expected < min_expected
-    obs = list(counts[~small])
-    exp = list(expected[~small])
-    if small.any():
-        obs.append(counts[small].sum())
-        exp.append(expected[small].sum())
-    obs, exp = np.array(obs, dtype=float), np.array(exp, dtype=float)
-    exp *= obs.sum() / exp.sum()
-    if len(obs) < 2:
-        return 1.0
-    return float(stats.chisquare(obs, exp).pvalue)

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from law_utils import chi_square_pvalue, scheme_outcomes
+from law_utils import scheme_outcomes
 
 from vllm_univer import draft_children
+from vllm_univer.tools.goodness_of_fit import chi_square_pvalue
 
 ROWS = [
     [0.4, 0.3, 0.2, 0.1, 0.0],

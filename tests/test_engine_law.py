@@ -19,8 +19,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_job import run_engines  # noqa: E402
-from law_utils import chi_square_pvalue  # noqa: E402
 from tiny_models import build_perturbed_draft, build_tiny_llama  # noqa: E402
+
+from vllm_univer.tools.goodness_of_fit import chi_square_pvalue  # noqa: E402
 
 VOCAB = 32
 PROMPTS = [[1, 5, 9, 14, 3], [7, 7, 20, 11]]

@@ -16,7 +16,8 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from engine_job import ENV  # noqa: E402
-from server_utils import free_port  # noqa: E402
+
+from vllm_univer.tools.local_server import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

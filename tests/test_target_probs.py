@@ -7,12 +7,12 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-from law_utils import chi_square_pvalue  # noqa: E402
 from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
 from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
 from vllm_univer.integration.target_probs import tree_target_probs  # noqa: E402
+from vllm_univer.tools.goodness_of_fit import chi_square_pvalue  # noqa: E402
 
 
 def _metadata(temperature, top_k, top_p):

@@ -1,0 +1,354 @@
+"""One-command engine benchmark for a GPU machine: tree speculation against vLLM's
+own ``draft_model`` chain and no speculation, real model sizes, side by side in one run.
+
+Models are real-size shapes with random weights (``load_format="dummy"``: only a
+``config.json`` written here, ``skip_tokenizer_init`` with token-id prompts), so
+nothing is downloaded: a Qwen2.5-7B-shaped target with a Qwen2.5-0.5B-shaped
+draft, and optionally the 1.5B / 0.5B pair. Random weights accept almost no
+draft, so each row measures the *time of a step* (decode only: the wall time of
+generating M tokens minus that of 1 token, over the steps in between), split
+with the package's step timers into verification, draft forwards, the drafter's
+own work and the rest (target forward, sampler, scheduler); and takes tau, the
+mean tokens per step, from the acceptance study on the real Qwen pair
+(``results/acceptance.jsonl``, same verifier, shape, T = 1). Projected tokens/s
+= batch x tau / step time.
+
+    python benchmarks/gpu_engine.py                  # 7B/0.5B, batch 1 8 32, about 6 min on one H200
+    python benchmarks/gpu_engine.py --pairs 7b 1.5b  # both pairs
+    python benchmarks/gpu_engine.py --pairs tiny --batches 1 2 --eager   # smoke test on a CPU
+
+Results: ``results/gpu_engine.md`` (``--out``), ending with the line the goal of
+issue 12 is read from. Every engine runs in its own process; an engine that
+fails is reported as such and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from vllm_univer.tools.json_job import print_result, run_json_job
+
+HERE = Path(__file__).resolve().parent
+STUDY = HERE / "results" / "acceptance.jsonl"
+# In-process engine core: the step timers are read and switched through collective_rpc with functions.
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+# Qwen2.5 shapes (public config.json values). The 7B's vocabulary is padded to
+# 152064 in its release; the pair here shares the 0.5B's 151936 (a draft must
+# have its target's vocabulary), which changes no cost that matters.
+QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "use_sliding_window": False,
+}
+SHAPES = {
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    # CPU smoke test only.
+    "tiny-target": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "tiny-draft": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+}
+PAIRS = {
+    "7b": ("qwen2.5-7b", "qwen2.5-0.5b"),
+    "1.5b": ("qwen2.5-1.5b", "qwen2.5-0.5b"),
+    "tiny": ("tiny-target", "tiny-draft"),
+}
+
+# (row name, speculative config without the draft model, (study tree, study method) for tau)
+ROWS = [
+    ("no speculation", None, None),
+    ("vLLM chain k=3", {"method": "draft_model", "num_speculative_tokens": 3}, ("1x3", "token")),
+    ("vLLM chain k=5", {"method": "draft_model", "num_speculative_tokens": 5}, ("1x5", "token")),
+    ("univer 2x3", {"method": "univer", "tree": "2x3"}, ("2x3", "univer")),
+    ("univer 2x5", {"method": "univer", "tree": "2x5"}, ("2x5", "univer")),
+    ("univer 3x3", {"method": "univer", "tree": "3x3"}, ("3x3", "univer")),
+    ("traversal 2x5", {"method": "univer", "tree": "2x5", "verifier": "traversal"}, ("2x5", "traversal")),
+]
+PROMPT_LEN = 128
+
+
+def write_config(root: Path, shape: str) -> str:
+    folder = root / shape
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**QWEN2, **SHAPES[shape]}, indent=1))
+    return str(folder)
+
+
+def study_tau(temperature: float = 1.0) -> dict[tuple[str, str], float]:
+    """tau = 1 + mean expected accepted tokens, per (tree, method), from the acceptance study."""
+    sums: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for line in STUDY.read_text().splitlines():
+        r = json.loads(line)
+        if r["temperature"] == temperature:
+            sums[(r["tree"], r["method"])].append(r["accepted"])
+    return {k: 1 + sum(v) / len(v) for k, v in sums.items()}
+
+
+# ------------------------------------------------------------------ one engine
+def _timers_on(worker, on: bool) -> dict:
+    univer = getattr(worker.model_runner, "univer", None)
+    if univer is None:
+        return {}
+    univer.timers.enabled = on
+    return {**univer.timers.totals, **{f"calls:{k}": v for k, v in univer.timers.calls.items()}}
+
+
+def run_one_engine(job: dict) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from vllm_univer.tools.spec_counters import spec_counters
+
+    spec = None if job["spec"] is None else {**job["spec"], "model": job["draft"]}
+    llm = LLM(
+        model=job["target"],
+        tokenizer=None,
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        speculative_config=spec,
+        dtype="bfloat16" if torch.cuda.is_available() else "float32",
+        enforce_eager=job["eager"],
+        max_model_len=PROMPT_LEN + job["max_tokens"] + 256,
+        max_num_seqs=max(job["batches"]),
+        seed=0,
+        disable_log_stats=False,
+        **({"attention_backend": job["attention_backend"]} if job["attention_backend"] else {}),
+    )
+    gen = torch.Generator().manual_seed(0)
+    vocab = 512 if "tiny" in job["target"] else 151000
+
+    def prompts(n):
+        return [{"prompt_token_ids": torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist()} for _ in range(n)]
+
+    def timed(batch, max_tokens):
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        before = spec_counters(llm)
+        start = time.perf_counter()
+        out = llm.generate(prompts(batch), params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        after = spec_counters(llm)
+        drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
+        accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
+            "vllm:spec_decode_num_accepted_tokens", 0
+        )
+        return wall, sum(len(o.outputs[0].token_ids) for o in out), drafts, accepted
+
+    timed(1, 4)  # warm-up
+    cells = []
+    for batch in job["batches"]:
+        m = job["max_tokens"]
+        wall_1, _, _, _ = timed(batch, 1)  # prefill and the first token
+        wall_m, tokens, drafts, accepted = timed(batch, m)
+        measured_tau = 1 + accepted / drafts if drafts else 1.0
+        steps = max(tokens / batch / measured_tau - 1, 1.0)
+        cell = {"batch": batch, "step_ms": 1e3 * (wall_m - wall_1) / steps, "measured_tau": measured_tau}
+        # The split, from a second run with the step timers on (they synchronise the device).
+        before = llm.collective_rpc(_timers_on, args=(True,))[0]
+        if before:
+            timed(batch, m)
+            after = llm.collective_rpc(_timers_on, args=(False,))[0]
+            spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            per_step = max(spent.get("calls:verify", 0), 1)
+            cell["split_ms"] = {
+                "verify": 1e3 * spent.get("verify", 0.0) / per_step,
+                "draft forwards": 1e3 * spent.get("draft_forward", 0.0) / per_step,
+                "drafter other": 1e3 * (spent.get("draft", 0.0) - spent.get("draft_forward", 0.0)) / per_step,
+            }
+        cells.append(cell)
+    return {"cells": cells}
+
+
+# ------------------------------------------------------------------ the matrix
+def run(args) -> list[dict]:
+    root = Path(args.work)
+    results = []
+    for pair in args.pairs:
+        target_shape, draft_shape = PAIRS[pair]
+        target, draft = write_config(root, target_shape), write_config(root, draft_shape)
+        for name, spec, study in ROWS:
+            job = {
+                "spec": spec,
+                "target": target,
+                "draft": draft,
+                "batches": args.batches,
+                "max_tokens": args.max_tokens,
+                "eager": args.eager,
+                "attention_backend": args.attention_backend,
+            }
+            print(f"[gpu_engine] {pair} {name} ...", flush=True)
+            start = time.perf_counter()
+            result, stderr = run_json_job([__file__, "--one"], job, {**os.environ, **ENV}, timeout=args.engine_timeout)
+            row = {"pair": pair, "name": name, "study": study, "engine_s": time.perf_counter() - start}
+            if result is None:
+                row["error"] = stderr[-3000:]
+                print(row["error"], flush=True)
+            else:
+                row.update(result)
+                print(json.dumps(row["cells"]), flush=True)
+            results.append(row)
+    return results
+
+
+def report(results: list[dict], command: str, device: str) -> str:
+    tau = study_tau()
+    lines = [
+        "# Tree speculation on a GPU: step time and projected tokens/s",
+        "",
+        f"Command: `{command}`. Device: {device}. Random weights in real shapes (`load_format=dummy`), "
+        f"prompts of {PROMPT_LEN} random tokens, T = 1. Step time: decode only (generate M tokens minus 1 token, "
+        "over the steps between). tau: the acceptance study on the real Qwen 1.5B / 0.5B pair "
+        "(`results/acceptance.jsonl`, same verifier and shape, T = 1), not measured here. Projected tokens/s = "
+        "batch x tau / step time; ratios within a pair and batch, all rows from this run. "
+        "Split: the package's step timers in a second run (they synchronise the device): "
+        "verify (target probabilities, verifier, KV moves), draft forwards, drafter other (its own bookkeeping).",
+        "",
+        "| pair | row | batch | step ms | verify ms | draft fwd ms | drafter other ms | package share | tau (study) "
+        "| proj. tok/s | vs no spec | vs best chain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_cell: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
+    shares: dict[tuple[str, str, int], float] = {}
+    for row in results:
+        for cell in row.get("cells", []):
+            t = tau[row["study"]] if row["study"] else 1.0
+            cell["tau"], cell["projected"] = t, cell["batch"] * t / (cell["step_ms"] / 1e3)
+            by_cell[(row["pair"], cell["batch"])][row["name"]] = cell["projected"]
+            if "split_ms" in cell:
+                split = cell["split_ms"]
+                shares[(row["pair"], row["name"], cell["batch"])] = (split["verify"] + split["drafter other"]) / cell[
+                    "step_ms"
+                ]
+    for row in results:
+        if "error" in row:
+            lines.append(f"| {row['pair']} | {row['name']} | - | failed: see the JSON | | | | | | | | |")
+            continue
+        for cell in row["cells"]:
+            rates = by_cell[(row["pair"], cell["batch"])]
+            chains = [v for k, v in rates.items() if k.startswith("vLLM chain")]
+            plain = rates.get("no speculation")
+            split = cell.get("split_ms", {})
+            share = shares.get((row["pair"], row["name"], cell["batch"]))
+            columns = [row["pair"], row["name"], cell["batch"], f"{cell['step_ms']:.2f}"]
+            columns += [f"{split[k]:.2f}" if k in split else "-" for k in ("verify", "draft forwards", "drafter other")]
+            columns += [f"{100 * share:.1f} %" if share is not None else "-", f"{cell['tau']:.2f}"]
+            columns += [f"{cell['projected']:.1f}"]
+            columns += [f"{cell['projected'] / plain:.2f}x" if plain else "-"]
+            columns += [f"{cell['projected'] / max(chains):.2f}x" if chains else "-"]
+            lines.append("| " + " | ".join(str(c) for c in columns) + " |")
+    lines += ["", goal_line(results, by_cell, shares)]
+    return "\n".join(lines) + "\n"
+
+
+def goal_line(results, by_cell, shares) -> str:
+    """univer (best shape per batch) / vLLM's chain (best k), and univer's package share, at batch 1 and 32."""
+    pair = results[0]["pair"] if results else "-"
+    parts, share_parts = [], []
+    for batch in (1, 32):
+        rates = by_cell.get((pair, batch), {})
+        univer = {k: v for k, v in rates.items() if k.startswith("univer")}
+        chains = [v for k, v in rates.items() if k.startswith("vLLM chain")]
+        if univer and chains:
+            best = max(univer, key=univer.get)
+            parts.append(f"batch {batch} = {univer[best] / max(chains):.2f}x")
+            share = shares.get((pair, best, batch))
+            share_parts.append(f"batch {batch} = {100 * share:.0f} %" if share is not None else f"batch {batch} = -")
+        else:
+            parts.append(f"batch {batch} = -")
+            share_parts.append(f"batch {batch} = -")
+    return f"GOAL univer/chain tokens/s: {', '.join(parts)}; package share of step: {', '.join(share_parts)}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", nargs="+", default=["7b"], choices=sorted(PAIRS))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's piecewise CUDA graphs)")
+    ap.add_argument("--attention-backend", default=None, help="e.g. TRITON_ATTN or FLASH_ATTN (default: vLLM's)")
+    ap.add_argument("--engine-timeout", type=float, default=300)
+    ap.add_argument("--work", default="/tmp/vllm-univer-gpu-engine", help="where the config folders go")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print_result(run_one_engine(json.load(sys.stdin)))
+        return
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke test; not the benchmark)"
+    results = run(args)
+    command = "python benchmarks/gpu_engine.py " + " ".join(sys.argv[1:])
+    text = report(results, command.strip(), device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "gpu_engine" if torch.cuda.is_available() else "gpu_engine_cpu_smoke"
+    (out / f"{stem}.json").write_text(json.dumps({"command": command, "device": device, "rows": results}, indent=1))
+    (out / f"{stem}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
