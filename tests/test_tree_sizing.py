@@ -35,17 +35,22 @@ def test_step_work_counts_target_rows_and_draft_forwards():
     assert model.work(3, 3) == StepWork(target_tokens=3 * 15, draft_tokens=[3, 6, 12])
 
 
-def test_cost_correction_is_learnt_per_depth_and_clamped():
+def test_cost_correction_is_the_median_of_recent_steps_per_depth():
     flat = ForwardCost([1, 100], [1.0, 1.0])
-    model = StepCostModel(flat, flat, WIDTHS_2X3, smoothing=0.5)
+    model = StepCostModel(flat, flat, WIDTHS_2X3, window=5)
     assert model.seconds(1, 0) == 1.0 and model.seconds(1, 2) == 3.0
     model.observe(0, model.work(1, 0), 2.0)
     assert model.seconds(1, 0) == pytest.approx(2.0)
     assert model.seconds(1, 2) == pytest.approx(6.0)  # unseen depth: the mean correction of the seen ones
-    model.observe(2, model.work(1, 2), 3.0)
-    assert model.seconds(1, 2) == pytest.approx(3.0)  # first sight of a depth: taken as is
-    model.observe(2, model.work(1, 2), 300.0)  # a stall: at most 4x the current factor, then smoothed
-    assert model.seconds(1, 2) == pytest.approx(3.0 * (1 + 0.5 * 3))
+    for seconds in (3.0, 3.3, 2.7):
+        model.observe(2, model.work(1, 2), seconds)
+    assert model.seconds(1, 2) == pytest.approx(3.0)
+    model.observe(2, model.work(1, 2), 300.0)  # one stall moves nothing
+    assert model.seconds(1, 2) == pytest.approx(3.15)
+    for _ in range(3):  # a lasting change is followed within half the window
+        model.observe(2, model.work(1, 2), 12.0)
+    assert model.seconds(1, 2) == pytest.approx(12.0)
+    assert model.correction.tolist() == pytest.approx([2.0, 1.0, 4.0, 1.0])
 
 
 def test_temperature_bands():

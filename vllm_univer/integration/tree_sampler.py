@@ -51,6 +51,7 @@ class TreeVerificationSampler:
         # nodes_through_depth[d] = number of nodes (root included) at depth <= d.
         counts = torch.bincount(tree.depth, minlength=tree.max_depth + 1)
         self.nodes_through_depth = counts.cumsum(0)
+        self._cut_trees: dict[int, TreeSpec] = {}
         self.probs_buffer = StepBuffer(runner.device)  # the target probabilities, [B, N+1, V]
         self.bias_and_min_p = RequestBiasAndMinP()
 
@@ -59,30 +60,37 @@ class TreeVerificationSampler:
             return self._verify(metadata, logits, sampling_metadata)
 
     def _verify(self, metadata, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
-        tree, device = self.tree, logits.device
+        device = logits.device
         num_draft_list = list(metadata.num_draft_tokens)
         batch = len(num_draft_list)
         req_ids = self.runner.input_batch.req_ids[:batch]
         num_draft = torch.tensor(num_draft_list, dtype=torch.long)
+        # The scheduler may cut a tree short (token budget, max_model_len) and
+        # ``tree: auto`` drafts depth cuts: a breadth-first prefix is verified as
+        # the tree cut to its last full level, and the step works on the tree cut
+        # to the deepest level any request has (no rows, no probabilities below it).
+        keep_depth = torch.searchsorted(self.nodes_through_depth, num_draft + 1, right=True) - 1
+        tree = self._cut_tree(max(1, int(keep_depth.max())))
+        n1 = tree.num_nodes + 1
+        num_draft = num_draft.clamp(max=tree.num_nodes)
 
         # Rows of each request's root and nodes in ``logits``; missing nodes repeat a valid row.
-        rows = tree_rows((num_draft + 1).cumsum(0) - (num_draft + 1), num_draft, tree.num_nodes)
+        first_row = torch.tensor(list(metadata.num_draft_tokens), dtype=torch.long)
+        rows = tree_rows((first_row + 1).cumsum(0) - (first_row + 1), num_draft, tree.num_nodes)
         if bool((num_draft == tree.num_nodes).all()) and logits.shape[0] == rows.numel():
-            tree_logits = logits.view(batch, tree.num_nodes + 1, -1)  # every tree whole: rows in order, no copy
+            tree_logits = logits.view(batch, n1, -1)  # every tree whole: rows in order, no copy
         else:
-            tree_logits = logits[rows.to(device)]  # [B, N+1, V]
+            tree_logits = logits[rows.to(device)]  # [B, n1, V]
         temperature = sampling_metadata.temperature
         if temperature is None:  # all greedy
             temperature = torch.zeros(batch, device=device)
 
         tokens, q, q_missing = self._trees_for(req_ids, num_draft_list, tree_logits)
-        # The scheduler may cut a tree short (token budget, max_model_len); a
-        # breadth-first prefix is verified as the tree cut to its last full level.
-        keep_depth = torch.searchsorted(self.nodes_through_depth, num_draft + 1, right=True) - 1
+        tokens, q = tokens[:, :n1], (q[:, :n1] if q is not None else None)
         exists = tree.depth.unsqueeze(0) <= keep_depth.unsqueeze(1)
         tokens = tokens.masked_fill(~exists.to(device), -1)
         self.bias_and_min_p.update(req_ids, lambda r: self.runner.requests[r].sampling_params, device)
-        transforms = self._path_transforms(tokens, sampling_metadata, batch)
+        transforms = self._path_transforms(tree, tokens, sampling_metadata, batch)
         if sampling_metadata.all_greedy:
             # Argmax matching needs neither probabilities nor q: the argmax of the
             # processed logits, as vLLM's greedy sampler takes it.
@@ -94,9 +102,12 @@ class TreeVerificationSampler:
             result = verify_greedy(tree, tokens, argmax)
         else:
             result = self._verify_sampled(
-                tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch
+                tree, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch
             )
-        output, end = result.output_token_ids, result.end_node
+        end = result.end_node
+        # vLLM's layout: [B, D+1] of the configured tree, -1 padded.
+        output = torch.full((batch, self.tree.max_depth + 1), -1, dtype=torch.long, device=device)
+        output[:, : result.output_token_ids.shape[1]] = result.output_token_ids
 
         with self.timers.measure("kv_moves"):
             self._keep_accepted_kv(batch, end)
@@ -106,10 +117,17 @@ class TreeVerificationSampler:
             logprobs = self._logprobs(logits, rows.to(device), end, output, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
+    def _cut_tree(self, depth: int) -> TreeSpec:
+        """The configured tree cut to ``depth`` (a breadth-first prefix: node ids unchanged)."""
+        if depth >= self.tree.max_depth:
+            return self.tree
+        if depth not in self._cut_trees:
+            self._cut_trees[depth] = TreeSpec(self.tree.paths[: int(self.nodes_through_depth[depth])])
+        return self._cut_trees[depth]
+
     def _verify_sampled(
-        self, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch: int
+        self, tree, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch: int
     ):
-        tree = self.tree
         with self.timers.measure("target_probs"):
             p, greedy = tree_target_probs(
                 tree_logits,
@@ -146,9 +164,9 @@ class TreeVerificationSampler:
             result.output_token_ids[row], result.end_node[row] = one.output_token_ids[0], one.end_node[0]
         return result
 
-    def _path_transforms(self, tokens, sampling_metadata, batch: int) -> list:
+    def _path_transforms(self, tree: TreeSpec, tokens, sampling_metadata, batch: int) -> list:
         """vLLM's logits transforms that depend on the text a row continues, in vLLM's order."""
-        tree = self.tree.on(tokens.device)
+        tree = tree.on(tokens.device)
         transforms = []
         if TreePathMasks.needed(sampling_metadata):
             transforms.append(TreePathMasks(tokens, tree.ancestors, tree.depth, sampling_metadata, batch))

@@ -26,10 +26,6 @@ from ..tree import TreeSpec
 
 logger = init_logger(__name__)
 
-# Steps whose period exceeds the prediction by this factor are taken for idle
-# gaps or stalls and left out, unless they keep coming (then the machine is slower).
-STALL_FACTOR = 3.0
-STALLS_BEFORE_BELIEVED = 8
 # Test hook: a fixed cycle of depth cuts, "2,0,3" -> batch row i at decision k is
 # cut to depths[(k + i) % 3] (cuts that change between steps and within a batch),
 # in place of the choice; the measurements still run.
@@ -46,7 +42,6 @@ class TreeSizer:
         self.acceptance = AcceptanceModel(tree.max_depth)
         self.chooser: DepthChooser | None = None
         self._last: tuple[float, int, list[int]] | None = None  # (time, depth, draft forward tokens)
-        self._stalls = 0
         schedule = os.environ.get(SCHEDULE_ENV)
         self._schedule = [int(d) for d in schedule.split(",")] if schedule else None
         if self._schedule and not all(0 <= d <= tree.max_depth for d in self._schedule):
@@ -95,6 +90,11 @@ class TreeSizer:
                 draft = [timed(lambda n=n: proposer.dummy_run(n)) for n in sizes]
         finally:
             del proposer.univer_forwards
+        self.calibration = {
+            "tokens": sizes,
+            "target_ms": [1e3 * t for t in target],
+            "draft_ms": [1e3 * t for t in draft],
+        }
         self.chooser = DepthChooser(
             StepCostModel(ForwardCost(sizes, target), ForwardCost(sizes, draft), self.widths), self.acceptance
         )
@@ -141,15 +141,7 @@ class TreeSizer:
             return
         started, depth, draft_tokens = self._last
         target_tokens = int(self.runner.query_start_loc.np[batch])
-        work = StepWork(target_tokens=target_tokens, draft_tokens=draft_tokens)
-        cost = self.chooser.cost
-        period = now - started
-        if period > STALL_FACTOR * cost.raw_seconds(work) * cost.factor(depth) and cost.seen[depth]:
-            self._stalls += 1
-            if self._stalls < STALLS_BEFORE_BELIEVED:
-                return
-        self._stalls = 0
-        cost.observe(depth, work, period)
+        self.chooser.cost.observe(depth, StepWork(target_tokens, draft_tokens), now - started)
 
     def summary(self) -> dict:
         """Steps per chosen depth, the acceptance hazards and cost corrections (benchmarks, tests)."""
@@ -159,4 +151,5 @@ class TreeSizer:
             "requests_at_depth": {int(d): n for d, n in sorted(self.requests_at_depth.items())},
             "hazards": self.acceptance.hazards().round(3).tolist(),
             "cost_correction": self.chooser.cost.correction.round(3).tolist(),
+            "calibration": self.calibration,
         }

@@ -19,6 +19,7 @@ the scheduler).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,17 +58,28 @@ class StepWork:
 class StepCostModel:
     """Predicted seconds of a step, per depth cut, for a batch of R requests.
 
-    depth_widths[j] = tree nodes of depth j (j = 0 is the root: 1).
+    depth_widths[j] = tree nodes of depth j (j = 0 is the root: 1). The
+    correction of a depth is the median of the last ``window`` ratios of
+    observed to predicted period at that depth: one stall (a long prefill, an
+    idle gap between requests) moves it not at all, a lasting change within
+    ``window // 2 + 1`` steps.
     """
 
-    def __init__(self, target: ForwardCost, draft: ForwardCost, depth_widths: list[int], smoothing: float = 0.1):
+    def __init__(self, target: ForwardCost, draft: ForwardCost, depth_widths: list[int], window: int = 9):
         self.target = target
         self.draft = draft
         self.widths = np.asarray(depth_widths, dtype=np.int64)
         self.rows_through = np.cumsum(self.widths)  # [D+1]: rows per request at depth cut d
-        self.smoothing = smoothing
-        self.correction = np.ones(len(self.widths))  # per depth cut; 1 until a step of that cut is seen
-        self.seen = np.zeros(len(self.widths), dtype=bool)
+        self.ratios = [deque(maxlen=window) for _ in self.widths]  # per depth cut: observed / predicted
+
+    @property
+    def correction(self) -> np.ndarray:
+        """[D+1]: the factor each depth's prediction is multiplied by (1 where nothing is seen)."""
+        return np.array([np.median(r) if r else 1.0 for r in self.ratios])
+
+    @property
+    def seen(self) -> np.ndarray:
+        return np.array([len(r) > 0 for r in self.ratios])
 
     def work(self, num_requests: int, depth: int) -> StepWork:
         """The forwards a step of ``num_requests`` decodes cut to ``depth`` runs."""
@@ -85,17 +97,12 @@ class StepCostModel:
     def observe(self, depth: int, work: StepWork, seconds: float) -> None:
         """A step cut to ``depth`` that did ``work`` took ``seconds`` of wall clock."""
         predicted = self.raw_seconds(work)
-        if predicted <= 0 or not np.isfinite(seconds) or seconds <= 0:
-            return
-        # Clamped: one stall (a long prefill, the host busy elsewhere) must not swing the choice.
-        ratio = float(np.clip(seconds / predicted, 0.25 * self.factor(depth), 4.0 * self.factor(depth)))
-        if not self.seen[depth]:
-            self.correction[depth], self.seen[depth] = ratio, True
-        else:
-            self.correction[depth] += self.smoothing * (ratio - self.correction[depth])
+        if predicted > 0 and np.isfinite(seconds) and seconds > 0:
+            self.ratios[depth].append(seconds / predicted)
 
     def factor(self, depth: int) -> float:
-        if self.seen[depth]:
-            return float(self.correction[depth])
+        if self.ratios[depth]:
+            return float(np.median(self.ratios[depth]))
         # Not run yet at this cut: what the cuts already run say about the model's bias.
-        return float(np.mean(self.correction[self.seen])) if self.seen.any() else 1.0
+        seen = [np.median(r) for r in self.ratios if r]
+        return float(np.mean(seen)) if seen else 1.0
