@@ -17,6 +17,8 @@ Loops run over depth levels and over the (few) distinct child counts of a level.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
@@ -104,7 +106,7 @@ class TreeDrafter:
             for i, s in zip(active.tolist(), start.tolist())
         ]
         block_rows = block_table.get_cpu_tensor()[torch.from_numpy(active)]
-        temperature, greedy = self._draft_temperature(sampling_metadata, active)
+        temperature, greedy = self._draft_temperature(active)
 
         banned = sampling_metadata.allowed_token_ids_mask
         if banned is not None:  # draft inside the allowed set: other drafts would always be rejected
@@ -141,11 +143,10 @@ class TreeDrafter:
             if q is not None:
                 q[rows, self.level_span[d][0] :] = 0.0
 
-    def _draft_temperature(self, sampling_metadata, active: np.ndarray):
-        temperature = sampling_metadata.temperature
-        if temperature is None:  # vLLM leaves it out when every request is greedy
-            return split_greedy(torch.zeros(len(active)))
-        return split_greedy(temperature.cpu()[torch.from_numpy(active)])
+    def _draft_temperature(self, active: np.ndarray):
+        """(temperature [R], greedy [R]) of the active rows, from vLLM's host copy
+        of the batch's temperatures (0 for greedy requests): no device read."""
+        return split_greedy(torch.from_numpy(self.runner.input_batch.temperature_cpu[active].astype(np.float32)))
 
     def _draft_levels(
         self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned, depth
@@ -170,8 +171,9 @@ class TreeDrafter:
         vocab = root_logits.shape[-1]
         tokens = torch.full((reqs, n1), -1, dtype=torch.long, device=device)
         tokens[:, 0] = torch.from_numpy(token_ids[query_start[1:] - 1].astype(np.int64)).to(device)
-        greedy = greedy.to(device)
-        all_greedy = bool(greedy.all())
+        # Host-side facts about the rows decided once here: the level loop reads no device value.
+        greedy = GreedyRows(greedy.to(device), greedy, bool(greedy.any()), bool(greedy.all()))
+        all_greedy = greedy.all
         q = None
         if not all_greedy:
             # Rows of internal nodes are written level by level; leaf rows are never a
@@ -193,7 +195,7 @@ class TreeDrafter:
         for d in range(1, depth):
             first, last = self.level_span[d]
             width = last - first + 1
-            node_ids = tokens[:, first : last + 1].clamp(min=0).flatten().cpu().numpy()
+            node_ids = tokens[:, first : last + 1].clamp(min=0).flatten()  # stays on the device
             rows = np.repeat(np.arange(reqs), width)
             slot_pos = (root_pos[:, None] + np.arange(first, last + 1)[None]).flatten()
             rope_pos = np.repeat(root_pos + d, width)
@@ -250,17 +252,16 @@ class TreeDrafter:
     def _draw_children(self, depth, tokens, level_rows, greedy, generators, active) -> None:
         """Children of the depth-``depth`` nodes, drawn from their rows ``level_rows``
         [R, width, V] (q; or logits when every request is greedy)."""
-        any_greedy, all_greedy = bool(greedy.any()), bool(greedy.all())
         row_of = {int(b): r for r, b in enumerate(active)} if generators else {}
-        seeded = [(row_of[b], g) for b, g in generators.items() if b in row_of and not bool(greedy[row_of[b]])]
+        seeded = [(row_of[b], g) for b, g in generators.items() if b in row_of and not bool(greedy.host[row_of[b]])]
         for parents, kids, m, in_level in self.child_groups[depth]:
             rows = level_rows[:, in_level]  # [R, g, V]
-            if all_greedy:
+            if greedy.all:
                 drawn = top_tokens(rows, m)
             else:
                 drawn = draft_children(self.scheme, rows, m)
-                if any_greedy:
-                    drawn = torch.where(greedy.view(-1, 1, 1), top_tokens(rows, m), drawn)
+                if greedy.any:
+                    drawn = torch.where(greedy.rows.view(-1, 1, 1), top_tokens(rows, m), drawn)
             # Seeded requests draw from their own generator (outputs independent of the batch).
             for row, generator in seeded:
                 drawn[row] = draft_children(self.scheme, rows[row], m, generator=generator)
@@ -286,8 +287,9 @@ class TreeDrafter:
     ) -> torch.Tensor:
         """One draft-model forward over a flat batch of tokens.
 
-        token_ids/rope_pos/rows/slot_pos: numpy [T] (request row of each token and
-        the cache position it is written to); query_start numpy [R+1]; seq_lens numpy [R].
+        token_ids: numpy [T] or a LongTensor [T] on the device; rope_pos/rows/slot_pos:
+        numpy [T] (request row of each token and the cache position it is written
+        to); query_start numpy [R+1]; seq_lens numpy [R].
         """
         device = self.runner.device
         proposer = self.proposer
@@ -320,7 +322,9 @@ class TreeDrafter:
             for name in group.layer_names:
                 per_layer[name] = metadata
         slot_mappings = {name: slot_mapping for name in proposer._draft_attn_layer_names}
-        input_ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64)).to(device=device, dtype=torch.int32)
+        if not torch.is_tensor(token_ids):
+            token_ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
+        input_ids = token_ids.to(device=device, dtype=torch.int32)
         positions = torch.from_numpy(np.asarray(rope_pos, dtype=np.int64)).to(device)
         with (
             self.timers.measure("draft_forward"),
@@ -330,6 +334,15 @@ class TreeDrafter:
         if isinstance(hidden, tuple):
             hidden = hidden[0]
         return hidden
+
+
+class GreedyRows(NamedTuple):
+    """Which active rows are greedy: on the device, on the host, and any / all."""
+
+    rows: torch.Tensor
+    host: torch.Tensor
+    any: bool
+    all: bool
 
 
 def _masked(logits: torch.Tensor, banned: torch.Tensor | None) -> torch.Tensor:
