@@ -5,7 +5,7 @@
 # bars), prints the URL and a ready-to-paste openai example once the server is
 # up. A second run reuses everything; Ctrl-C stops the server cleanly.
 #
-#   PORT (8000), TREE (2x3), VERIFIER (univer), DTYPE (bfloat16 where the hardware runs it natively, else float32), TARGET_MODEL and
+#   PORT (8000), TREE (auto: the depth cut of 2x5 that measures fastest, per step), VERIFIER (univer), DTYPE (bfloat16 where the hardware runs it natively, else float32), TARGET_MODEL and
 #   DRAFT_MODEL (folders, instead of the default pair); extra arguments go to vllm serve.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

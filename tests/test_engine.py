@@ -345,12 +345,13 @@ def test_greedy_identity_with_tree_auto_cuts(models):
 
 
 def test_tree_auto_chooses_for_itself(models):
-    """tree "auto" without a schedule: calibrated at start-up, a choice every step
-    (here a draft as large as its target: drafting cannot pay, so mostly depth 0),
-    and the greedy output is the target's."""
+    """tree "auto" without a schedule, compiled as the main job runs it (no
+    enforce_eager: vLLM's profile run then samples through the verifier too):
+    calibrated at start-up, a choice every step, and the greedy output is the target's."""
     target, draft = models
     job = call(prompts(4, seed=5), temperature=0.0, max_tokens=80, ignore_eos=True)
-    results = run_engines([reference(target, [job]), {**engine(target, [job], auto(draft, "2x3")), "sizer": True}])
+    auto_engine = {**engine(target, [job], auto(draft, "2x3"), enforce_eager=False), "sizer": True}
+    results = run_engines([reference(target, [job]), auto_engine])
     assert "error" not in results[1], results[1].get("error")
     assert_greedy_identical(results[1]["calls"][0]["outputs"], results[0]["calls"][0], "auto")
     sizer = results[1]["sizer"]

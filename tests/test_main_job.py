@@ -31,7 +31,6 @@ def test_main_job_serves_and_stops_on_ctrl_c(tiny_pair, tmp_path):
         "TARGET_MODEL": str(target),
         "DRAFT_MODEL": str(draft),
         "PORT": str(port),
-        "TREE": "2x3",
         "DTYPE": "float32",
         "SERVED_MODEL_NAME": "tiny",
     }
@@ -55,6 +54,7 @@ def test_main_job_serves_and_stops_on_ctrl_c(tiny_pair, tmp_path):
             text = log.read_text()
             print(f"\nmain job on the tiny models: Ready after {time.time() - started:.0f} s")
             assert f"http://127.0.0.1:{port}/v1" in text and "from openai import OpenAI" in text
+            assert "UniVer tree auto" in text  # the default: the tree sizes itself
             assert "CPU: " in text and "dtype float32 (set by DTYPE)" in text  # what it chose, and why
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
             reply = client.chat.completions.create(

@@ -221,7 +221,7 @@ class TreeVerificationSampler:
         query_start = self.runner.query_start_loc.np
         accepted = accepted.cpu().numpy()
         keep_depth = keep_depth.numpy()
-        if self.sizer is not None:
+        if self.sizer is not None and len(req_ids) == len(num_draft):  # not vLLM's profile run (no requests)
             drafted = np.asarray(num_draft) > 0
             temperature = self.runner.input_batch.temperature_cpu[: len(req_ids)]
             self.sizer.observe_acceptance(temperature[drafted], keep_depth[drafted], accepted[drafted])
