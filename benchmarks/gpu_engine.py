@@ -87,30 +87,15 @@ SHAPES = {
     ),
     # CPU smoke test only.
     "tiny-target": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        vocab_size=512,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     ),
     "tiny-draft": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=False,
-        vocab_size=512,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
     ),
 }
+TINY = dict(tie_word_embeddings=False, vocab_size=512, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+for _name in ("tiny-target", "tiny-draft"):
+    SHAPES[_name].update(TINY)
 PAIRS = {
     "7b": ("qwen2.5-7b", "qwen2.5-0.5b"),
     "1.5b": ("qwen2.5-1.5b", "qwen2.5-0.5b"),
@@ -178,7 +163,7 @@ def run_one_engine(job: dict) -> dict:
         **({"attention_backend": job["attention_backend"]} if job["attention_backend"] else {}),
     )
     gen = torch.Generator().manual_seed(0)
-    vocab = 512 if "tiny" in job["target"] else 151000
+    vocab = json.loads((Path(job["target"]) / "config.json").read_text())["vocab_size"]
 
     def prompts(n):
         return [{"prompt_token_ids": torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist()} for _ in range(n)]

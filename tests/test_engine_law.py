@@ -192,46 +192,52 @@ def counts_of(outputs: list[list[int]], length: int = 4) -> np.ndarray:
     return counts
 
 
+# The first three tokens (prefill sample, then tree steps) and the pair (t3, t4),
+# which mostly follows a tree step whose accepted path's KV was moved.
+MARGINALS = ((3,), (0, 1))
+
+
+def marginal_pvalue(counts: np.ndarray, law: np.ndarray, axes: tuple[int, ...]) -> float:
+    """Goodness of fit of the counts' marginal (``axes`` summed out) to the law's."""
+    return chi_square_pvalue(counts.sum(axis=axes).ravel(), law.sum(axis=axes).ravel())
+
+
+def law_engine(target: str, spec: dict, prompts: list, sampling: dict) -> dict:
+    """An engine job of the law tests: every prompt sampled once with ``sampling``."""
+    return {
+        "kwargs": {"model": target, "max_model_len": 64, "max_num_seqs": 64, "speculative_config": spec},
+        "calls": [{"prompts": prompts, "params": [sampling] * len(prompts)}],
+    }
+
+
 def test_generated_law_equals_target_law(small_models):
     target, draft = small_models
     engines = []
     for verifier, tree, params in CASES:
         sampling = {**params, "max_tokens": 4, "ignore_eos": True}
         prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
-        engines.append(
-            {
-                "kwargs": {
-                    "model": target,
-                    "max_model_len": 64,
-                    "max_num_seqs": 64,
-                    "speculative_config": {"method": "univer", "model": draft, "tree": tree, "verifier": verifier},
-                },
-                "calls": [{"prompts": prompts, "params": [sampling] * len(prompts)}],
-            }
-        )
+        spec = {"method": "univer", "model": draft, "tree": tree, "verifier": verifier}
+        engines.append(law_engine(target, spec, prompts, sampling))
     results = run_engines(engines)
     for (verifier, tree, params), result in zip(CASES, results):
         assert "error" not in result, (verifier, result.get("error"))
         outputs = result["calls"][0]["outputs"]
-        spec = result["spec"]
-        accepted, drafts = spec["vllm:spec_decode_num_accepted_tokens"], spec["vllm:spec_decode_num_drafts"]
+        counters = result["spec"]
+        accepted, drafts = counters["vllm:spec_decode_num_accepted_tokens"], counters["vllm:spec_decode_num_drafts"]
         assert 0 < accepted < drafts * 2, (verifier, accepted, drafts)  # some paths accepted, not all
         for i, prompt in enumerate(PROMPTS):
             counts = counts_of(outputs[i * REQUESTS_PER_PROMPT : (i + 1) * REQUESTS_PER_PROMPT])
             law = exact_law_of_tokens(target, prompt, params)
             wrong = exact_law_of_tokens(draft, prompt, params)
-            # The first three tokens (prefill sample, then tree steps) and the pair
-            # (t3, t4), which mostly follows a tree step whose accepted path's KV
-            # was moved: both must follow the target's law; the draft's law is
-            # rejected (the test has power).
-            for axes in ((3,), (0, 1)):
-                pvalue = chi_square_pvalue(counts.sum(axis=axes).ravel(), law.sum(axis=axes).ravel())
+            # Both marginals follow the target's law; the draft's law is rejected (the test has power).
+            for axes in MARGINALS:
+                pvalue = marginal_pvalue(counts, law, axes)
                 assert pvalue > 1e-3, (verifier, tree, params, i, axes, pvalue)
-                assert chi_square_pvalue(counts.sum(axis=axes).ravel(), wrong.sum(axis=axes).ravel()) < 1e-6
+                assert marginal_pvalue(counts, wrong, axes) < 1e-6
             if "min_p" in params and i == 0:  # the options bite: their law is not the law without them
                 plain = {k: v for k, v in params.items() if k not in ("min_p", "logit_bias")}
                 unbiased = exact_law_of_tokens(target, prompt, plain)
-                assert chi_square_pvalue(counts.sum(axis=(3,)).ravel(), unbiased.sum(axis=(3,)).ravel()) < 1e-6
+                assert marginal_pvalue(counts, unbiased, (3,)) < 1e-6
 
 
 def test_tree_auto_cuts_law_equals_target_law(small_models):
@@ -242,11 +248,7 @@ def test_tree_auto_cuts_law_equals_target_law(small_models):
     prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
     sampling = {"temperature": 1.0, "max_tokens": 4, "ignore_eos": True}
     spec = {"method": "univer", "model": draft, "tree": "auto", "max_tree": "2x2"}
-    job = {
-        "kwargs": {"model": target, "max_model_len": 64, "max_num_seqs": 64, "speculative_config": spec},
-        "calls": [{"prompts": prompts, "params": [sampling] * len(prompts)}],
-        "sizer": True,
-    }
+    job = {**law_engine(target, spec, prompts, sampling), "sizer": True}
     (result,) = run_engines([job], env={"VLLM_UNIVER_AUTO_DEPTHS": "2,0,1"})
     assert "error" not in result, result.get("error")
     assert set(result["sizer"]["requests_at_depth"]) == {"0", "1", "2"}
@@ -255,8 +257,8 @@ def test_tree_auto_cuts_law_equals_target_law(small_models):
     for i, prompt in enumerate(PROMPTS):
         counts = counts_of(outputs[i * REQUESTS_PER_PROMPT : (i + 1) * REQUESTS_PER_PROMPT])
         law = exact_law_of_tokens(target, prompt, {"temperature": 1.0})
-        for axes in ((3,), (0, 1)):
-            pvalue = chi_square_pvalue(counts.sum(axis=axes).ravel(), law.sum(axis=axes).ravel())
+        for axes in MARGINALS:
+            pvalue = marginal_pvalue(counts, law, axes)
             assert pvalue > 1e-3, (i, axes, pvalue)
 
 
@@ -306,28 +308,16 @@ def test_path_options_law_equals_target_law(small_models):
         "ignore_eos": True,
     }
     prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
-    result = run_engines(
-        [
-            {
-                "kwargs": {
-                    "model": target,
-                    "max_model_len": 64,
-                    "max_num_seqs": 64,
-                    "speculative_config": {"method": "univer", "model": draft, "tree": "2x2"},
-                },
-                "calls": [{"prompts": prompts, "params": [sampling] * len(prompts)}],
-            }
-        ]
-    )[0]
+    spec = {"method": "univer", "model": draft, "tree": "2x2"}
+    result = run_engines([law_engine(target, spec, prompts, sampling)])[0]
     assert "error" not in result, result.get("error")
     outputs = result["calls"][0]["outputs"]
     assert all(set(out) <= set(letters) for out in outputs)
     for i, prompt in enumerate(PROMPTS):
         counts = counts_of(outputs[i * REQUESTS_PER_PROMPT : (i + 1) * REQUESTS_PER_PROMPT])
         law = exact_law_of_tokens(target, prompt, exact)
-        for axes in ((3,), (0, 1)):
-            observed = counts.sum(axis=axes).ravel()
-            pvalue = chi_square_pvalue(observed, law.sum(axis=axes).ravel())
+        for axes in MARGINALS:
+            pvalue = marginal_pvalue(counts, law, axes)
             assert pvalue > 1e-3, (i, axes, pvalue)
         if i == 0:  # the options were chosen to bite on prompt 0
             wrong_laws = {
@@ -336,7 +326,7 @@ def test_path_options_law_equals_target_law(small_models):
                 "no min_tokens": exact_law_of_tokens(target, prompt, {**exact, "min_tokens": 0}),
             }
             for name, wrong in wrong_laws.items():
-                pvalue = chi_square_pvalue(counts.sum(axis=(3,)).ravel(), wrong.sum(axis=(3,)).ravel())
+                pvalue = marginal_pvalue(counts, wrong, (3,))
                 assert pvalue < 1e-6, (name, pvalue)
 
 
@@ -356,25 +346,14 @@ def test_structured_output_law_equals_target_law(small_models):
     exact = {"temperature": 1.0, "regex": pattern, "token_texts": token_texts, "stop_token_ids": [tok.eos_token_id]}
     sampling = {"temperature": 1.0, "max_tokens": 4, "structured_outputs": {"regex": pattern}}
     prompt = PROMPTS[0]
-    result = run_engines(
-        [
-            {
-                "kwargs": {
-                    "model": target,
-                    "max_model_len": 64,
-                    "max_num_seqs": 64,
-                    "speculative_config": {"method": "univer", "model": draft, "tree": "2x2"},
-                },
-                "calls": [{"prompts": [prompt] * REQUESTS_PER_PROMPT, "params": [sampling] * REQUESTS_PER_PROMPT}],
-            }
-        ]
-    )[0]
+    spec = {"method": "univer", "model": draft, "tree": "2x2"}
+    result = run_engines([law_engine(target, spec, [prompt] * REQUESTS_PER_PROMPT, sampling)])[0]
     assert "error" not in result, result.get("error")
-    spec = result["spec"]
-    assert spec["vllm:spec_decode_num_accepted_tokens"] > 0.2 * spec["vllm:spec_decode_num_drafts"]
+    counters = result["spec"]
+    assert counters["vllm:spec_decode_num_accepted_tokens"] > 0.2 * counters["vllm:spec_decode_num_drafts"]
     counts = counts_of(result["calls"][0]["outputs"])
     law = exact_law_of_tokens(target, prompt, exact)
     wrong = exact_law_of_tokens(draft, prompt, exact)
-    for axes in ((3,), (0, 1)):
-        assert chi_square_pvalue(counts.sum(axis=axes).ravel(), law.sum(axis=axes).ravel()) > 1e-3, axes
-    assert chi_square_pvalue(counts.sum(axis=(3,)).ravel(), wrong.sum(axis=(3,)).ravel()) < 1e-6
+    for axes in MARGINALS:
+        assert marginal_pvalue(counts, law, axes) > 1e-3, axes
+    assert marginal_pvalue(counts, wrong, (3,)) < 1e-6

@@ -107,9 +107,7 @@ CHECK = textwrap.dedent("""
 
     def _draw_with(verifier, tt, tokens, p, q, end, weight, q_bar_scale, uniforms):
         from vllm_univer.kernels.triton_topk1_verify import residual_draw
-        from vllm_univer.verifiers import Family
-        scale = weight if verifier.family is Family.POSTORDER else torch.ones_like(weight)
-        return residual_draw(verifier.name, p, q, tokens, tt.children, end, scale, q_bar_scale, uniforms)
+        return residual_draw(verifier.name, p, q, tokens, tt.children, end, weight, q_bar_scale, uniforms)
 
     # An exactly empty residual draws from p: target_only's children cover p's support.
     tree = TreeSpec.parse("2x1")

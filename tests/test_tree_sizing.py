@@ -14,9 +14,9 @@ from vllm_univer.tree import TreeSpec
 WIDTHS_2X3 = [1, 2, 4, 8]  # nodes per depth of "2x3"
 
 
-def test_widths_helper_matches_the_tree():
-    tree = TreeSpec.parse("2x3")
-    assert np.bincount(tree.depth.numpy()).tolist() == WIDTHS_2X3
+def test_nodes_per_depth():
+    assert TreeSpec.parse("2x3").nodes_per_depth == WIDTHS_2X3
+    assert TreeSpec.parse([[0], [1], [0, 0]]).nodes_per_depth == [1, 2, 1]
 
 
 def test_forward_cost_interpolates_and_extends_the_last_slope():

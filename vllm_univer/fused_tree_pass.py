@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .tree import _TreeTensors
-from .verifiers import Family, TreeVerifier
+from .verifiers import TreeVerifier
 
 FUSED_METHODS = ("univer", "greedy", "target_only")
 
@@ -64,5 +64,5 @@ def fused_next_token(
     from .kernels.triton_topk1_verify import residual_draw
 
     uniforms = torch.rand(p.shape[0], generator=generator, device=p.device, dtype=torch.float64)
-    scale = weight if verifier.family is Family.POSTORDER else torch.ones_like(weight)
-    return residual_draw(verifier.name, p, q, tokens, tt.children, end, scale, q_bar_scale, uniforms)
+    # The kernel reads the end node's weight as its prefix scale for univer only.
+    return residual_draw(verifier.name, p, q, tokens, tt.children, end, weight, q_bar_scale, uniforms)

@@ -105,6 +105,11 @@ class TreeSpec:
         counts.index_add_(0, self.parent[1:], torch.ones(self.num_nodes, dtype=torch.long))
         return counts
 
+    @cached_property
+    def nodes_per_depth(self) -> list[int]:
+        """Number of nodes at each depth 0..D (the root alone at depth 0)."""
+        return torch.bincount(self.depth, minlength=self.max_depth + 1).tolist()
+
     @property
     def max_children(self) -> int:
         return int(self.num_children.max())

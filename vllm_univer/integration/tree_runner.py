@@ -34,6 +34,7 @@ class TreeRunner:
         self.tree = config.tree_spec
         self.state = TreeState()
         self.timers = StepTimers(runner.device)
+        self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
         self.sizer = None
         if config.auto:
             if runner.parallel_config.world_size > 1:
@@ -41,11 +42,10 @@ class TreeRunner:
                 raise NotImplementedError(
                     "tree 'auto' runs on a single worker; with tensor or pipeline parallelism give a fixed tree"
                 )
-            self.sizer = TreeSizer(runner, self.tree)
+            self.sizer = TreeSizer(runner, self.tree, self.drafter)
         self.sampler = TreeVerificationSampler(
             runner, self.tree, config.verifier, self.state, self.kv_layers, self.timers, self.sizer
         )
-        self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
         runner.rejection_sampler = self.sampler
         self._pending_plan: TreeAttentionPlan | None = None
         self._kv_views = None
@@ -134,14 +134,9 @@ class TreeRunner:
             self.sizer.calibrate()
 
     def propose(self, sampled_token_ids, sampling_metadata):
-        depth = None
-        if self.sizer is not None:
-            depth = self.sizer.choose(self.runner.input_batch.num_reqs)
+        depth = None if self.sizer is None else self.sizer.choose(self.runner.input_batch.num_reqs)
         with self.timers.measure("draft"):
-            drafts = self.drafter.propose(sampled_token_ids, sampling_metadata, depth)
-        if self.sizer is not None:
-            self.sizer.drafted(self.drafter.forward_tokens)
-        return drafts
+            return self.drafter.propose(sampled_token_ids, sampling_metadata, depth)
 
 
 def _refuse_custom_logits_processors(logitsprocs) -> None:

@@ -49,8 +49,7 @@ class TreeVerificationSampler:
         self.kv_layers = kv_layers  # callable -> list of (keys, values) cache views
         self.timers = timers
         # nodes_through_depth[d] = number of nodes (root included) at depth <= d.
-        counts = torch.bincount(tree.depth, minlength=tree.max_depth + 1)
-        self.nodes_through_depth = counts.cumsum(0)
+        self.nodes_through_depth = torch.tensor(tree.nodes_per_depth).cumsum(0)
         self._cut_trees: dict[int, TreeSpec] = {}
         self.probs_buffer = StepBuffer(runner.device)  # the target probabilities, [B, N+1, V]
         self.bias_and_min_p = RequestBiasAndMinP()
@@ -64,19 +63,18 @@ class TreeVerificationSampler:
         num_draft_list = list(metadata.num_draft_tokens)
         batch = len(num_draft_list)
         req_ids = self.runner.input_batch.req_ids[:batch]
-        num_draft = torch.tensor(num_draft_list, dtype=torch.long)
+        scheduled = torch.tensor(num_draft_list, dtype=torch.long)
         # The scheduler may cut a tree short (token budget, max_model_len) and
         # ``tree: auto`` drafts depth cuts: a breadth-first prefix is verified as
         # the tree cut to its last full level, and the step works on the tree cut
         # to the deepest level any request has (no rows, no probabilities below it).
-        keep_depth = torch.searchsorted(self.nodes_through_depth, num_draft + 1, right=True) - 1
+        keep_depth = torch.searchsorted(self.nodes_through_depth, scheduled + 1, right=True) - 1
         tree = self._cut_tree(max(1, int(keep_depth.max())))
         n1 = tree.num_nodes + 1
-        num_draft = num_draft.clamp(max=tree.num_nodes)
+        num_draft = scheduled.clamp(max=tree.num_nodes)
 
         # Rows of each request's root and nodes in ``logits``; missing nodes repeat a valid row.
-        first_row = torch.tensor(list(metadata.num_draft_tokens), dtype=torch.long)
-        rows = tree_rows((first_row + 1).cumsum(0) - (first_row + 1), num_draft, tree.num_nodes)
+        rows = tree_rows((scheduled + 1).cumsum(0) - (scheduled + 1), num_draft, tree.num_nodes)
         if bool((num_draft == tree.num_nodes).all()) and logits.shape[0] == rows.numel():
             tree_logits = logits.view(batch, n1, -1)  # every tree whole: rows in order, no copy
         else:

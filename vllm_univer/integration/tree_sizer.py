@@ -5,7 +5,7 @@
   forward times at a few token counts, through vLLM's own dummy runs.
 * Every step: the wall-clock period between two drafting calls, against the
   forwards that period ran (the target's scheduled tokens, the draft forwards
-  of the previous drafting), corrects the cost model of the depth it ran at;
+  of the previous drafting, which the drafter still holds), corrects the cost model of the depth it ran at;
   the verifier's accepted depths update the acceptance model.
 
 Decisions are made on the host from host data (no device sync of their own).
@@ -34,14 +34,19 @@ SCHEDULE_ENV = "VLLM_UNIVER_AUTO_DEPTHS"
 CALIBRATION_MAX_TOKENS = 128
 
 
+def _bands(temperature: np.ndarray) -> np.ndarray:
+    """Temperature bands of vLLM's host temperatures (below SAMPLING_EPS: greedy)."""
+    return temperature_band(np.where(temperature < 1e-5, 0.0, temperature))
+
+
 class TreeSizer:
-    def __init__(self, runner, tree: TreeSpec):
+    def __init__(self, runner, tree: TreeSpec, drafter):
         self.runner = runner
         self.tree = tree
-        self.widths = torch.bincount(tree.depth, minlength=tree.max_depth + 1).tolist()
+        self.drafter = drafter  # its ``forward_tokens``: the draft forwards of the last drafting
         self.acceptance = AcceptanceModel(tree.max_depth)
         self.chooser: DepthChooser | None = None
-        self._last: tuple[float, int, list[int]] | None = None  # (time, depth, draft forward tokens)
+        self._last: tuple[float, int] | None = None  # (time, deepest cut) of the last choice
         schedule = os.environ.get(SCHEDULE_ENV)
         self._schedule = [int(d) for d in schedule.split(",")] if schedule else None
         if self._schedule and not all(0 <= d <= tree.max_depth for d in self._schedule):
@@ -96,15 +101,10 @@ class TreeSizer:
             "draft_ms": [1e3 * t for t in draft],
         }
         self.chooser = DepthChooser(
-            StepCostModel(ForwardCost(sizes, target), ForwardCost(sizes, draft), self.widths), self.acceptance
+            StepCostModel(ForwardCost(sizes, target), ForwardCost(sizes, draft), self.tree.nodes_per_depth),
+            self.acceptance,
         )
-        logger.info(
-            "tree auto: calibrated in %.1f s; forward ms at %s tokens: target %s, draft %s",
-            time.perf_counter() - start_all,
-            sizes,
-            [round(t * 1e3, 2) for t in target],
-            [round(t * 1e3, 2) for t in draft],
-        )
+        logger.info("tree auto: calibrated in %.1f s: %s", time.perf_counter() - start_all, self.calibration)
 
     # ------------------------------------------------------------ each step
     def choose(self, batch: int):
@@ -116,32 +116,27 @@ class TreeSizer:
             return self.tree.max_depth
         self._observe_period(now, batch)
         temperature = self.runner.input_batch.temperature_cpu[:batch]
-        depth = self.chooser.choose(temperature_band(np.where(temperature < 1e-5, 0.0, temperature)))
+        depth = self.chooser.choose(_bands(temperature))
         self._decisions += 1
         if self._schedule is not None:
             cycle = np.asarray(self._schedule)
             depth = cycle[(self._decisions + np.arange(batch)) % len(cycle)]
         depths = np.broadcast_to(depth, (batch,))
         self.requests_at_depth.update(depths.tolist())
-        self._last = (now, int(depths.max(initial=0)), None)
+        self._last = (now, int(depths.max(initial=0)))
         return depth
-
-    def drafted(self, forward_tokens: list[int]) -> None:
-        """The draft forwards the drafting of this step ran (query tokens each)."""
-        if self._last is not None:
-            self._last = (self._last[0], self._last[1], list(forward_tokens))
 
     def observe_acceptance(self, temperature: np.ndarray, cut_depths: np.ndarray, accepted: np.ndarray) -> None:
         """Verified trees: their requests' temperatures, cut depths and accepted depths."""
-        bands = temperature_band(np.where(temperature < 1e-5, 0.0, temperature))
-        self.acceptance.observe(bands, cut_depths, accepted)
+        self.acceptance.observe(_bands(temperature), cut_depths, accepted)
 
     def _observe_period(self, now: float, batch: int) -> None:
-        if self._last is None or self._last[2] is None:
+        if self._last is None:
             return
-        started, depth, draft_tokens = self._last
+        started, depth = self._last
         target_tokens = int(self.runner.query_start_loc.np[batch])
-        self.chooser.cost.observe(depth, StepWork(target_tokens, draft_tokens), now - started)
+        work = StepWork(target_tokens, list(self.drafter.forward_tokens))
+        self.chooser.cost.observe(depth, work, now - started)
 
     def summary(self) -> dict:
         """Steps per chosen depth, the acceptance hazards and cost corrections (benchmarks, tests)."""

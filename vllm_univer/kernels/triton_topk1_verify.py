@@ -44,6 +44,23 @@ def _clipped_ratio(num, den):
 
 
 @triton.jit
+def _child_tokens(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS: tl.constexpr):
+    # The node's child slots [SLOTS], their node ids (-1: none) and tokens (-1: missing).
+    slot = tl.arange(0, SLOTS)
+    kid = tl.load(children_ptr + node * stride_cn + slot, mask=slot < num_slots, other=-1)
+    tok = tl.load(tokens_ptr + b * stride_tb + tl.maximum(kid, 0), mask=kid >= 0, other=-1)
+    return slot, kid, tok
+
+
+@triton.jit
+def _entry_scale(weight_ptr, b, stride_wb, node, RULE: tl.constexpr):
+    # The node's prefix scale P~ (univer); 1 for the DESCENT rules.
+    if RULE == UNIVER:
+        return tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
+    return tl.full((), 1.0, tl.float64)
+
+
+@triton.jit
 def _topk1_level_kernel(
     p_ptr,
     q_ptr,
@@ -71,9 +88,7 @@ def _topk1_level_kernel(
     p_row = p_ptr + b * stride_pb + node * stride_pn
     q_row = q_ptr + b * stride_qb + node * stride_qn
 
-    slot = tl.arange(0, SLOTS)
-    kid = tl.load(children_ptr + node * stride_cn + slot, mask=slot < num_slots, other=-1)
-    tok = tl.load(tokens_ptr + b * stride_tb + tl.maximum(kid, 0), mask=kid >= 0, other=-1)
+    slot, kid, tok = _child_tokens(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
     has_tok = tok >= 0
     p_tok = tl.load(p_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
 
@@ -103,10 +118,7 @@ def _topk1_level_kernel(
         q_r = tl.sum(tl.where(slot == 0, q_tok, 0.0), axis=0)
         has_sampled = (r_tok >= 0) & (q_off > 0)
         q_off = tl.where(has_sampled, q_off, 1.0)
-        if RULE == UNIVER:
-            scale = tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
-        else:
-            scale = tl.full((), 1.0, tl.float64)
+        scale = _entry_scale(weight_ptr, b, stride_wb, node, RULE)
         # F = sum_{y not in T} min(q_bar(y), scale p(y)) = (sum_y min(q, scale q_off p) - on T) / q_off
         factor = scale * q_off
         full = tl.zeros([BLOCK_V], dtype=tl.float64)
@@ -156,7 +168,7 @@ def _residual_draw_kernel(
     tokens_ptr,
     children_ptr,
     end_ptr,  # [B] int64
-    weight_ptr,  # [B, N+1]: P~ (univer)
+    weight_ptr,  # [B, N+1]: P~ (read for univer only)
     q_bar_scale_ptr,  # [B, N+1] float64
     uniform_ptr,  # [B] float64
     out_ptr,  # [B] int64
@@ -177,15 +189,10 @@ def _residual_draw_kernel(
     node = tl.load(end_ptr + b)
     p_row = p_ptr + b * stride_pb + node * stride_pn
     q_row = q_ptr + b * stride_qb + node * stride_qn
-    slot = tl.arange(0, SLOTS)
-    kid = tl.load(children_ptr + node * stride_cn + slot, mask=slot < num_slots, other=-1)
-    tok = tl.load(tokens_ptr + b * stride_tb + tl.maximum(kid, 0), mask=kid >= 0, other=-1)
+    slot, _, tok = _child_tokens(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
     if RULE != TARGET_ONLY:
         tok = tl.where(slot >= 1, tok, -1)  # only the top set T is removed; the sampled token stays
-    if RULE == UNIVER:
-        scale = tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
-    else:
-        scale = tl.full((), 1.0, tl.float64)
+    scale = _entry_scale(weight_ptr, b, stride_wb, node, RULE)
     q_bar_scale = tl.load(q_bar_scale_ptr + b * stride_wb + node)
 
     offs = tl.arange(0, BLOCK_V)

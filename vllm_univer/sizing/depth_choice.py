@@ -15,8 +15,6 @@ step ever speculates.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 
 from .acceptance_model import AcceptanceModel
@@ -33,7 +31,6 @@ class DepthChooser:
         self.acceptance = acceptance
         self.explore_every = explore_every
         self.decisions = 0
-        self.chosen = Counter()  # depth -> steps
 
     def rates(self, bands) -> np.ndarray:
         """[D+1]: expected tokens per second of the batch at every depth cut."""
@@ -56,5 +53,4 @@ class DepthChooser:
             ceiling = reqs * (deeper + 1) / self.cost.seconds(reqs, deeper)
             if ceiling > rates[best]:
                 best = deeper
-        self.chosen[best] += 1
         return best
