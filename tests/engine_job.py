@@ -6,11 +6,12 @@ next test. Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one
 after another.
 
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
-"params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool}]}. A prompt is a
+"params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool, "rank_decisions": bool}]}. A prompt is a
 string or a list of token ids. Result (the last stdout line, after ``RESULT``):
 per engine {"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs":
 [[{token: logprob}]] per output, when asked for, "margins" and "top2" with
-``margins``} | {"error": str}], "spec": {counter: value}}.
+``margins``} | {"error": str}], "spec": {counter: value}, "rank_decisions":
+[{"steps", "digest"} per worker] with ``"rank_decisions": true``}.
 
 An engine with ``"margins": true`` is a greedy reference: it samples from
 processed logprobs (``logprobs_mode="processed_logprobs"``: after penalties,
@@ -64,6 +65,35 @@ def _sizer_summary(worker) -> dict:
     return univer.sizer.summary() if univer is not None and univer.sizer is not None else {}
 
 
+def _record_decisions(worker) -> None:
+    """Keep, on this worker, every tree it drafts and every verification outcome."""
+    runner = worker.model_runner
+    univer = runner.univer
+    univer.decisions = decisions = []
+    propose, verify = univer.drafter.propose, runner.rejection_sampler
+
+    def recorded_propose(*args, **kwargs):
+        drafts = propose(*args, **kwargs)
+        decisions.append(("draft", drafts))
+        return drafts
+
+    def recorded_verify(*args, **kwargs):
+        output = verify(*args, **kwargs)
+        decisions.append(("verify", output.sampled_token_ids.tolist()))
+        return output
+
+    univer.drafter.propose, runner.rejection_sampler = recorded_propose, recorded_verify
+
+
+def _decisions_digest(worker) -> dict:
+    """How many drafting and verification steps this worker recorded, and a digest of them all."""
+    import hashlib
+
+    decisions = worker.model_runner.univer.decisions
+    digest = hashlib.sha256(repr(decisions).encode()).hexdigest()
+    return {"steps": len(decisions), "digest": digest}
+
+
 def _sampling_params(kwargs: dict):
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
@@ -89,6 +119,8 @@ def _run_engine(engine: dict) -> dict:
         llm = LLM(**kwargs)
     except Exception as exc:  # noqa: BLE001 - the error message is the result
         return {"error": f"{type(exc).__name__}: {exc}"}
+    if engine.get("rank_decisions"):  # every worker's drafts and outcomes, to compare across ranks
+        llm.collective_rpc(_record_decisions)
     calls = []
     for call in engine["calls"]:
         try:
@@ -113,6 +145,8 @@ def _run_engine(engine: dict) -> dict:
         except Exception as exc:  # noqa: BLE001
             calls.append({"error": f"{type(exc).__name__}: {exc}"})
     result = {"calls": calls, "spec": spec_counters(llm, ("vllm:spec_decode", "vllm:num_preemptions"))}
+    if engine.get("rank_decisions"):
+        result["rank_decisions"] = llm.collective_rpc(_decisions_digest)
     if engine.get("sizer"):  # tree "auto": the depths it chose and what it learnt
         result["sizer"] = llm.collective_rpc(_sizer_summary)[0]
     if os.environ.get("VLLM_UNIVER_OP_COUNTS") == "1":  # set by the test that wants them

@@ -12,6 +12,16 @@ from engine_job import ENV
 
 from vllm_univer.tools.local_server import vllm_serve
 
+# What every test server runs with, besides the model (the engine tests' BASE_KWARGS).
+SERVER_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--block-size", "32", "--seed", "0")
+
+
+def server_env(**extra: str) -> dict:
+    """The test environment for ``vllm serve``, with ``extra`` variables."""
+    env = {**os.environ, **ENV, **extra}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server runs its engine core in its own process
+    return env
+
 
 @contextlib.contextmanager
 def vllm_server(
@@ -20,15 +30,14 @@ def vllm_server(
     extra_args: tuple[str, ...] = (),
     timeout: float = 240,
     log_path: Path | None = None,
+    env: dict | None = None,
 ):
-    """Yield the base URL (``http://127.0.0.1:PORT``) of a running server."""
-    args = [model, "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--block-size", "32"]
-    args += ["--seed", "0", *extra_args]
+    """Yield the base URL (``http://127.0.0.1:PORT``) of a running server
+    (environment ``env``, default ``server_env()``)."""
+    args = [model, *SERVER_ARGS, *extra_args]
     if speculative_config is not None:
         args += ["--speculative-config", json.dumps(speculative_config)]
-    env = {**os.environ, **ENV}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server runs its engine core in its own process
-    with vllm_serve(args, env, timeout, log_path) as (_, url):
+    with vllm_serve(args, env or server_env(), timeout, log_path) as (_, url):
         yield url
 
 

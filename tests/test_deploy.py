@@ -88,6 +88,39 @@ def test_kubernetes_manifests():
     assert service["spec"]["ports"][0]["targetPort"] == PORT
 
 
+def _flags(args: list[str]) -> dict:
+    """``--name=value`` / ``--name`` container arguments as {name: value or True}."""
+    return {a.split("=", 1)[0]: (a.split("=", 1)[1] if "=" in a else True) for a in args}
+
+
+def test_multinode_manifest_is_one_engine_across_the_group():
+    """The LeaderWorkerSet runs one engine: tensor parallel over every GPU of the
+    group through vLLM's multiprocessing executor across nodes (the mode
+    tests/test_parallel.py runs on two nodes), the leader serving and the
+    workers headless, with deployment.yaml's image, models and tree."""
+    lws, service = _yaml("k8s/multinode-lws.yaml")
+    (deployment,) = _yaml("k8s/deployment.yaml")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    size = template["size"]
+    (leader,) = template["leaderTemplate"]["spec"]["containers"]
+    (worker,) = template["workerTemplate"]["spec"]["containers"]
+    (single,) = deployment["spec"]["template"]["spec"]["containers"]
+    lead, work = _flags(leader["args"]), _flags(worker["args"])
+    gpus = leader["resources"]["limits"]["nvidia.com/gpu"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert int(lead["--tensor-parallel-size"]) == size * gpus and "--pipeline-parallel-size" not in lead
+    assert int(lead["--nnodes"]) == size and lead["--node-rank"] == "0" and "--headless" not in lead
+    assert work.pop("--headless") is True and work.pop("--node-rank") == "$(LWS_WORKER_INDEX)"
+    assert {k: v for k, v in lead.items() if k != "--node-rank"} == work
+    assert lead["--distributed-executor-backend"] == "mp" and lead["--master-addr"] == "$(LWS_LEADER_ADDRESS)"
+    assert leader["image"] == worker["image"] == single["image"]
+    assert leader["env"] == worker["env"] == single["env"]
+    assert leader["ports"][0]["containerPort"] == PORT
+    assert leader["readinessProbe"]["httpGet"] == {"path": "/health", "port": PORT}
+    assert service["spec"]["selector"] == template["leaderTemplate"]["metadata"]["labels"]
+    assert service["spec"]["ports"][0]["targetPort"] == PORT
+
+
 def _serve(tmp_path, **env):
     """Run deploy/serve.sh with a stand-in `vllm` that prints its arguments."""
     fake = tmp_path / "vllm"

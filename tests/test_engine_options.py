@@ -1,6 +1,7 @@
 """Engine-wide options tree speculation sets or refuses when vLLM builds its
-config: the V1 model runner (where the trees live) and no full CUDA graphs (a
-replayed attention call would not see the step's tree plan)."""
+config: the V1 model runner (where the trees live), no full CUDA graphs (a
+replayed attention call would not see the step's tree plan) and no pipeline
+parallelism."""
 
 from __future__ import annotations
 
@@ -65,3 +66,9 @@ def test_explicit_v2_model_runner_is_refused(target, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(ValueError, match="V1 model runner"):
         _engine_args(target).create_engine_config()
+
+
+def test_pipeline_parallelism_is_refused_at_start_up(target):
+    """Only the last stage learns the accepted path; the error says so before any worker starts."""
+    with pytest.raises(ValueError, match="does not support pipeline parallelism"):
+        _engine_args(target, pipeline_parallel_size=2, distributed_executor_backend="mp").create_engine_config()

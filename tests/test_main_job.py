@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from engine_job import ENV  # noqa: E402
+from server_utils import server_env  # noqa: E402
 
 from vllm_univer.tools.local_server import free_port  # noqa: E402
 
@@ -25,16 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 def test_main_job_serves_and_stops_on_ctrl_c(tiny_pair, tmp_path):
     target, draft = tiny_pair
     port = free_port()
-    env = {
-        **os.environ,
-        **ENV,
-        "TARGET_MODEL": str(target),
-        "DRAFT_MODEL": str(draft),
-        "PORT": str(port),
-        "DTYPE": "float32",
-        "SERVED_MODEL_NAME": "tiny",
-    }
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    env = server_env(
+        TARGET_MODEL=str(target), DRAFT_MODEL=str(draft), PORT=str(port), DTYPE="float32", SERVED_MODEL_NAME="tiny"
+    )
     log = tmp_path / "main.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(

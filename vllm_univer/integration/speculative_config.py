@@ -51,6 +51,13 @@ def check_engine_options(engine_args) -> None:
 
     if envs.VLLM_USE_V2_MODEL_RUNNER:
         raise ValueError(f'method "{METHOD_NAME}" runs in the V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER')
+    if engine_args.pipeline_parallel_size > 1:
+        raise ValueError(
+            f'method "{METHOD_NAME}" does not support pipeline parallelism (pipeline_parallel_size='
+            f"{engine_args.pipeline_parallel_size}): only the last stage learns which tree path was accepted, "
+            "and every stage would have to keep that path's KV. Use tensor parallelism "
+            "(--tensor-parallel-size), across nodes too."
+        )
     compilation = engine_args.compilation_config
     mode = compilation.cudagraph_mode
     if mode is None:

@@ -37,11 +37,6 @@ class TreeRunner:
         self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
         self.sizer = None
         if config.auto:
-            if runner.parallel_config.world_size > 1:
-                # Each worker would time its own steps and could cut its trees differently.
-                raise NotImplementedError(
-                    "tree 'auto' runs on a single worker; with tensor or pipeline parallelism give a fixed tree"
-                )
             self.sizer = TreeSizer(runner, self.tree, self.drafter)
         self.sampler = TreeVerificationSampler(
             runner, self.tree, config.verifier, self.state, self.kv_layers, self.timers, self.sizer

@@ -9,6 +9,9 @@
   the verifier's accepted depths update the acceptance model.
 
 Decisions are made on the host from host data (no device sync of their own).
+Under tensor parallelism every rank measures its own steps, so rank 0 decides
+and the others take its decision (one small broadcast on the CPU group per
+step): all ranks must draft the same trees.
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ def _bands(temperature: np.ndarray) -> np.ndarray:
     return temperature_band(np.where(temperature < 1e-5, 0.0, temperature))
 
 
+def _tp_group(runner):
+    """vLLM's tensor-parallel group when there is more than one rank, else None."""
+    if runner.parallel_config.tensor_parallel_size == 1:
+        return None
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group()
+
+
 class TreeSizer:
     def __init__(self, runner, tree: TreeSpec, drafter):
         self.runner = runner
@@ -52,6 +64,7 @@ class TreeSizer:
         if self._schedule and not all(0 <= d <= tree.max_depth for d in self._schedule):
             raise ValueError(f"{SCHEDULE_ENV}={schedule!r}: depths must lie in 0..{tree.max_depth}")
         self._decisions = 0
+        self._tp_group = _tp_group(runner)
         self.requests_at_depth = Counter()  # depth cut -> request-steps drafted at it
 
     # -------------------------------------------------------------- start-up
@@ -121,6 +134,8 @@ class TreeSizer:
         if self._schedule is not None:
             cycle = np.asarray(self._schedule)
             depth = cycle[(self._decisions + np.arange(batch)) % len(cycle)]
+        if self._tp_group is not None:
+            depth = self._tp_group.broadcast_object(depth, src=0)
         depths = np.broadcast_to(depth, (batch,))
         self.requests_at_depth.update(depths.tolist())
         self._last = (now, int(depths.max(initial=0)))
