@@ -59,16 +59,18 @@ def models(tiny_pair):
     return tiny_pair
 
 
-TP_GREEDY_CASES = [("univer", "2x3"), ("traversal", "2x3"), ("token", "1x5")]
+# tree "auto": rank 0 chooses each step's cut from its own timings, the others follow it.
+TP_GREEDY_CASES = [("univer", "2x3"), ("traversal", "2x3"), ("token", "1x5"), ("univer", "auto")]
 
 
 def test_tensor_parallel_greedy_output_equals_no_speculation(models):
     """Temperature 0, TP 2: token for token what TP 2 without speculation generates,
-    with every rank drafting the same trees and accepting the same paths."""
+    with every rank drafting the same trees and accepting the same paths (tree
+    "auto" included: its cuts come from rank 0's clock)."""
     target, draft = models
     job = call(prompts(6, seed=4), temperature=0.0, max_tokens=96, ignore_eos=True)
     engines = [reference(target, [job], **TP2)] + [
-        {**engine(target, [job], univer(draft, tree, method), **TP2), "rank_decisions": True}
+        {**engine(target, [job], univer(draft, tree, method), **TP2), "rank_decisions": True, "sizer": tree == "auto"}
         for method, tree in TP_GREEDY_CASES
     ]
     results = run_engines(engines, env=tp_env())
@@ -79,6 +81,9 @@ def test_tensor_parallel_greedy_output_equals_no_speculation(models):
         assert_greedy_identical(result["calls"][0]["outputs"], ref, case)
         assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0, case
         assert_ranks_agree(result, case)
+        if case[1] == "auto":
+            print("tree auto under TP 2:", result["sizer"])
+            assert sum(result["sizer"]["requests_at_depth"].values()) >= 96, result["sizer"]
 
 
 def test_tensor_parallel_law_equals_target_law(small_models):  # noqa: F811 - the fixture
