@@ -144,7 +144,7 @@ def _run_engine(engine: dict) -> dict:
             calls.append(entry)
         except Exception as exc:  # noqa: BLE001
             calls.append({"error": f"{type(exc).__name__}: {exc}"})
-    result = {"calls": calls, "spec": spec_counters(llm, ("vllm:spec_decode", "vllm:num_preemptions"))}
+    result = {"calls": calls, "spec": spec_counters(llm, ("vllm:spec_decode", "vllm:num_preemptions", "vllm:univer"))}
     if engine.get("rank_decisions"):
         result["rank_decisions"] = llm.collective_rpc(_decisions_digest)
     if engine.get("sizer"):  # tree "auto": the depths it chose and what it learnt

@@ -341,7 +341,14 @@ def test_greedy_identity_with_tree_auto_cuts(models):
         assert "error" not in result, (case, result.get("error"))
         assert_greedy_identical(result["calls"][0]["outputs"], ref, case)
         assert set(result["sizer"]["requests_at_depth"]) == {"0", "1", "2", "3"}, result["sizer"]
-        assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+        spec = result["spec"]
+        assert spec["vllm:spec_decode_num_accepted_tokens"] > 0
+        # /metrics: the histogram of nodes per request per step saw every cut (depth 1, 2 and 3).
+        nodes = spec["vllm:univer_tree_nodes_per_request"]
+        assert nodes["count"] == spec["vllm:spec_decode_num_drafts"], nodes
+        assert nodes["sum"] == spec["vllm:spec_decode_num_draft_tokens"], nodes
+        cumulative = list(nodes["buckets"].values())  # le = the cut sizes of max_tree, then +Inf
+        assert 0 < cumulative[0] < cumulative[1] < cumulative[2] and set(cumulative[2:]) == {nodes["count"]}, nodes
 
 
 def test_tree_auto_chooses_for_itself(models):

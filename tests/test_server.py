@@ -53,3 +53,8 @@ def test_openai_client_against_univer_server(models, tmp_path):
         accepted = metric_value(metrics, "vllm:spec_decode_num_accepted_tokens_total")
         per_pos = metric_value(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
         assert drafts > 0 and 0 < accepted == per_pos
+        # Every draft of the fixed 2x3 tree has its 14 nodes (none cut: the token budget is ample).
+        nodes = "vllm:univer_tree_nodes_per_request"
+        assert metric_value(metrics, nodes + "_count") == drafts
+        assert metric_value(metrics, nodes + "_sum") == 14 * drafts
+        assert f'{nodes}_bucket{{engine="0",le="6.0",model_name="{target}"}} 0.0' in metrics

@@ -336,6 +336,37 @@ def patch_cpu_expand_kernel() -> None:
     _wraps_once(cpu_triton_utils, "_expand_kernel_impl", make)
 
 
+def patch_spec_decoding_prom() -> None:
+    """``SpecDecodingProm`` (vLLM's spec-decode Prometheus metrics, in the API
+    server): add the histogram of draft nodes per request per step
+    (``tree_metrics``) for ``method: "univer"``."""
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm
+
+    from .speculative_config import is_univer
+    from .tree_metrics import TreeNodesProm
+
+    def make_init(original):
+        def __init__(self, speculative_config, labelnames, per_engine_labelvalues, *args, **kwargs):
+            original(self, speculative_config, labelnames, per_engine_labelvalues, *args, **kwargs)
+            self.univer_tree_nodes = None
+            if is_univer(speculative_config):
+                tree = speculative_config.univer.tree_spec
+                self.univer_tree_nodes = TreeNodesProm(tree, labelnames, per_engine_labelvalues)
+
+        return __init__
+
+    def make_observe(original):
+        def observe(self, spec_decoding_stats, engine_idx: int = 0):
+            original(self, spec_decoding_stats, engine_idx)
+            if getattr(self, "univer_tree_nodes", None) is not None:
+                self.univer_tree_nodes.observe(spec_decoding_stats.num_draft_tokens_per_pos, engine_idx)
+
+        return observe
+
+    _wraps_once(SpecDecodingProm, "__init__", make_init)
+    _wraps_once(SpecDecodingProm, "observe", make_observe)
+
+
 ALL_PATCHES = (
     patch_engine_args_create_speculative_config,
     patch_model_runner,
@@ -347,4 +378,5 @@ ALL_PATCHES = (
     patch_proposer_dummy_run,
     patch_worker_warm_up,
     patch_cpu_expand_kernel,
+    patch_spec_decoding_prom,
 )
