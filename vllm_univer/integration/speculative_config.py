@@ -45,6 +45,12 @@ def check_engine_options(engine_args) -> None:
     * No full CUDA graphs: a captured attention call would replay without the
       step's tree plan. Unset ``cudagraph_mode`` becomes PIECEWISE (attention runs
       eagerly between graph pieces); an explicit FULL mode is refused.
+    * No pipeline parallelism: the accepted path is known on the last stage only,
+      and every stage must keep that path's keys and values in its own layers'
+      cache (a chain's accepted tokens are a prefix of its slots; a tree path's
+      are not). vLLM 0.32's own draft-model speculation does not start under
+      pipeline parallelism either: ``GPUModelRunner._dummy_run`` reads
+      ``self.drafter``, which only the last stage has (AttributeError).
     """
     from vllm import envs
     from vllm.config import CUDAGraphMode
