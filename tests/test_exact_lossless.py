@@ -36,6 +36,15 @@ CASES = [
     ("univer", "topk1", TreeSpec.parse("3x2"), 5),
     ("univer", "topk1", IRREGULAR, 6),
     ("univer", "topk1", IRREGULAR_DEEP, 4),
+    ("univer_wor", "wor", TreeSpec.parse("2x1"), 6),
+    ("univer_wor", "wor", TreeSpec.parse("3x1"), 5),
+    ("univer_wor", "wor", TreeSpec.parse("4x1"), 5),
+    ("univer_wor", "wor", TreeSpec.parse("2x2"), 4),
+    ("univer_wor", "wor", TreeSpec.parse("2x3"), 3),
+    ("univer_wor", "wor", TreeSpec.parse("3x2"), 4),
+    ("univer_wor", "wor", TreeSpec.parse("1x3"), 4),
+    ("univer_wor", "wor", IRREGULAR, 4),
+    ("univer_wor", "wor", IRREGULAR_DEEP, 3),
     # target_only is lossless with any scheme.
     ("target_only", "topk1", TreeSpec.parse("2x3"), 4),
     ("target_only", "iid", TreeSpec.parse("2x2"), 3),
@@ -64,6 +73,8 @@ def test_exact_lossless(case, seed):
         ("univer", "topk1", TreeSpec.parse("2x2"), 4),
         ("traversal", "wor", TreeSpec.parse("2x2"), 4),
         ("rrsw", "wor", TreeSpec.parse("2x2"), 4),
+        ("univer_wor", "wor", TreeSpec.parse("2x2"), 4),
+        ("univer_wor", "wor", TreeSpec.parse("4x1"), 5),
         ("greedy", "topk1", TreeSpec.parse("3x1"), 3),
     ],
 )
@@ -81,6 +92,7 @@ def test_exact_lossless_draft_far_from_target(method, scheme, tree, vocab):
         ("greedy", "topk1"),
         ("traversal", "wor"),
         ("rrsw", "wor"),
+        ("univer_wor", "wor"),
         ("target_only", "topk1"),
     ],
 )

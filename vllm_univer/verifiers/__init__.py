@@ -10,6 +10,7 @@ from .target_only import TargetOnlyVerifier
 from .token_level import TokenVerifier
 from .traversal import TraversalVerifier
 from .univer import UniVerVerifier
+from .univer_wor import UniVerWorVerifier
 
 _VERIFIERS: dict[str, TreeVerifier] = {
     v.name: v
@@ -22,10 +23,21 @@ _VERIFIERS: dict[str, TreeVerifier] = {
         GreedyOTVerifier(),
         TargetOnlyVerifier(),
         UniVerVerifier(),
+        UniVerWorVerifier(),
     )
 }
 
-METHODS: tuple[str, ...] = ("token", "block", "rrs", "rrsw", "traversal", "greedy", "target_only", "univer")
+METHODS: tuple[str, ...] = (
+    "token",
+    "block",
+    "rrs",
+    "rrsw",
+    "traversal",
+    "greedy",
+    "target_only",
+    "univer",
+    "univer_wor",
+)
 assert set(METHODS) == set(_VERIFIERS)
 
 
