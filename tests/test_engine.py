@@ -25,6 +25,7 @@ GREEDY_CASES = [
     ("rrs", "3x2"),
     ("rrsw", IRREGULAR),
     ("traversal", "2x3"),
+    ("univer_wor", "3x2"),
     ("target_only", "2x2"),
     ("token", "1x5"),
     ("block", "1x5"),

@@ -30,6 +30,8 @@ CASES = [  # (verifier, tree, sampling parameters)
     ("univer", "2x2", {"temperature": 1.0}),
     ("traversal", "2x2", {"temperature": 1.0}),
     ("rrsw", "2x2", {"temperature": 1.0}),
+    ("univer_wor", "2x2", {"temperature": 1.0}),
+    ("univer_wor", "3x1", {"temperature": 0.7, "top_p": 0.9}),
     ("univer", [[0], [1], [2], [0, 0], [1, 0]], {"temperature": 0.8, "top_k": 8, "top_p": 0.9}),
     (
         "univer",
