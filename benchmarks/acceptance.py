@@ -11,7 +11,7 @@ scheme, the draft model drafts the tree level by level at temperature T, the
 target scores every node in one forward, and ``outcome_law`` gives each
 verifier's *exact* expected accepted length for that tree. Methods sharing a
 scheme share the tree (greedy, univer, target_only: ``topk1``; rrsw,
-traversal: ``wor``; token, block: ``chain``). The context then advances by one
+traversal, univer_wor: ``wor``; token, block: ``chain``). The context then advances by one
 UniVer step on the ``topk1`` tree, which is lossless, so contexts stay
 target-distributed at temperature T.
 
@@ -45,10 +45,10 @@ from vllm_univer import TreeSpec, draft_children, outcome_law, verify  # noqa: E
 RESULTS = Path(__file__).parent / "results"
 SCHEME_METHODS = {
     "chain": ("token", "block"),
-    "wor": ("rrsw", "traversal"),
+    "wor": ("rrsw", "traversal", "univer_wor"),
     "topk1": ("greedy", "univer", "target_only"),
 }
-METHOD_ORDER = ("token", "block", "rrsw", "traversal", "greedy", "target_only", "univer")
+METHOD_ORDER = ("token", "block", "rrsw", "traversal", "univer_wor", "greedy", "target_only", "univer")
 
 
 def eagle_like_tree(top_child_slot: int = 0) -> TreeSpec:
@@ -369,7 +369,7 @@ def report(jsonl: Path, command: str) -> Path:
     ]
     # The two layouts of the UniVer paper's tables (shared/seeds).
     tree_cols = [t for t in ("2x5", "3x3", "eagle61", "eagle61t") if t in trees]
-    seed_methods = ("rrsw", "traversal", "greedy", "univer")
+    seed_methods = ("rrsw", "traversal", "univer_wor", "greedy", "univer")
 
     def cell(dataset, t, tree, m):
         # eagle61t (topk1 only) is compared with RRSw on eagle61, its wor orientation.
@@ -433,12 +433,14 @@ def report(jsonl: Path, command: str) -> Path:
         lines += [
             "## MT-Bench per category, tree 2x5",
             "",
-            "| category | T | contexts | rrsw | traversal | greedy | univer |",
-            "|---|---|---|---|---|---|---|",
+            "| category | T | contexts | rrsw | traversal | univer_wor | greedy | univer |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for cat in categories:
             for t in temps:
-                cells = [groups.get((cat, t, "2x5", m)) for m in ("rrsw", "traversal", "greedy", "univer")]
+                cells = [
+                    groups.get((cat, t, "2x5", m)) for m in ("rrsw", "traversal", "univer_wor", "greedy", "univer")
+                ]
                 if all(cells):
                     lines.append(
                         f"| {cat.split('/')[1]} | {t} | {len(cells[0])} | "
@@ -451,7 +453,14 @@ def report(jsonl: Path, command: str) -> Path:
     by_key = {
         (r["run"], r["prompt"], r["temperature"], r["step"], r["tree"], r["method"]): r["accepted"] for r in records
     }
-    pairs = (("univer", "greedy"), ("traversal", "rrsw"), ("block", "token"), ("univer", "rrsw"), ("greedy", "rrsw"))
+    pairs = (
+        ("univer", "greedy"),
+        ("traversal", "rrsw"),
+        ("univer_wor", "traversal"),
+        ("block", "token"),
+        ("univer", "rrsw"),
+        ("greedy", "rrsw"),
+    )
     lines += [
         "## Paired differences at the same contexts (overall)",
         "",
@@ -483,7 +492,7 @@ def report(jsonl: Path, command: str) -> Path:
             "|---|---|" + "---|" * len(depth_rows),
         ]
         for t in temps:
-            for m in ("rrsw", "traversal", "greedy", "univer"):
+            for m in ("rrsw", "traversal", "univer_wor", "greedy", "univer"):
                 cells = [
                     f"{mean_and_se(groups[('overall', t, d, m)])[0]:.3f}" if groups.get(("overall", t, d, m)) else ""
                     for d in depth_rows
@@ -527,7 +536,7 @@ def _plots(groups, temps, depth_rows, stem) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m in ("rrsw", "traversal", "greedy", "target_only", "univer"):
+    for m in ("rrsw", "traversal", "univer_wor", "greedy", "target_only", "univer"):
         ys = [mean_and_se(groups[("overall", t, "2x5", m)]) for t in temps if groups.get(("overall", t, "2x5", m))]
         if len(ys) == len(temps):
             ax.errorbar(temps, [y[0] for y in ys], yerr=[y[1] for y in ys], marker="o", label=m, capsize=3)
@@ -542,7 +551,7 @@ def _plots(groups, temps, depth_rows, stem) -> None:
     if depth_rows:
         fig, ax = plt.subplots(figsize=(6, 4))
         sizes = [TreeSpec.parse(d).num_nodes for d in depth_rows]
-        for m in ("rrsw", "traversal", "greedy", "univer"):
+        for m in ("rrsw", "traversal", "univer_wor", "greedy", "univer"):
             t = max(temps)
             ys = [mean_and_se(groups[("overall", t, d, m)])[0] for d in depth_rows if groups.get(("overall", t, d, m))]
             if len(ys) == len(depth_rows):
