@@ -41,6 +41,19 @@ def vllm_server(
         yield url
 
 
+def streamed_chat(client, model: str) -> list[str]:
+    """The pieces of a streamed chat completion at T = 1 (30 tokens, EOS ignored)."""
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "a cat and a dog"}],
+        max_tokens=30,
+        temperature=1.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    return [c.choices[0].delta.content or "" for c in stream if c.choices]
+
+
 def get_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()

@@ -204,6 +204,17 @@ def marginal_pvalue(counts: np.ndarray, law: np.ndarray, axes: tuple[int, ...]) 
     return chi_square_pvalue(counts.sum(axis=axes).ravel(), law.sum(axis=axes).ravel())
 
 
+def assert_follows_target_law(outputs: list[list[int]], target: str, params: dict, label=None) -> None:
+    """The first three tokens and the pair (t3, t4) of ``outputs`` (REQUESTS_PER_PROMPT
+    per prompt of PROMPTS, in order) follow the target's exact law under ``params``."""
+    for i, prompt in enumerate(PROMPTS):
+        counts = counts_of(outputs[i * REQUESTS_PER_PROMPT : (i + 1) * REQUESTS_PER_PROMPT])
+        law = exact_law_of_tokens(target, prompt, params)
+        for axes in MARGINALS:
+            pvalue = marginal_pvalue(counts, law, axes)
+            assert pvalue > 1e-3, (label, i, axes, pvalue)
+
+
 def law_engine(target: str, spec: dict, prompts: list, sampling: dict) -> dict:
     """An engine job of the law tests: every prompt sampled once with ``sampling``."""
     return {
@@ -255,13 +266,7 @@ def test_tree_auto_cuts_law_equals_target_law(small_models):
     assert "error" not in result, result.get("error")
     assert set(result["sizer"]["requests_at_depth"]) == {"0", "1", "2"}
     assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
-    outputs = result["calls"][0]["outputs"]
-    for i, prompt in enumerate(PROMPTS):
-        counts = counts_of(outputs[i * REQUESTS_PER_PROMPT : (i + 1) * REQUESTS_PER_PROMPT])
-        law = exact_law_of_tokens(target, prompt, {"temperature": 1.0})
-        for axes in MARGINALS:
-            pvalue = marginal_pvalue(counts, law, axes)
-            assert pvalue > 1e-3, (i, axes, pvalue)
+    assert_follows_target_law(result["calls"][0]["outputs"], target, {"temperature": 1.0}, "auto")
 
 
 def test_path_options_law_equals_target_law(small_models):

@@ -22,16 +22,13 @@ openai = pytest.importorskip("openai")
 
 from engine_job import run_engines  # noqa: E402
 from greedy_identity import assert_greedy_identical  # noqa: E402
-from server_utils import SERVER_ARGS, get_text, metric_value, server_env, vllm_server  # noqa: E402
+from server_utils import SERVER_ARGS, get_text, metric_value, server_env, streamed_chat, vllm_server  # noqa: E402
 from test_engine import call, engine, prompts, reference, univer  # noqa: E402
 from test_engine_law import (  # noqa: E402
-    MARGINALS,
     PROMPTS,
     REQUESTS_PER_PROMPT,
-    counts_of,
-    exact_law_of_tokens,
+    assert_follows_target_law,
     law_engine,
-    marginal_pvalue,
     small_models,  # noqa: F401 - fixture
 )
 
@@ -105,13 +102,7 @@ def test_tensor_parallel_law_equals_target_law(small_models):  # noqa: F811 - th
     for (verifier, _), result in zip(cases, results):
         assert "error" not in result, (verifier, result.get("error"))
         assert_ranks_agree(result, verifier)
-        outputs = result["calls"][0]["outputs"]
-        for i, prompt in enumerate(PROMPTS):
-            counts = counts_of(outputs[i * REQUESTS_PER_PROMPT : (i + 1) * REQUESTS_PER_PROMPT])
-            law = exact_law_of_tokens(target, prompt, {"temperature": 1.0})
-            for axes in MARGINALS:
-                pvalue = marginal_pvalue(counts, law, axes)
-                assert pvalue > 1e-3, (verifier, i, axes, pvalue)
+        assert_follows_target_law(result["calls"][0]["outputs"], target, {"temperature": 1.0}, verifier)
 
 
 @contextlib.contextmanager
@@ -158,15 +149,7 @@ def test_openai_client_against_a_server_on_two_nodes(models, tmp_path):
                 logprobs=2,
                 extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
             )
-            stream = client.chat.completions.create(
-                model=target,
-                messages=[{"role": "user", "content": "a cat and a dog"}],
-                max_tokens=30,
-                temperature=1.0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-            pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+            pieces = streamed_chat(client, target)
             metrics = get_text(url + "/metrics")
     assert len(pieces) > 1 and "".join(pieces)
     assert metric_value(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0

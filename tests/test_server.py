@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from server_utils import get_text, metric_value, vllm_server  # noqa: E402
+from server_utils import get_text, metric_value, streamed_chat, vllm_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +25,7 @@ def test_openai_client_against_univer_server(models, tmp_path):
         )
         assert completion.usage.completion_tokens == 40
 
-        stream = client.chat.completions.create(
-            model=target,
-            messages=[{"role": "user", "content": "a cat and a dog"}],
-            max_tokens=30,
-            temperature=1.0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        pieces = streamed_chat(client, target)
         assert len(pieces) > 1 and "".join(pieces)
 
         choices = ["tree draft", "token accept"]

@@ -1,1 +1,1 @@
-2026-11-29 08:47  python benchmarks/acceptance.py --quick --restart
+2026-12-01 05:56  python benchmarks/acceptance.py --quick --restart --time-budget 1080
