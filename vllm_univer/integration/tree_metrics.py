@@ -10,6 +10,8 @@ step (cut 0) drafts nothing and is not counted.
 
 from __future__ import annotations
 
+import itertools
+
 import prometheus_client
 
 from ..tree import TreeSpec
@@ -19,8 +21,7 @@ NODES_HISTOGRAM = "vllm:univer_tree_nodes_per_request"
 
 def cut_sizes(tree: TreeSpec) -> list[int]:
     """Draft nodes of ``tree`` cut to depth 1, 2, ..., D (the histogram's buckets)."""
-    per_depth = tree.nodes_per_depth[1:]
-    return [sum(per_depth[: d + 1]) for d in range(len(per_depth))]
+    return list(itertools.accumulate(tree.nodes_per_depth[1:]))
 
 
 def drafts_by_size(num_draft_tokens_per_pos: list[int]) -> dict[int, int]:

@@ -48,17 +48,13 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import clipped_ratio, continue_prob, gather_tokens, token_set_mask
+from ..ops import clipped_ratio, continue_prob, exclusive_cumsum, gather_tokens, token_set_mask
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 
 
 def _exclusive_after(x: torch.Tensor) -> torch.Tensor:
     """Sum of the entries after each one along the last dim."""
     return x.flip(-1).cumsum(-1).flip(-1) - x
-
-
-def _exclusive_before(x: torch.Tensor) -> torch.Tensor:
-    return x.cumsum(-1) - x
 
 
 def _pair_stage(demand: torch.Tensor, law: torch.Tensor, xa: torch.Tensor, xb: torch.Tensor):
@@ -101,7 +97,7 @@ def _pair_by_ratio(demand: torch.Tensor, law: torch.Tensor, xa: torch.Tensor, xb
     take_selected = clipped_ratio(d, selected)
     left = d - torch.minimum(selected, d)  # D2
     missed = 1.0 - take_selected
-    second = u * _exclusive_before(q * missed) + q * _exclusive_before(u * missed)  # E2
+    second = u * exclusive_cumsum(q * missed) + q * exclusive_cumsum(u * missed)  # E2
     take_second = clipped_ratio(left, second)
     leftover = left - torch.minimum(second, left)
 
