@@ -57,30 +57,32 @@ def _exclusive_after(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1) - x
 
 
-def _pair_stage(demand: torch.Tensor, law: torch.Tensor, xa: torch.Tensor, xb: torch.Tensor):
+def _pair_stage(demand: torch.Tensor, law: torch.Tensor, xa: torch.Tensor, xb: torch.Tensor, single: tuple):
     """One pair {xa, xb} drawn without replacement from ``law`` [.., V] against
     ``demand`` [.., V]: whichever of the two couplings below passes on more
     demand at this node (a choice made from p, q and P~ only, never from the
     drawn pair, so either is lossless). Returns (accept_a, accept_b) [.., 1]
     given the stage is reached, and the leftover demand R [.., V] (marginal over
-    the pair)."""
+    the pair). ``single``: ``_single_stage(demand, law, xa)``, the slot-order
+    coupling's first step, already computed by the caller."""
     by_ratio = _pair_by_ratio(demand, law, xa, xb)
-    in_order = _pair_in_slot_order(demand, law, xa, xb)
+    in_order = _pair_in_slot_order(demand, law, xb, *single)
     better = by_ratio[2].sum(-1, keepdim=True) <= in_order[2].sum(-1, keepdim=True)  # less left over
     return tuple(torch.where(better, a, b) for a, b in zip(by_ratio, in_order))
 
 
-def _pair_in_slot_order(demand: torch.Tensor, law: torch.Tensor, xa: torch.Tensor, xb: torch.Tensor):
-    """The first drawn child against the draft law (min(1, D/q')), then the second
-    against its marginal law given that the first was drawn and rejected:
+def _pair_in_slot_order(
+    demand: torch.Tensor, law: torch.Tensor, xb: torch.Tensor, accept_a: torch.Tensor, left: torch.Tensor
+):
+    """The first drawn child against the draft law (``accept_a``, ``left``: its
+    ``_single_stage``), then the second against its marginal law given that the
+    first was drawn and rejected:
         E2(y) = q'(y) sum_{z != y} [q'(z) - D(z)]+ / (1 - q'(z))."""
-    first = torch.minimum(law, demand)
     rest = 1.0 - law
-    missed = torch.where(rest > 0, (law - first) / torch.where(rest > 0, rest, 1.0), torch.zeros_like(law))
+    over = law - (demand - left)  # [q' - D]+
+    missed = torch.where(rest > 0, over / torch.where(rest > 0, rest, 1.0), torch.zeros_like(law))
     second = (law * (missed.sum(-1, keepdim=True) - missed)).clamp(min=0)
-    left = demand - first
     leftover = left - torch.minimum(second, left)
-    accept_a = clipped_ratio(gather_tokens(demand, xa), gather_tokens(law, xa))
     accept_b = (1.0 - accept_a) * clipped_ratio(gather_tokens(left, xb), gather_tokens(second, xb))
     return accept_a, accept_b, leftover
 
@@ -136,10 +138,10 @@ class UniVerWorVerifier(TreeVerifier):
             xa = tokens[..., start : start + 1]
             xb = tokens[..., start + 1 : start + 2] if start + 1 < slots else torch.full_like(xa, -1)
             has_a, has_b = xa >= 0, xb >= 0
-            acc_a, left = _single_stage(demand, law, xa)
+            single = acc_a, left = _single_stage(demand, law, xa)
             acc_b = torch.zeros_like(acc_a)
             if start + 1 < slots:
-                pair_a, pair_b, pair_left = _pair_stage(demand, law, xa, xb)
+                pair_a, pair_b, pair_left = _pair_stage(demand, law, xa, xb, single)
                 acc_a = torch.where(has_b, pair_a, acc_a)
                 acc_b = torch.where(has_b, pair_b, acc_b)
                 left = torch.where(has_b, pair_left, left)
