@@ -199,6 +199,7 @@ def timings(device: torch.device, lines: list[str]) -> None:
         ("greedy torch", "greedy", False),
         ("target_only", "target_only", None),
         ("traversal", "traversal", None),
+        ("univer_wor", "univer_wor", None),
         ("rrsw", "rrsw", None),
     ]
     lines += [
