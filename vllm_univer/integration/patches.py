@@ -3,7 +3,9 @@
 Applied once per process by ``plugin.register`` (the ``vllm.general_plugins``
 entry point), which vLLM calls in the API server, the engine core and every
 worker before it validates configs or builds model runners. Each patch leaves
-vLLM's behaviour unchanged unless the engine runs ``method: "univer"``.
+vLLM's behaviour unchanged unless the engine runs ``method: "univer"``, except
+two fixes of vLLM 0.32.0 CPU-build bugs that every engine gains from
+(``patch_cpu_expand_kernel``, ``patch_aot_artifact_finalize_loading``).
 """
 
 from __future__ import annotations
@@ -367,6 +369,26 @@ def patch_spec_decoding_prom() -> None:
     _wraps_once(SpecDecodingProm, "observe", make_observe)
 
 
+def patch_aot_artifact_finalize_loading() -> None:
+    """``torch._dynamo.aot_compile_types.BundledAOTAutogradSerializableCallable``:
+    vLLM 0.32.0's ``_try_load_aot_compiled_fn`` calls ``finalize_loading`` on every
+    AOT-compiled model it loads from its cache, a method only vLLM's own
+    ``VllmSerializableFunction`` has. The CPU build saves torch's bundled callable
+    instead, so loading fails there and every start compiles both models again
+    (about 40 s each on 2 cores). torch's callable is complete once deserialised:
+    give it the no-op ``finalize_loading`` vLLM expects."""
+    try:
+        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+    except ImportError:
+        return
+    if not hasattr(BundledAOTAutogradSerializableCallable, "finalize_loading"):
+
+        def finalize_loading(self, vllm_config) -> None:
+            return None
+
+        BundledAOTAutogradSerializableCallable.finalize_loading = finalize_loading
+
+
 ALL_PATCHES = (
     patch_engine_args_create_speculative_config,
     patch_model_runner,
@@ -379,4 +401,5 @@ ALL_PATCHES = (
     patch_worker_warm_up,
     patch_cpu_expand_kernel,
     patch_spec_decoding_prom,
+    patch_aot_artifact_finalize_loading,
 )
