@@ -213,16 +213,23 @@ def truncated(tree: TreeSpec, depth: int) -> TreeSpec:
     return TreeSpec([path for path in tree.paths if len(path) <= depth])
 
 
-def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shapes, steps, sink, gen):
-    """Walk ``steps`` contexts of one prompt at one temperature, recording every method."""
+def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shapes, steps, sink, gen, schemes=None):
+    """Walk ``steps`` contexts of one prompt at one temperature, recording every
+    method of ``schemes`` (default: all). The 2x5 topk1 tree, which advances the
+    context, is drafted whatever ``schemes`` says."""
     root_target = target.reset(ids)
     root_draft = draft.reset(ids)
     for step in range(steps):
         trees = {}
         for shape_name, tree in shapes.items():
             for scheme in SHAPE_SCHEMES.get(shape_name, ("chain",) if tree.is_chain else ("wor", "topk1")):
+                advances = (shape_name, scheme) == ("2x5", "topk1")
+                if schemes and scheme not in schemes and not advances:
+                    continue
                 tokens, p, q = draft_and_score(target, draft, tree, scheme, temperature, root_target, root_draft, gen)
                 trees[(shape_name, scheme)] = (tree, tokens, p, q)
+                if schemes and scheme not in schemes:
+                    continue
                 # Truncating a drafted tree at depth k gives a tree of the same scheme
                 # (levels are drafted top-down), so every shallower shape is free.
                 for depth in range(1, tree.max_depth + 1):
@@ -305,7 +312,9 @@ def run_study(args) -> Path:
                     return out_path
                 if (item["id"], temperature) in done:
                     continue
-                study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shapes, args.steps, sink, gen)
+                study_prompt(
+                    item, dataset, ids, temperature, target, draft, tokenizer, shapes, args.steps, sink, gen, args.schemes
+                )
                 print(f"T={temperature} {dataset} {item['id']}: {time.time() - started:.0f}s", flush=True)
     sink.close()
     return out_path
@@ -581,6 +590,9 @@ def main() -> None:
     ap.add_argument("--restart", action="store_true", help="discard earlier records of this mode")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--shapes", nargs="+", help="tree shapes to draft (default: all of the mode)")
+    ap.add_argument(
+        "--schemes", nargs="+", choices=sorted(SCHEME_METHODS), help="draft schemes to record (default: all)"
+    )
     ap.add_argument(
         "--supplement",
         default="",

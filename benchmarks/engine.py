@@ -59,7 +59,7 @@ JSON_HINT = "\n\nAnswer in JSON with a one-sentence summary and a list of steps.
 
 
 def engine_configs(quick: bool) -> list[dict]:
-    tree_verifiers = ["univer", "greedy", "rrsw", "traversal", "rrs", "target_only"]
+    tree_verifiers = ["univer", "greedy", "rrsw", "traversal", "univer_wor", "rrs", "target_only"]
     configs = [
         {"name": "no speculation", "spec": None, "cells": SPEED_CELLS},
         {
