@@ -81,13 +81,13 @@ def main_job(tree: str, log: Path, timeout: float) -> dict:
             stop(proc, grace=60)
 
 
-def plain_server(log: Path, timeout: float, dtype: str, extra: list[str]) -> dict:
+def plain_server(log: Path, timeout: float, dtype: str, extra: list[str], extra_env: dict[str, str]) -> dict:
     from data import DEFAULT_TARGET, model_dir
 
     args = [str(model_dir(DEFAULT_TARGET)), "--served-model-name", "target", "--dtype", dtype]
     args += ["--max-model-len", "4096", *extra]
     start = time.perf_counter()
-    with vllm_serve(args, {**os.environ, **ENV}, timeout, log, grace=60) as (_, url):
+    with vllm_serve(args, {**extra_env, **os.environ, **ENV}, timeout, log, grace=60) as (_, url):
         ready = time.perf_counter() - start
         print(f"plain vllm serve: healthy after {ready:.0f} s", flush=True)
         return {"name": "plain vllm serve", "ready_s": ready, "runs": example_requests(url, "target")}
@@ -128,11 +128,11 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "scripts"))
     from serve_default import hardware_defaults
 
-    dtype, _, extra = hardware_defaults([])
+    dtype, _, extra, extra_env = hardware_defaults([])
     rows = []
     logs = Path("/tmp")
     if not args.no_plain:
-        rows.append(plain_server(logs / "main_job_plain.log", args.timeout, dtype, extra))
+        rows.append(plain_server(logs / "main_job_plain.log", args.timeout, dtype, extra, extra_env))
     for tree in args.trees:
         rows.append(main_job(tree, logs / f"main_job_{tree}.log", args.timeout))
     command = "python benchmarks/main_job.py " + " ".join(sys.argv[1:])

@@ -42,28 +42,34 @@ Metrics (acceptance per depth included): {url}/metrics.  Ctrl-C stops the server
 CPU_MAX_BATCHED_TOKENS = 512
 
 
-def hardware_defaults(user_args: list[str]) -> tuple[str, str, list[str]]:
-    """(dtype, a line saying what was chosen and why, extra vllm serve arguments)
-    for the machine at hand; DTYPE and the user's own arguments win."""
+def hardware_defaults(user_args: list[str]) -> tuple[str, str, list[str], dict[str, str]]:
+    """(dtype, a line saying what was chosen and why, extra vllm serve arguments,
+    extra environment) for the machine at hand; DTYPE, the user's own arguments
+    and VLLM_CPU_NUM_OF_RESERVED_CPU win."""
     import torch
 
     if torch.cuda.is_available():
         dtype = os.environ.get("DTYPE", "bfloat16")
-        return dtype, f"GPU: {torch.cuda.get_device_name()}, dtype {dtype}", []
+        return dtype, f"GPU: {torch.cuda.get_device_name()}, dtype {dtype}", [], {}
     from vllm_univer.host_cpu import host_cpu
 
     cpu = host_cpu()
     dtype, why = cpu.serving_dtype()
     if "DTYPE" in os.environ:
         dtype, why = os.environ["DTYPE"], "set by DTYPE"
-    line = f"CPU: {cpu.label}; dtype {dtype} ({why})"
-    if any(a.startswith("--max-num-batched-tokens") for a in user_args):
-        return dtype, line, []
-    return (
-        dtype,
-        f"{line}; at most {CPU_MAX_BATCHED_TOKENS} tokens per step",
-        ["--max-num-batched-tokens", str(CPU_MAX_BATCHED_TOKENS)],
-    )
+    parts = [f"CPU: {cpu.label}; dtype {dtype} ({why})"]
+    env = {}
+    reserved, why = cpu.reserved_cores()
+    if "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ:
+        reserved, why = os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"], "set by VLLM_CPU_NUM_OF_RESERVED_CPU"
+    elif reserved is not None:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved)
+    parts.append(f"{'vLLM default' if reserved is None else reserved} reserved cores ({why})")
+    args = []
+    if not any(a.startswith("--max-num-batched-tokens") for a in user_args):
+        parts.append(f"at most {CPU_MAX_BATCHED_TOKENS} tokens per step")
+        args = ["--max-num-batched-tokens", str(CPU_MAX_BATCHED_TOKENS)]
+    return dtype, "; ".join(parts), args, env
 
 
 def main() -> None:
@@ -80,7 +86,7 @@ def main() -> None:
     tree, verifier = os.environ.get("TREE", "auto"), os.environ.get("VERIFIER", "univer")
     spec = {"method": "univer", "model": str(draft), "tree": tree, "verifier": verifier}
     name = os.environ.get("SERVED_MODEL_NAME", "qwen2.5-coder-1.5b")
-    dtype, hardware, engine_args = hardware_defaults(sys.argv[1:])
+    dtype, hardware, engine_args, hardware_env = hardware_defaults(sys.argv[1:])
     cmd = [
         vllm_executable(),
         "serve",
@@ -100,7 +106,7 @@ def main() -> None:
         *engine_args,
         *sys.argv[1:],
     ]
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4", **hardware_env, **os.environ}
     print("[main] " + " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -49,6 +49,7 @@ def test_main_job_serves_and_stops_on_ctrl_c(tiny_pair, tmp_path):
             assert f"http://127.0.0.1:{port}/v1" in text and "from openai import OpenAI" in text
             assert "UniVer tree auto" in text  # the default: the tree sizes itself
             assert "CPU: " in text and "dtype float32 (set by DTYPE)" in text  # what it chose, and why
+            assert "reserved cores (" in text  # the thread setting, and why
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
             reply = client.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "the tree"}], max_tokens=16, temperature=1.0
