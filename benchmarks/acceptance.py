@@ -313,7 +313,18 @@ def run_study(args) -> Path:
                 if (item["id"], temperature) in done:
                     continue
                 study_prompt(
-                    item, dataset, ids, temperature, target, draft, tokenizer, shapes, args.steps, sink, gen, args.schemes
+                    item,
+                    dataset,
+                    ids,
+                    temperature,
+                    target,
+                    draft,
+                    tokenizer,
+                    shapes,
+                    args.steps,
+                    sink,
+                    gen,
+                    args.schemes,
                 )
                 print(f"T={temperature} {dataset} {item['id']}: {time.time() - started:.0f}s", flush=True)
     sink.close()

@@ -106,7 +106,13 @@ def main() -> None:
         *engine_args,
         *sys.argv[1:],
     ]
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4", **hardware_env, **os.environ}
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        **hardware_env,
+        **os.environ,
+    }
     print("[main] " + " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"

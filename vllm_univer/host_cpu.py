@@ -40,7 +40,10 @@ class HostCpu:
         on a 2-core EPYC, plain ``vllm serve`` went from 4.6 to 7.4 tok/s at T = 1
         with both cores (benchmarks/results/main_job.md)."""
         if self.cores <= FEW_CORES:
-            return 0, f"every core to the model: with {self.cores} cores, one kept for the scheduler costs more than it saves"
+            return (
+                0,
+                f"every core to the model: with {self.cores} cores, a scheduler core costs more than it gives",
+            )
         return None, "vLLM's default: one core kept for the scheduler"
 
 

@@ -138,6 +138,14 @@ class TreeSpec:
         return table
 
     @cached_property
+    def subtree_sizes(self) -> torch.Tensor:
+        """LongTensor [N+1]: nodes in each node's subtree, itself included."""
+        parent, sizes = self.parent.tolist(), [1] * (self.num_nodes + 1)
+        for i in range(self.num_nodes, 0, -1):  # children come after their parents
+            sizes[parent[i]] += sizes[i]
+        return torch.tensor(sizes, dtype=torch.long)
+
+    @cached_property
     def postorder_rank(self) -> torch.Tensor:
         """LongTensor [N+1]: rank of each node in post-order (children in slot order, then the node)."""
         order: list[int] = []
@@ -193,6 +201,7 @@ class _TreeTensors:
         self.parent = tree.parent.to(device)
         self.depth = tree.depth.to(device)
         self.children = tree.children.to(device)
+        self._tree, self._device = tree, device
         self.ancestors = tree.ancestors.to(device)
         self.postorder_rank = tree.postorder_rank.to(device)
         self.is_internal = (tree.num_children > 0).to(device)
@@ -212,6 +221,14 @@ class _TreeTensors:
                     span=slice(first, first + count) if contiguous else None,
                 )
             )
+
+    @cached_property
+    def kid_sizes(self) -> torch.Tensor:
+        """LongTensor [N+1, C]: nodes in each child slot's subtree, 0 where none
+        (built on first use: only some verifiers read it)."""
+        tree = self._tree
+        sizes = tree.subtree_sizes[tree.children.clamp(min=0)]
+        return torch.where(tree.children >= 0, sizes, torch.zeros_like(sizes)).to(self._device)
 
 
 class _Level:

@@ -24,6 +24,12 @@ def child_tokens(tt: _TreeTensors, tokens: torch.Tensor, nodes: torch.Tensor) ->
     return picked.masked_fill(kids < 0, -1)
 
 
+def child_subtree_sizes(verifier: TreeVerifier, tt: _TreeTensors, nodes: torch.Tensor) -> torch.Tensor | None:
+    """nodes [n] or [B, n] -> [n, C] or [B, n, C]: nodes in each child's subtree (0
+    where none), for the verifiers that read them (``uses_kid_sizes``), else None."""
+    return tt.kid_sizes[nodes] if verifier.uses_kid_sizes else None
+
+
 def allocate(
     verifier: TreeVerifier,
     tt: _TreeTensors,
@@ -50,7 +56,13 @@ def allocate(
         kid_tokens = child_tokens(tt, tokens, nodes)
         scale = weight[:, nodes] if postorder else torch.ones_like(weight[:, nodes])
         out = verifier.node_rule(
-            NodeBatch(level.rows(target_probs), level.rows(draft_probs), kid_tokens, scale),
+            NodeBatch(
+                level.rows(target_probs),
+                level.rows(draft_probs),
+                kid_tokens,
+                scale,
+                child_subtree_sizes(verifier, tt, nodes),
+            ),
             want_residual=False,
         )
         # where(), not a product: rows of missing nodes are never read, even if they hold NaN.
@@ -140,5 +152,6 @@ def node_residuals(
     p = target_probs.gather(1, rows)
     q = draft_probs.gather(1, rows)
     scale = weight.gather(1, nodes) if verifier.family is Family.POSTORDER else torch.ones_like(weight.gather(1, nodes))
-    out = verifier.node_rule(NodeBatch(p, q, child_tokens(tt, tokens, nodes), scale), want_residual=True)
+    batch = NodeBatch(p, q, child_tokens(tt, tokens, nodes), scale, child_subtree_sizes(verifier, tt, nodes))
+    out = verifier.node_rule(batch, want_residual=True)
     return out.residual

@@ -46,12 +46,15 @@ class NodeBatch:
     q:      [B, n, V]  draft rows q_v (what v's children were drawn from)
     tokens: [B, n, C]  child tokens in slot order, -1 where a child does not exist
     scale:  [B, n]     prefix scale P~_v (POSTORDER rules; ones for DESCENT rules)
+    kid_sizes: [n, C] or [B, n, C]  nodes in each child slot's subtree, 0 where the
+            slot does not exist (the tree's shape, the same for every request)
     """
 
     p: torch.Tensor
     q: torch.Tensor
     tokens: torch.Tensor
     scale: torch.Tensor
+    kid_sizes: torch.Tensor | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -76,6 +79,8 @@ class TreeVerifier:
     scheme: str
     family: Family
     chain_only: bool = False
+    # Whether node_rule reads NodeBatch.kid_sizes (else None is passed: no work for it).
+    uses_kid_sizes: bool = False
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
         raise NotImplementedError

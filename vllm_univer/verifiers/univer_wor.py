@@ -27,6 +27,10 @@ replacement from the stage's draft law q':
   ties it can beat the selection by ratio.
   Each node takes whichever of the two leaves less demand over: a choice made
   from p, q' and P~ alone, never from the drawn pair, so both stay lossless.
+  Where the pair's two slots carry subtrees of different sizes (irregular,
+  EAGLE-like trees), slot order always: the one-step comparison does not see
+  that the first slot's larger subtree is worth more once entered (it fell
+  1-21 % below traversal there; now within 2e-3 of it, tests/test_reductions.py).
 * What is left, R = D2 - min(E2, D2), is marginal over the pair: it does not
   depend on which pair was drawn. A later stage (slots 3-4, ...) sees the
   drawn history H: its draft law is q restricted off H and renormalised, its
@@ -57,17 +61,23 @@ def _exclusive_after(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1) - x
 
 
-def _pair_stage(demand: torch.Tensor, law: torch.Tensor, xa: torch.Tensor, xb: torch.Tensor, single: tuple):
+def _pair_stage(
+    demand: torch.Tensor, law: torch.Tensor, xa: torch.Tensor, xb: torch.Tensor, single: tuple, even: torch.Tensor
+):
     """One pair {xa, xb} drawn without replacement from ``law`` [.., V] against
     ``demand`` [.., V]: whichever of the two couplings below passes on more
     demand at this node (a choice made from p, q and P~ only, never from the
     drawn pair, so either is lossless). Returns (accept_a, accept_b) [.., 1]
     given the stage is reached, and the leftover demand R [.., V] (marginal over
     the pair). ``single``: ``_single_stage(demand, law, xa)``, the slot-order
-    coupling's first step, already computed by the caller."""
+    coupling's first step, already computed by the caller. ``even`` [.., 1]:
+    whether the two slots carry subtrees of the same size; where they do not,
+    slot order (the one-step comparison does not see that the first slot, the
+    larger subtree on EAGLE-like trees, is worth more once accepted)."""
     by_ratio = _pair_by_ratio(demand, law, xa, xb)
     in_order = _pair_in_slot_order(demand, law, xb, *single)
     better = by_ratio[2].sum(-1, keepdim=True) <= in_order[2].sum(-1, keepdim=True)  # less left over
+    better = better & even
     return tuple(torch.where(better, a, b) for a, b in zip(by_ratio, in_order))
 
 
@@ -126,6 +136,7 @@ class UniVerWorVerifier(TreeVerifier):
     name = "univer_wor"
     scheme = "wor"
     family = Family.POSTORDER
+    uses_kid_sizes = True
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
         tokens = nodes.tokens
@@ -141,7 +152,11 @@ class UniVerWorVerifier(TreeVerifier):
             single = acc_a, left = _single_stage(demand, law, xa)
             acc_b = torch.zeros_like(acc_a)
             if start + 1 < slots:
-                pair_a, pair_b, pair_left = _pair_stage(demand, law, xa, xb, single)
+                even = torch.ones_like(has_b)
+                if nodes.kid_sizes is not None:
+                    sizes = nodes.kid_sizes
+                    even = sizes[..., start : start + 1] == sizes[..., start + 1 : start + 2]
+                pair_a, pair_b, pair_left = _pair_stage(demand, law, xa, xb, single, even)
                 acc_a = torch.where(has_b, pair_a, acc_a)
                 acc_b = torch.where(has_b, pair_b, acc_b)
                 left = torch.where(has_b, pair_left, left)
