@@ -223,12 +223,12 @@ def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shap
         trees = {}
         for shape_name, tree in shapes.items():
             for scheme in SHAPE_SCHEMES.get(shape_name, ("chain",) if tree.is_chain else ("wor", "topk1")):
-                advances = (shape_name, scheme) == ("2x5", "topk1")
-                if schemes and scheme not in schemes and not advances:
+                recorded = not schemes or scheme in schemes
+                if not recorded and (shape_name, scheme) != ("2x5", "topk1"):  # that one advances the context
                     continue
                 tokens, p, q = draft_and_score(target, draft, tree, scheme, temperature, root_target, root_draft, gen)
                 trees[(shape_name, scheme)] = (tree, tokens, p, q)
-                if schemes and scheme not in schemes:
+                if not recorded:
                     continue
                 # Truncating a drafted tree at depth k gives a tree of the same scheme
                 # (levels are drafted top-down), so every shallower shape is free.

@@ -38,7 +38,7 @@ class HostCpu:
         default (one core per worker left to the scheduler process). With few
         cores the worker's forwards are worth more than an idle scheduler core:
         on a 2-core EPYC, plain ``vllm serve`` went from 4.6 to 7.4 tok/s at T = 1
-        with both cores (benchmarks/results/main_job.md)."""
+        with both cores (benchmarks/results/main_job_reserved_core.md)."""
         if self.cores <= FEW_CORES:
             return (
                 0,
