@@ -109,3 +109,24 @@ def test_exact_lossless_topk_covers_support(method, scheme):
 
     draft = TwoTokenDraft(4, seed=12, zeros=False)
     assert string_law_error(method, scheme, tree, target, draft) <= 1e-12
+
+
+@pytest.mark.parametrize("classes_per_octave", [32, 1])
+@pytest.mark.parametrize(
+    "tree,vocab",
+    [(TreeSpec.parse("2x2"), 4), (TreeSpec.parse("4x1"), 5), (IRREGULAR, 4)],
+    ids=["2x2", "4x1", "irregular"],
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_univer_wor_exact_with_log_ratio_classes(monkeypatch, tree, vocab, classes_per_octave, seed):
+    """The ratio classes large vocabularies use (log scale), forced onto a small one:
+    32 classes per octave (what runs on a real vocabulary) and 1 (most pairs share a
+    class and are settled by the coin). Exact either way, on laws with zeros and ties."""
+    from vllm_univer.verifiers import univer_wor
+
+    monkeypatch.setattr(univer_wor, "EXACT_RANK_VOCAB", 0)
+    monkeypatch.setattr(univer_wor, "_CLASSES_PER_OCTAVE", classes_per_octave)
+    monkeypatch.setattr(univer_wor, "_LOG_CLASSES", classes_per_octave * univer_wor._OCTAVES + 2)
+    target = PathModel(vocab, seed=300 + seed)
+    draft = PathModel(vocab, seed=400 + seed, base=target)
+    assert string_law_error("univer_wor", "wor", tree, target, draft) <= 1e-12

@@ -7,18 +7,23 @@ probability 1 - P~_v). Children are taken as *pairs* in slot order (slots 1-2,
 then 3-4, ...; an odd last slot alone). For a pair {a, b} drawn without
 replacement from the stage's draft law q':
 
-* **Selection by ratio.** The child with the larger ratio D/q' (ties: the
-  lower rank of a stable sort, a fixed total order) is *selected*. Its
-  marginal law is
-      Q_sel(y) = P(y drawn and ranked first in its pair)
-               = u(y) q'(after y) + q'(y) u(after y),    u = q' / (1 - q')
-  (prefix sums in rank order: one sort per stage), and it is accepted (its
-  subtree entered with scale) min(1, D(y) / Q_sel(y)): single-draft speculative
-  sampling against the selection marginal, which for two drafts reaches the
-  one-step optimum on smooth laws. If its subtree rejects, the other child is
-  entered with scale min(1, D2(y) / E2(y)), D2 = D - min(Q_sel, D) and
-      E2(y) = P(y drawn, ranked second, the first rejected)
-            = u(y) sum_{z before y} q'(z) (1 - s(z)) + q'(y) sum_{z before y} u(z) (1 - s(z)).
+* **Selection by ratio.** The child with the larger ratio D/q' is *selected*.
+  Ratios are compared by class: their exact rank on small vocabularies, else
+  a log scale of 32 classes per octave (ratios within 2 % share a class); a
+  pair from one class is settled by a fair coin. The rule depends on p, q'
+  and P~ only, so the construction is exact whatever the classes, and it
+  needs sums per class and one prefix sum over the classes: O(V) per node,
+  where an exact order needs a sort of the vocabulary. Its marginal law is
+      Q_sel(y) = P(y drawn and selected)
+               = sum_z (u(y) q'(z) + q'(y) u(z)) c(y | z),    u = q' / (1 - q'),
+  c(y | z) = 1, 1/2 or 0 as y's class is above, equal to or below z's, and it
+  is accepted (its subtree entered with scale) min(1, D(y) / Q_sel(y)):
+  single-draft speculative sampling against the selection marginal, which for
+  two drafts reaches the one-step optimum on smooth laws. If its subtree
+  rejects, the other child is entered with scale min(1, D2(y) / E2(y)),
+  D2 = D - min(Q_sel, D) and
+      E2(y) = P(y drawn, not selected, the selected one rejected)
+            = sum_z (u(y) q'(z) + q'(y) u(z)) (1 - c(y | z)) (1 - s(z)).
 * **Slot order.** The first drawn child against q' (min(1, D/q')), then the
   second against its marginal law given the first drawn and rejected,
       E2(y) = q'(y) sum_{z != y} [q'(z) - D(z)]+ / (1 - q'(z)),
@@ -44,92 +49,309 @@ and sigma its demand's mass (sigma = P~_v when there is one stage), and
 Y ~ R. With one child per node this is ``block``; at depth 1 it is a one-step
 multi-draft coupling (the selection step above).
 
-Every quantity is a closed form over the vocabulary per node and stage (one
-sort by ratio, prefix sums, gathers); no loop over tokens, nodes or requests.
+Every quantity is a closed form over the vocabulary per node and stage: three
+passes over it (sums per class, then what the second chance misses, then the
+leftover), each a few elementwise operations, scatters into the classes and
+reductions; values at the drawn tokens come from the same formulas on those
+two columns. Nothing of size [.., V] is kept: on CPU each pass walks the
+vocabulary in cache-sized chunks (``vocab_slices``), on a GPU in one piece; a
+later stage recomputes the earlier ones on the chunk it reads. No sort, no
+loop over tokens, nodes or requests.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 
-from ..ops import clipped_ratio, continue_prob, exclusive_cumsum, gather_tokens, token_set_mask
+from ..ops import clipped_ratio, continue_prob, vocab_slices
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 
-
-def _exclusive_after(x: torch.Tensor) -> torch.Tensor:
-    """Sum of the entries after each one along the last dim."""
-    return x.flip(-1).cumsum(-1).flip(-1) - x
-
-
-def _pair_stage(
-    demand: torch.Tensor, law: torch.Tensor, xa: torch.Tensor, xb: torch.Tensor, single: tuple, even: torch.Tensor
-):
-    """One pair {xa, xb} drawn without replacement from ``law`` [.., V] against
-    ``demand`` [.., V]: whichever of the two couplings below passes on more
-    demand at this node (a choice made from p, q and P~ only, never from the
-    drawn pair, so either is lossless). Returns (accept_a, accept_b) [.., 1]
-    given the stage is reached, and the leftover demand R [.., V] (marginal over
-    the pair). ``single``: ``_single_stage(demand, law, xa)``, the slot-order
-    coupling's first step, already computed by the caller. ``even`` [.., 1]:
-    whether the two slots carry subtrees of the same size; where they do not,
-    slot order (the one-step comparison does not see that the first slot, the
-    larger subtree on EAGLE-like trees, is worth more once accepted)."""
-    by_ratio = _pair_by_ratio(demand, law, xa, xb)
-    in_order = _pair_in_slot_order(demand, law, xb, *single)
-    better = by_ratio[2].sum(-1, keepdim=True) <= in_order[2].sum(-1, keepdim=True)  # less left over
-    better = better & even
-    return tuple(torch.where(better, a, b) for a, b in zip(by_ratio, in_order))
+# Vocabularies up to this size compare ratios by exact rank (a [.., V, V] comparison);
+# larger ones by log-scale class: 32 classes per octave over 2^-32 .. 2^32 (the end
+# classes beyond), one below for D = 0 and one above for q' = 0 (never drawn).
+EXACT_RANK_VOCAB = 64
+_CLASSES_PER_OCTAVE = 32
+_OCTAVES = 64
+_LOG_CLASSES = _CLASSES_PER_OCTAVE * _OCTAVES + 2
 
 
-def _pair_in_slot_order(
-    demand: torch.Tensor, law: torch.Tensor, xb: torch.Tensor, accept_a: torch.Tensor, left: torch.Tensor
-):
-    """The first drawn child against the draft law (``accept_a``, ``left``: its
-    ``_single_stage``), then the second against its marginal law given that the
-    first was drawn and rejected:
-        E2(y) = q'(y) sum_{z != y} [q'(z) - D(z)]+ / (1 - q'(z))."""
-    rest = 1.0 - law
-    over = law - (demand - left)  # [q' - D]+
-    missed = torch.where(rest > 0, over / torch.where(rest > 0, rest, 1.0), torch.zeros_like(law))
-    second = (law * (missed.sum(-1, keepdim=True) - missed)).clamp(min=0)
-    leftover = left - torch.minimum(second, left)
-    accept_b = (1.0 - accept_a) * clipped_ratio(gather_tokens(left, xb), gather_tokens(second, xb))
-    return accept_a, accept_b, leftover
+def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den where den > 0, else 0."""
+    return torch.where(den > 0, num / den, 0.0)  # where() drops the x/0 entries
 
 
-def _pair_by_ratio(demand: torch.Tensor, law: torch.Tensor, xa: torch.Tensor, xb: torch.Tensor):
-    """Selection by ratio D/q', then a second chance for the other child (module docstring)."""
+def log_ratio_classes(demand: torch.Tensor, law: torch.Tensor) -> torch.Tensor:
+    """[.., k] -> class of D/q' in 0 .. _LOG_CLASSES - 1 (int64), non-decreasing in the ratio."""
+    positive = (demand > 0) & (law > 0)
+    ratio = torch.where(positive, demand, 1.0) / torch.where(positive, law, 1.0)
+    octave = ratio.log2().add_(_OCTAVES / 2).mul_(_CLASSES_PER_OCTAVE)
+    classes = octave.clamp_(0, _LOG_CLASSES - 3).long().add_(1)
+    return classes.masked_fill_(~positive, 0).masked_fill_(law <= 0, _LOG_CLASSES - 1)
+
+
+def rank_ratio_classes(demand: torch.Tensor, law: torch.Tensor) -> torch.Tensor:
+    """[.., V] -> the number of tokens with a smaller ratio D/q' (q' = 0: infinite), [.., V]."""
     ratio = torch.where(law > 0, demand / torch.where(law > 0, law, 1.0), torch.full_like(law, float("inf")))
-    order = torch.sort(ratio, dim=-1, descending=True, stable=True).indices
-    q = law.gather(-1, order)
-    d = demand.gather(-1, order)
-    rest = 1.0 - q
-    u = torch.where(rest > 0, q / torch.where(rest > 0, rest, 1.0), torch.zeros_like(q))
-    selected = u * _exclusive_after(q) + q * _exclusive_after(u)  # Q_sel
-    take_selected = clipped_ratio(d, selected)
-    left = d - torch.minimum(selected, d)  # D2
-    missed = 1.0 - take_selected
-    second = u * exclusive_cumsum(q * missed) + q * exclusive_cumsum(u * missed)  # E2
-    take_second = clipped_ratio(left, second)
-    leftover = left - torch.minimum(second, left)
-
-    def to_tokens(sorted_rows: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(sorted_rows).scatter_(-1, order, sorted_rows)
-
-    rank = to_tokens(torch.arange(law.shape[-1], device=law.device, dtype=law.dtype).expand_as(law))
-    take_selected, take_second = to_tokens(take_selected), to_tokens(take_second)
-    a_first = gather_tokens(rank, xa) < gather_tokens(rank, xb)
-    sel_a, sel_b = gather_tokens(take_selected, xa), gather_tokens(take_selected, xb)
-    sec_a, sec_b = gather_tokens(take_second, xa), gather_tokens(take_second, xb)
-    accept_a = torch.where(a_first, sel_a, (1.0 - sel_b) * sec_a)
-    accept_b = torch.where(a_first, (1.0 - sel_a) * sec_b, sel_b)
-    return accept_a, accept_b, to_tokens(leftover)
+    return (ratio.unsqueeze(-2) < ratio.unsqueeze(-1)).sum(-1)
 
 
-def _single_stage(demand: torch.Tensor, law: torch.Tensor, x: torch.Tensor):
-    """One child x drawn from ``law``: accept min(1, D(x) / law(x)); leftover [D - law]+."""
-    accept = clipped_ratio(gather_tokens(demand, x), gather_tokens(law, x))
-    return accept, demand - torch.minimum(law, demand)
+@dataclass
+class _Columns:
+    """Some vocabulary columns of a node batch: p, q [.., k] and their token ids
+    ([k], or [.., k] for the drawn tokens; -1 for a missing token). ``memo`` keeps
+    what the passes compute on these columns where they are the whole row (a GPU:
+    each quantity computed once); None where chunks are walked (CPU: recomputed
+    per pass from cached inputs instead of kept at [.., V])."""
+
+    p: torch.Tensor
+    q: torch.Tensor
+    ids: torch.Tensor
+    memo: dict | None = None
+
+    @classmethod
+    def chunks(cls, nodes: NodeBatch) -> list[_Columns]:
+        parts = vocab_slices(nodes.p)
+        memo = len(parts) == 1
+        return [
+            cls(nodes.p[..., part], nodes.q[..., part], torch.arange(part.start, part.stop, device=nodes.p.device))
+            if not memo
+            else cls(nodes.p, nodes.q, torch.arange(nodes.vocab_size, device=nodes.p.device), {})
+            for part in parts
+        ]
+
+    @classmethod
+    def at(cls, nodes: NodeBatch, tokens: torch.Tensor) -> _Columns:
+        safe = tokens.clamp(min=0)
+        return cls(nodes.p.gather(-1, safe), nodes.q.gather(-1, safe), tokens, {})
+
+    @contextmanager
+    def scratch(self):
+        """A memo for one pass over chunked columns, dropped after it (whole rows keep theirs)."""
+        if self.memo is not None:
+            yield self
+            return
+        self.memo = {}
+        try:
+            yield self
+        finally:
+            self.memo = None
+
+    def cached(self, owner, name: str, compute):
+        """``compute()``, once per (owner, name) where the columns keep a memo."""
+        if self.memo is None:
+            return compute()
+        key = (id(owner), name)
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
+
+
+def _walk(parts: list[_Columns]):
+    """Each part of a pass, with a memo for that pass (chunks drop it after)."""
+    for cols in parts:
+        with cols.scratch():
+            yield cols
+
+
+class _NodeInputs:
+    """The first stage's demand D = P~ p and draft law q."""
+
+    def __init__(self, nodes: NodeBatch):
+        self.scale = nodes.scale.unsqueeze(-1)
+
+    def demand_law(self, cols: _Columns):
+        return cols.cached(self, "demand_law", lambda: (self.scale * cols.p, cols.q))
+
+
+class _LaterInputs:
+    """A later stage's demand and law, given the earlier stage and the tokens it drew:
+    the earlier leftover as a density given that this stage is reached, and the
+    earlier law off the drawn tokens, renormalised."""
+
+    def __init__(self, stage, drawn: torch.Tensor):
+        self.stage = stage
+        self.drawn = drawn  # [.., 2]
+        law_at = stage.demand_law_at_tokens[1] * (drawn >= 0)
+        self.norm = (stage.law_mass - law_at.sum(-1, keepdim=True)).clamp(min=torch.finfo(law_at.dtype).tiny)
+        self.reached = (1.0 - (stage.sigma - stage.rho)).clamp(min=0)
+
+    def demand_law(self, cols: _Columns):
+        return cols.cached(self, "demand_law", lambda: self._demand_law(cols))
+
+    def _demand_law(self, cols: _Columns):
+        _, law, left = self.stage.evaluate(cols)
+        drawn = (cols.ids.unsqueeze(-1) == self.drawn.unsqueeze(-2)).any(-1)
+        return _safe_div(left, self.reached), law.masked_fill(drawn, 0.0) / self.norm
+
+
+class _Stage:
+    """One stage: children in slots (a, b) drawn without replacement from the
+    stage's law q' against its demand D (b = -1: a lone slot; a = -1: none).
+
+    After construction: sigma (sum of D), rho (sum of the leftover R), law_mass
+    (sum of q') [.., 1], and the acceptances of a and b [.., 1]."""
+
+    def __init__(
+        self, nodes: NodeBatch, parts: list[_Columns], inputs, xa: torch.Tensor, xb: torch.Tensor | None, even
+    ):
+        self.nodes, self.inputs = nodes, inputs
+        self.paired = xb is not None  # a second slot in the tree's shape (a drawn token or -1)
+        xb = torch.full_like(xa, -1) if xb is None else xb
+        self.has_a, self.has_b = xa >= 0, xb >= 0
+        self.xb = xb
+        self.rank = None
+        if self.paired and nodes.vocab_size <= EXACT_RANK_VOCAB:  # one part: the whole row
+            self.rank = rank_ratio_classes(*inputs.demand_law(parts[0]))
+        num_classes = nodes.vocab_size if self.rank is not None else _LOG_CLASSES
+
+        # Pass 1: masses per class; the sums the lone and slot-order steps need.
+        if self.paired:
+            self.pair_lower = nodes.p.new_zeros(*nodes.p.shape[:-1], 2, num_classes)
+        sigma = law_mass = rho_lone = slot_missed = 0.0
+        for cols in _walk(parts):
+            demand, law = inputs.demand_law(cols)
+            sigma = sigma + demand.sum(-1, keepdim=True)
+            law_mass = law_mass + law.sum(-1, keepdim=True)
+            rho_lone = rho_lone + self._lone_left(cols).sum(-1, keepdim=True)
+            if self.paired:
+                pair, index = self._pair_mass(cols)
+                self.pair_lower.scatter_add_(-1, index, pair)
+                slot_missed = slot_missed + self._slot_missed(cols).sum(-1, keepdim=True)
+        self.sigma, self.law_mass, self.slot_missed = sigma, law_mass, slot_missed
+        self.by_ratio = torch.zeros_like(self.has_a)
+        self.rho = torch.where(self.has_a, rho_lone, sigma)
+        if self.paired:
+            self._pair_passes(parts, even)
+        self._accept(xa, xb)
+
+    def _pair_passes(self, parts: list[_Columns], even: torch.Tensor) -> None:
+        self.pair_own = self.pair_lower.clone()
+        self.pair_lower.copy_(self.pair_own.cumsum(-1)).sub_(self.pair_own)
+
+        # Pass 2: what the selected child leaves unmet, per class; the slot-order leftover.
+        self.missed_lower = torch.zeros_like(self.pair_lower)
+        rho_slot = 0.0
+        for cols in _walk(parts):
+            pair, index = self._pair_mass(cols)
+            take, _ = self._selected(cols)
+            self.missed_lower.scatter_add_(-1, index, pair * (1.0 - take).unsqueeze(-2))
+            rho_slot = rho_slot + self._slot_order(cols)[1].sum(-1, keepdim=True)
+        self.missed_own = self.missed_lower.clone()
+        self.missed_total = self.missed_own.sum(-1, keepdim=True)
+        self.missed_lower.copy_(self.missed_own.cumsum(-1)).sub_(self.missed_own)
+
+        # Pass 3: the selection's leftover; then the coupling that leaves less over.
+        rho_ratio = 0.0
+        for cols in _walk(parts):
+            rho_ratio = rho_ratio + self._by_ratio(cols)[2].sum(-1, keepdim=True)
+        self.by_ratio = (rho_ratio <= rho_slot) & even
+        self.rho = torch.where(self.has_b, torch.where(self.by_ratio, rho_ratio, rho_slot), self.rho)
+
+    # ------------------------------------------------------------ formulas
+    def _lone_left(self, cols: _Columns) -> torch.Tensor:
+        """[D - q']+ [.., k]: what one child drawn from q' leaves over."""
+
+        def compute():
+            demand, law = self.inputs.demand_law(cols)
+            return demand - torch.minimum(law, demand)
+
+        return cols.cached(self, "lone_left", compute)
+
+    def _classes(self, cols: _Columns) -> torch.Tensor:
+        demand, law = self.inputs.demand_law(cols)
+        if self.rank is None:
+            return log_ratio_classes(demand, law)
+        return self.rank.gather(-1, cols.ids.clamp(min=0).expand_as(demand))
+
+    def _pair_mass(self, cols: _Columns):
+        """(q', u) [.., 2, k], u = q' / (1 - q'), and their classes [.., 2, k]."""
+
+        def compute():
+            law = self.inputs.demand_law(cols)[1]
+            pair = torch.stack([law, _safe_div(law, 1.0 - law)], -2)
+            return pair, self._classes(cols).unsqueeze(-2).expand_as(pair)
+
+        return cols.cached(self, "pair_mass", compute)
+
+    def _selected(self, cols: _Columns):
+        """s = min(1, D / Q_sel) and D2 = D - min(Q_sel, D) [.., k]."""
+
+        def compute():
+            demand, law = self.inputs.demand_law(cols)
+            pair, index = self._pair_mass(cols)
+            after = self.pair_lower.gather(-1, index) + 0.5 * (self.pair_own.gather(-1, index) - pair)
+            selected = (pair[..., 1, :] * after[..., 0, :] + law * after[..., 1, :]).clamp(min=0)  # Q_sel
+            return clipped_ratio(demand, selected), demand - torch.minimum(selected, demand)
+
+        return cols.cached(self, "selected", compute)
+
+    def _by_ratio(self, cols: _Columns):
+        """Selection by ratio class: (s, t, leftover) [.., k], t = min(1, D2 / E2)."""
+
+        def compute():
+            law = self.inputs.demand_law(cols)[1]
+            pair, index = self._pair_mass(cols)
+            take, left = self._selected(cols)
+            missed = pair * (1.0 - take).unsqueeze(-2)
+            own = self.missed_own.gather(-1, index)
+            before = self.missed_total - self.missed_lower.gather(-1, index) - 0.5 * (own + missed)
+            second = (pair[..., 1, :] * before[..., 0, :] + law * before[..., 1, :]).clamp(min=0)  # E2
+            return take, clipped_ratio(left, second), left - torch.minimum(second, left)
+
+        return cols.cached(self, "by_ratio", compute)
+
+    def _slot_missed(self, cols: _Columns) -> torch.Tensor:
+        """[q' - D]+ / (1 - q') [.., k]."""
+
+        def compute():
+            demand, law = self.inputs.demand_law(cols)
+            return _safe_div((law - demand).clamp(min=0), 1.0 - law)
+
+        return cols.cached(self, "slot_missed", compute)
+
+    def _slot_order(self, cols: _Columns):
+        """Slot order: (the second's E2, leftover after both) [.., k]."""
+        law = self.inputs.demand_law(cols)[1]
+        lone_left = self._lone_left(cols)
+        second = (law * (self.slot_missed - self._slot_missed(cols))).clamp(min=0)
+        return second, lone_left - torch.minimum(second, lone_left)
+
+    def evaluate(self, cols: _Columns):
+        """(D, q', leftover R) at the columns ``cols``."""
+
+        def compute():
+            demand, law = self.inputs.demand_law(cols)
+            left = self._lone_left(cols)
+            if self.paired:
+                pair_left = torch.where(self.by_ratio, self._by_ratio(cols)[2], self._slot_order(cols)[1])
+                left = torch.where(self.has_b, pair_left, left)
+            return demand, law, torch.where(self.has_a, left, demand)
+
+        return cols.cached(self, "evaluate", compute)
+
+    def _accept(self, xa: torch.Tensor, xb: torch.Tensor) -> None:
+        """accept_a, accept_b [.., 1]: the chance that the pair's a (b) subtree is entered."""
+        cols = _Columns.at(self.nodes, torch.cat([xa, xb], -1))
+        demand, law = self.inputs.demand_law(cols)
+        self.demand_law_at_tokens = (demand, law)
+        lone_a = clipped_ratio(demand[..., :1], law[..., :1])
+        self.accept_a, self.accept_b = lone_a * self.has_a, torch.zeros_like(lone_a)
+        if not self.paired:
+            return
+        take, second_take, _ = self._by_ratio(cols)
+        classes = self._classes(cols)
+        a_wins = 0.5 + 0.5 * (classes[..., :1] - classes[..., 1:]).sign().to(law.dtype)  # c(a | b)
+        ratio_a = a_wins * take[..., :1] + (1.0 - a_wins) * (1.0 - take[..., 1:]) * second_take[..., :1]
+        ratio_b = (1.0 - a_wins) * take[..., 1:] + a_wins * (1.0 - take[..., :1]) * second_take[..., 1:]
+        second = self._slot_order(cols)[0]
+        slot_b = (1.0 - lone_a) * clipped_ratio(self._lone_left(cols)[..., 1:], second[..., 1:])
+        accept_a = torch.where(self.has_b, torch.where(self.by_ratio, ratio_a, lone_a), lone_a)
+        accept_b = torch.where(self.by_ratio, ratio_b, slot_b)
+        self.accept_a = accept_a * self.has_a
+        self.accept_b = accept_b * self.has_b
 
 
 class UniVerWorVerifier(TreeVerifier):
@@ -140,41 +362,27 @@ class UniVerWorVerifier(TreeVerifier):
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
         tokens = nodes.tokens
-        demand = nodes.scale.unsqueeze(-1) * nodes.p  # D = P~ p
-        sigma = nodes.scale.unsqueeze(-1)
-        law = nodes.q
         slots = tokens.shape[-1]
+        inputs = _NodeInputs(nodes)
+        parts = _Columns.chunks(nodes)
         weights = []
         for start in range(0, slots, 2):  # stages; nodes and requests stay batched
             xa = tokens[..., start : start + 1]
-            xb = tokens[..., start + 1 : start + 2] if start + 1 < slots else torch.full_like(xa, -1)
-            has_a, has_b = xa >= 0, xb >= 0
-            single = acc_a, left = _single_stage(demand, law, xa)
-            acc_b = torch.zeros_like(acc_a)
+            xb = tokens[..., start + 1 : start + 2] if start + 1 < slots else None
+            even = torch.ones_like(xa, dtype=torch.bool)
+            if nodes.kid_sizes is not None and start + 1 < slots:
+                sizes = nodes.kid_sizes
+                even = (sizes[..., start : start + 1] == sizes[..., start + 1 : start + 2]).expand_as(xa)
+            stage = _Stage(nodes, parts, inputs, xa, xb, even)
+            weights.append(stage.accept_a)
             if start + 1 < slots:
-                even = torch.ones_like(has_b)
-                if nodes.kid_sizes is not None:
-                    sizes = nodes.kid_sizes
-                    even = sizes[..., start : start + 1] == sizes[..., start + 1 : start + 2]
-                pair_a, pair_b, pair_left = _pair_stage(demand, law, xa, xb, single, even)
-                acc_a = torch.where(has_b, pair_a, acc_a)
-                acc_b = torch.where(has_b, pair_b, acc_b)
-                left = torch.where(has_b, pair_left, left)
-            acc_a, acc_b = acc_a * has_a, acc_b * has_b
-            left = torch.where(has_a, left, demand)
-            weights.append(acc_a)
-            if start + 1 < slots:
-                weights.append(clipped_ratio(acc_b, 1.0 - acc_a))
-            if start + 2 >= slots:
-                demand = left
-                break
+                weights.append(clipped_ratio(stage.accept_b, 1.0 - stage.accept_a))
             # The next stage sees this history: its draft law (q off the drawn tokens) and
             # the leftover as a density given that the stage is reached.
-            reached = (1.0 - (demand - left).sum(-1, keepdim=True)).clamp(min=0)
-            demand = torch.where(reached > 0, left / torch.where(reached > 0, reached, 1.0), torch.zeros_like(left))
-            sigma = demand.sum(-1, keepdim=True)
-            law = law.masked_fill(token_set_mask(torch.cat([xa, xb], -1), law.shape[-1], law.dtype), 0.0)
-            law = law / law.sum(-1, keepdim=True).clamp(min=torch.finfo(law.dtype).tiny)
-        rho = demand.sum(-1, keepdim=True)
-        stop = continue_prob(rho, sigma).squeeze(-1)
-        return NodeOutput(torch.cat(weights, -1), stop, demand if want_residual else None)
+            if start + 2 < slots:
+                inputs = _LaterInputs(stage, torch.cat([xa, stage.xb], -1))
+        stop = continue_prob(stage.rho, stage.sigma).squeeze(-1)
+        residual = None
+        if want_residual:
+            residual = torch.cat([stage.evaluate(cols)[2] for cols in _walk(parts)], -1)
+        return NodeOutput(torch.cat(weights, -1), stop, residual)
