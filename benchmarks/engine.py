@@ -147,7 +147,7 @@ def run_one_engine(job: dict) -> dict:
             **{"temperature": temperature, "max_tokens": new_tokens, "ignore_eos": True, "seed": None, **structured}
         )
         before, timers_before = spec_counters(llm), llm.collective_rpc(_timers)[0]
-        depths_before = llm.collective_rpc(_sizer)[0].get("requests_at_depth", {})
+        sizer_before = llm.collective_rpc(_sizer)[0]
         start = time.perf_counter()
         outputs = llm.generate(texts[:batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
@@ -176,9 +176,10 @@ def run_one_engine(job: dict) -> dict:
                 tau=1 + accepted / max(drafts, 1),
                 accepted_per_depth=[a / max(drafts, 1) for a in per_pos if a] or [0.0],
             )
-        depths_after = llm.collective_rpc(_sizer)[0].get("requests_at_depth", {})
-        if depths_after:  # tree auto: request-steps per depth cut in this cell
-            cell["requests_at_depth"] = {d: n - depths_before.get(d, 0) for d, n in depths_after.items()}
+        sizer_after = llm.collective_rpc(_sizer)[0]
+        for key in ("requests_at_depth", "requests_at_width"):  # tree auto: request-steps per cut in this cell
+            if sizer_after.get(key):
+                cell[key] = {k: n - sizer_before.get(key, {}).get(k, 0) for k, n in sizer_after[key].items()}
         if timers_after:
             spent = {k: timers_after.get(k, 0.0) - timers_before.get(k, 0.0) for k in timers_after}
             outside = spent.get("verify", 0.0) + spent.get("draft", 0.0) - spent.get("draft_forward", 0.0)
@@ -271,7 +272,8 @@ def report(results: list[dict], command: str) -> str:
         "'outside forwards' = share of wall time in tree bookkeeping, verification and KV moves "
         "(everything the package adds except the target and draft forward passes). "
         "`auto` rows: tree 'auto' (max_tree 2x5); 'depth cuts' = share of request-steps drafted at depth 0 / 1 / ... "
-        "(0: no speculation).",
+        "(0: no speculation); 'width 1 / 2' = share of the speculating request-steps drafted with the chain 1x5 "
+        "(width cut 1) and with the whole 2x5.",
         "",
         "| engine | batch | T | new tokens | tok/s | vs no spec | tau | accepted per depth | outside forwards |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -287,6 +289,10 @@ def report(results: list[dict], command: str) -> str:
                 total = max(sum(c["requests_at_depth"].values()), 1)
                 cuts = " / ".join(f"{100 * n / total:.0f}%" for _, n in sorted(c["requests_at_depth"].items()))
                 depth = f"{depth}; depth cuts {cuts}"
+            if c.get("requests_at_width"):
+                total = max(sum(c["requests_at_width"].values()), 1)
+                widths = " / ".join(f"{100 * n / total:.0f}%" for _, n in sorted(c["requests_at_width"].items()))
+                depth = f"{depth}; width {' / '.join(str(w) for w in sorted(c['requests_at_width']))}: {widths}"
             lines.append(
                 f"| {r['name']} | {c['batch']} | {c['temperature']:g} | {c['new_tokens']} | "
                 f"{c['tok_per_s']:.2f} | {ratio:.2f}x | {tau} | {depth} | {share} |"

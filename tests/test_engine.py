@@ -318,7 +318,8 @@ def test_logprobs_are_the_targets(models):
     assert worst <= LOGPROB_ROUNDING
 
 
-AUTO_SCHEDULE = {"VLLM_UNIVER_AUTO_DEPTHS": "3,0,2,1"}
+# Depth cuts per request and step, and shapes (width cuts of max_tree) per step.
+AUTO_SCHEDULE = {"VLLM_UNIVER_AUTO_DEPTHS": "3,0,2,1", "VLLM_UNIVER_AUTO_WIDTHS": "2,1,1"}
 
 
 def auto(draft: str, max_tree, verifier: str = "univer") -> dict:
@@ -326,10 +327,11 @@ def auto(draft: str, max_tree, verifier: str = "univer") -> dict:
 
 
 def test_greedy_identity_with_tree_auto_cuts(models):
-    """tree "auto" with a fixed cycle of depth cuts (``tree_sizer.SCHEDULE_ENV``):
-    cuts change between steps and between the requests of one batch, with steps
-    and requests that do not speculate (depth 0) and draft caches that then catch
-    up. Greedy output equals no speculation for univer, traversal and token."""
+    """tree "auto" with a fixed cycle of depth cuts (``tree_sizer.SCHEDULE_ENV``)
+    and of shapes (``WIDTH_SCHEDULE_ENV``: 2x3 and its chain 1x3): cuts change
+    between steps and between the requests of one batch, with steps and requests
+    that do not speculate (depth 0) and draft caches that then catch up. Greedy
+    output equals no speculation for univer, traversal and token."""
     target, draft = models
     job = call(prompts(6, seed=3), temperature=0.0, max_tokens=120, ignore_eos=True)
     cases = [("univer", "2x3"), ("traversal", "2x3"), ("token", "1x4")]
@@ -342,14 +344,19 @@ def test_greedy_identity_with_tree_auto_cuts(models):
         assert "error" not in result, (case, result.get("error"))
         assert_greedy_identical(result["calls"][0]["outputs"], ref, case)
         assert set(result["sizer"]["requests_at_depth"]) == {"0", "1", "2", "3"}, result["sizer"]
+        widths = {"1", "2"} if case[1] == "2x3" else {"1"}
+        assert set(result["sizer"]["requests_at_width"]) == widths, result["sizer"]
         spec = result["spec"]
         assert spec["vllm:spec_decode_num_accepted_tokens"] > 0
-        # /metrics: the histogram of nodes per request per step saw every cut (depth 1, 2 and 3).
+        # /metrics: the histogram of nodes per request per step saw every cut: depth 1, 2
+        # and 3 of each shape (2x3: 2, 6, 14 nodes; its chain: 1, 2, 3; 1x4: 1, 2, 3).
         nodes = spec["vllm:univer_tree_nodes_per_request"]
         assert nodes["count"] == spec["vllm:spec_decode_num_drafts"], nodes
         assert nodes["sum"] == spec["vllm:spec_decode_num_draft_tokens"], nodes
-        cumulative = list(nodes["buckets"].values())  # le = the cut sizes of max_tree, then +Inf
-        assert 0 < cumulative[0] < cumulative[1] < cumulative[2] and set(cumulative[2:]) == {nodes["count"]}, nodes
+        cumulative = list(nodes["buckets"].values())  # le = the cut sizes of every shape, then +Inf
+        sizes = [1, 2, 3, 6, 14] if case[1] == "2x3" else [1, 2, 3]
+        assert 0 < cumulative[0] and all(a < b for a, b in zip(cumulative, cumulative[1 : len(sizes)])), nodes
+        assert set(cumulative[len(sizes) - 1 :]) == {nodes["count"]}, nodes
 
 
 def test_tree_auto_chooses_for_itself(models):
@@ -365,4 +372,5 @@ def test_tree_auto_chooses_for_itself(models):
     sizer = results[1]["sizer"]
     print("tree auto on the tiny pair:", sizer)
     assert sum(sizer["requests_at_depth"].values()) >= 80  # a choice per request-step
-    assert len(sizer["cost_correction"]) == 4 and len(sizer["hazards"][0]) == 3
+    # Two shapes (the chain 1x3 and 2x3), each with a correction per depth 0..3 and hazards per depth 1..3.
+    assert [len(c) for c in sizer["cost_correction"]] == [4, 4] and [len(h[0]) for h in sizer["hazards"]] == [3, 3]

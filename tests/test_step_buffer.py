@@ -11,6 +11,7 @@ pytest.importorskip("vllm")
 from vllm_univer.integration.step_buffer import StepBuffer  # noqa: E402
 from vllm_univer.integration.tree_drafter import TreeDrafter  # noqa: E402
 from vllm_univer.integration.tree_state import DraftedTrees, TreeState  # noqa: E402
+from vllm_univer.tree import TreeSpec  # noqa: E402
 
 
 def storage(t: torch.Tensor) -> int:
@@ -48,7 +49,7 @@ def test_q_rows_of_a_tree_that_survives_the_step_are_not_overwritten():
     shape = (2, 3, 5)
     first = drafter._q_buffer(shape, {"a", "b"})
     first.copy_(torch.rand(shape))
-    state.add(DraftedTrees(["a", "b"], torch.zeros(2, 3, dtype=torch.long), first))
+    state.add(DraftedTrees(["a", "b"], torch.zeros(2, 3, dtype=torch.long), first, TreeSpec.parse("1x2")))
     kept = first[1].clone()
 
     # Both trees are re-drafted this step: their rows may be overwritten.

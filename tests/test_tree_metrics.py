@@ -11,9 +11,11 @@ from vllm_univer.tree import TreeSpec  # noqa: E402
 
 
 def test_buckets_are_the_cut_sizes():
-    assert cut_sizes(TreeSpec.parse("2x3")) == [2, 6, 14]
-    assert cut_sizes(TreeSpec.parse("1x4")) == [1, 2, 3, 4]
-    assert cut_sizes(TreeSpec.parse([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])) == [3, 5, 6]
+    assert cut_sizes([TreeSpec.parse("2x3")]) == [2, 6, 14]
+    assert cut_sizes([TreeSpec.parse("1x4")]) == [1, 2, 3, 4]
+    assert cut_sizes([TreeSpec.parse([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])]) == [3, 5, 6]
+    # tree "auto": every width cut's depth cuts (2x3: the chain 1x3, then 2x3).
+    assert cut_sizes(TreeSpec.parse("2x3").width_cuts()) == [1, 2, 3, 6, 14]
 
 
 def test_draft_sizes_from_per_position_counts():

@@ -8,7 +8,16 @@ import itertools
 import numpy as np
 import pytest
 
-from vllm_univer.sizing import AcceptanceModel, DepthChooser, ForwardCost, StepCostModel, StepWork, temperature_band
+from vllm_univer.sizing import (
+    AcceptanceModel,
+    Cut,
+    ForwardCost,
+    ShapeModels,
+    StepCostModel,
+    StepWork,
+    TreeChooser,
+    temperature_band,
+)
 from vllm_univer.tree import TreeSpec
 
 WIDTHS_2X3 = [1, 2, 4, 8]  # nodes per depth of "2x3"
@@ -93,18 +102,20 @@ def chooser_with(target_per_token, target_fixed, draft_per_forward, hazard, widt
     target = ForwardCost([1, 10_000], [target_fixed + target_per_token, target_fixed + 10_000 * target_per_token])
     draft = ForwardCost([1, 10_000], [draft_per_forward, draft_per_forward])
     acceptance = AcceptanceModel(len(widths) - 1, prior_hazard=hazard, prior_weight=1.0)
-    return DepthChooser(StepCostModel(target, draft, widths), acceptance, explore_every=explore)
+    return TreeChooser([ShapeModels(StepCostModel(target, draft, widths), acceptance)], explore_every=explore)
 
 
 def test_choice_is_no_speculation_when_drafting_cannot_pay():
     # Compute-bound target (every row costs as much as the fixed part) and a draft as big as the target.
     chooser = chooser_with(target_per_token=1.0, target_fixed=0.0, draft_per_forward=1.0, hazard=0.9, explore=1)
-    assert [chooser.choose([2, 2]) for _ in range(20)] == [0] * 20  # exploration never tries a cut that cannot pay
+    assert [chooser.choose([2, 2]).depth for _ in range(20)] == [
+        0
+    ] * 20  # exploration never tries a cut that cannot pay
 
 
 def test_choice_is_the_full_tree_when_rows_and_drafts_are_nearly_free():
     chooser = chooser_with(target_per_token=1e-6, target_fixed=1.0, draft_per_forward=1e-3, hazard=0.8)
-    assert chooser.choose([2] * 8) == 3
+    assert chooser.choose([2] * 8).depth == 3
 
 
 def test_choice_is_the_known_best_cut_in_between():
@@ -112,32 +123,97 @@ def test_choice_is_the_known_best_cut_in_between():
     # Rows per request at cut d: 1, 3, 7, 15. Step seconds: 1.08, 1.34, 1.76, 2.50;
     # tokens: 4 * (1, 1.7, 2.19, 2.533) -> rates 3.70, 5.07, 4.98, 4.05: depth 1 wins, depth 2 close.
     chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7)
-    rates = chooser.rates([2] * 4)
+    (rates,) = chooser.rates([2] * 4)
     tokens = 4 * np.array([1, 1.7, 1 + 0.7 + 0.49, 1 + 0.7 + 0.49 + 0.343])
     seconds = np.array([1 + 0.02 * 4 * r + 0.1 * d for d, r in enumerate([1, 3, 7, 15])])
     assert rates == pytest.approx(tokens / seconds, rel=1e-9)
-    assert chooser.choose([2] * 4) == int(np.argmax(tokens / seconds)) == 1
+    assert chooser.choose([2] * 4).depth == int(np.argmax(tokens / seconds)) == 1
     # With a better draft the best cut moves deeper: exhaustive check over hazards.
     for hazard in (0.3, 0.8, 0.95):
         chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=hazard)
         surv = np.cumprod([hazard] * 3)
         tokens = 4 * (1 + np.concatenate([[0], np.cumsum(surv)]))
-        assert chooser.choose([2] * 4) == int(np.argmax(tokens / seconds)), hazard
+        assert chooser.choose([2] * 4).depth == int(np.argmax(tokens / seconds)), hazard
 
 
 def test_choice_weighs_each_request_by_its_band():
     chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7)
-    chooser.acceptance.observe([0] * 400, [3] * 400, [3] * 400)  # greedy requests: everything accepted
-    chooser.acceptance.observe([3] * 400, [3] * 400, [0] * 400)  # hot requests: nothing accepted
+    chooser.shapes[0].acceptance.observe([0] * 400, [3] * 400, [3] * 400)  # greedy requests: everything accepted
+    chooser.shapes[0].acceptance.observe([3] * 400, [3] * 400, [0] * 400)  # hot requests: nothing accepted
     # Greedy: tokens 4 * (1, 2, 3, 4) over 1.08, 1.34, 1.76, 2.50 s: depth 2 (6.8/s) beats 3 (6.4/s).
-    assert chooser.choose([0] * 4) == 2
-    assert chooser.choose([3] * 4) == 0
+    assert chooser.choose([0] * 4).depth == 2
+    assert chooser.choose([3] * 4).depth == 0
     for mix in itertools.product([0, 3], repeat=4):
-        rates = chooser.rates(list(mix))
-        assert chooser.choose(list(mix)) == int(np.argmax(rates))
+        (rates,) = chooser.rates(list(mix))
+        assert chooser.choose(list(mix)).depth == int(np.argmax(rates))
 
 
 def test_exploration_tries_the_next_cut_now_and_then():
     chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7, explore=4)
-    picks = [chooser.choose([2] * 4) for _ in range(8)]
+    picks = [chooser.choose([2] * 4).depth for _ in range(8)]
     assert picks == [1, 1, 1, 2, 1, 1, 1, 2]
+
+
+def shapes_chooser(target_per_token, target_fixed, draft_per_forward, hazards, explore=0):
+    """Two shapes of max_tree 2x3: its chain 1x3 and 2x3 itself, each with its own hazard."""
+    target = ForwardCost([1, 10_000], [target_fixed + target_per_token, target_fixed + 10_000 * target_per_token])
+    draft = ForwardCost([1, 10_000], [draft_per_forward, draft_per_forward])
+    shapes = []
+    for tree, hazard in zip(TreeSpec.parse("2x3").width_cuts(), hazards):
+        acceptance = AcceptanceModel(tree.max_depth, prior_hazard=hazard, prior_weight=1.0)
+        shapes.append(ShapeModels(StepCostModel(target, draft, tree.nodes_per_depth), acceptance))
+    return TreeChooser(shapes, explore_every=explore)
+
+
+def test_width_cuts_of_a_tree():
+    assert [t.nodes_per_depth for t in TreeSpec.parse("2x3").width_cuts()] == [[1, 1, 1, 1], WIDTHS_2X3]
+    assert [t.nodes_per_depth for t in TreeSpec.parse("3x2").width_cuts()] == [[1, 1, 1], [1, 2, 4], [1, 3, 9]]
+    assert TreeSpec.parse("1x4").width_cuts() == [TreeSpec.parse("1x4")]
+    # Irregular: slot 0 reaches depth 1 only, so the chain is shallower than the tree.
+    irregular = TreeSpec.parse([[0], [1], [1, 0], [1, 1]])
+    assert [t.paths for t in irregular.width_cuts()] == [((), (0,)), irregular.paths]
+
+
+def exhaustive_best(target_per_token, target_fixed, draft_per_forward, hazards, reqs=4):
+    """argmax over (shape, depth) of tokens / seconds, written out by hand."""
+    best, best_rate = None, 0.0
+    for s, (widths, hazard) in enumerate(zip([[1, 1, 1, 1], WIDTHS_2X3], hazards)):
+        for d in range(4):
+            rows = sum(widths[: d + 1])
+            seconds = target_fixed + target_per_token * reqs * rows + draft_per_forward * d
+            tokens = reqs * (1 + sum(hazard**k for k in range(1, d + 1)))
+            if tokens / seconds > best_rate:
+                best, best_rate = (s if d else 1, d), tokens / seconds
+    return Cut(*best)
+
+
+def test_choice_takes_the_chain_where_rows_cost_and_the_tree_where_they_are_free():
+    # Rows expensive (a compute-bound CPU): the chain's 1 row per depth beats two per parent.
+    chooser = shapes_chooser(0.05, 1.0, 0.05, hazards=(0.7, 0.8))
+    assert chooser.choose([2] * 4) == exhaustive_best(0.05, 1.0, 0.05, (0.7, 0.8)) == Cut(0, 3)
+    # Rows nearly free (a launch-bound GPU at batch 4): the wide tree's higher acceptance wins.
+    chooser = shapes_chooser(1e-5, 1.0, 0.05, hazards=(0.7, 0.8))
+    assert chooser.choose([2] * 4) == exhaustive_best(1e-5, 1.0, 0.05, (0.7, 0.8)) == Cut(1, 3)
+    # Every cost and hazard on a grid: the choice is the exhaustive argmax.
+    for per_token, draft, h_chain, h_tree in itertools.product(
+        (1e-4, 0.01, 0.05, 0.3), (0.01, 0.2, 1.0), (0.3, 0.6, 0.9), (0.5, 0.8, 0.95)
+    ):
+        chooser = shapes_chooser(per_token, 1.0, draft, hazards=(h_chain, h_tree))
+        expected = exhaustive_best(per_token, 1.0, draft, (h_chain, h_tree))
+        assert chooser.choose([2] * 4) == expected, (per_token, draft, h_chain, h_tree)
+
+
+def test_choice_keeps_to_the_allowed_shapes():
+    """Structured outputs: the full tree only (its depth cuts, or no speculation)."""
+    chooser = shapes_chooser(0.05, 1.0, 0.05, hazards=(0.7, 0.8), explore=1)
+    for _ in range(6):
+        assert chooser.choose([2] * 4, allowed={1}).shape == 1
+
+
+def test_exploration_visits_the_other_shapes():
+    chooser = shapes_chooser(0.01, 1.0, 0.05, hazards=(0.7, 0.8), explore=2)
+    picks = [chooser.choose([2] * 4) for _ in range(8)]
+    # Chosen: the chain cut to 3 (no deeper cut of it); every 2nd decision the tree's best cut
+    # (depth 2: 7.07 tokens/s against the chain's 7.7, but 9.1 if every draft were accepted).
+    assert picks[0::2] == [Cut(0, 3)] * 4
+    assert picks[1::2] == [Cut(1, 2)] * 4

@@ -3,6 +3,9 @@
 import torch
 
 from vllm_univer.integration.tree_state import DraftedTrees, TreeState
+from vllm_univer.tree import TreeSpec
+
+TREE_1X2 = TreeSpec.parse("1x2")
 
 
 def test_tree_state_gathers_trees_drafted_with_and_without_q():
@@ -10,8 +13,8 @@ def test_tree_state_gathers_trees_drafted_with_and_without_q():
     that have one, their rows are zero and flagged for the verifier to fill."""
     state = TreeState()
     q = torch.rand(1, 3, 5)
-    state.add(DraftedTrees(["greedy"], torch.tensor([[4, 1, 2]]), None))
-    state.add(DraftedTrees(["sampled"], torch.tensor([[3, 0, 1]]), q))
+    state.add(DraftedTrees(["greedy"], torch.tensor([[4, 1, 2]]), None, TREE_1X2))
+    state.add(DraftedTrees(["sampled"], torch.tensor([[3, 0, 1]]), q, TREE_1X2))
     tokens, got_q, found, q_missing = state.gather(["sampled", "greedy", "new"])
     assert found == [True, True, False]
     assert tokens.tolist() == [[3, 0, 1], [4, 1, 2], [-1, -1, -1]]
@@ -19,3 +22,19 @@ def test_tree_state_gathers_trees_drafted_with_and_without_q():
     assert torch.equal(got_q[0], q[0]) and (got_q[1] == 0).all()
     tokens, got_q, _, q_missing = state.gather(["greedy"])
     assert got_q is None and q_missing is None and tokens.tolist() == [[4, 1, 2]]
+
+
+def test_a_tree_of_another_shape_is_verified_as_no_tree():
+    """tree "auto" switches shapes between steps: a request the scheduler skipped
+    keeps a tree of the old shape, which the next step (new shape) must not read
+    with the new shape's node ids; it verifies the root alone (lossless)."""
+    state = TreeState()
+    state.add(DraftedTrees(["skipped"], torch.tensor([[5, 1, 2]]), None, TREE_1X2))
+    wide = TreeSpec.parse("2x1")
+    state.add(DraftedTrees(["drafted"], torch.tensor([[6, 3, 4]]), None, wide))
+    assert state.latest_tree == wide
+    tokens, _, found, _ = state.gather(["drafted", "skipped"], state.latest_tree)
+    assert found == [True, False]
+    assert tokens.tolist() == [[6, 3, 4], [-1, -1, -1]]
+    tokens, _, found, _ = state.gather(["drafted", "skipped"])  # no shape asked: both, as stored
+    assert found == [True, True] and tokens.tolist() == [[6, 3, 4], [5, 1, 2]]

@@ -169,6 +169,21 @@ class TreeSpec:
             mask[i] |= mask[self.parent[i]]
         return mask
 
+    def width_cut(self, width: int) -> TreeSpec:
+        """The subtree of the nodes whose every step from the root takes a child slot
+        below ``width`` (``width`` 1: the chain of first children). Same depth
+        wherever slot 0 reaches it; node ids renumbered breadth-first."""
+        return TreeSpec([p for p in self.paths if all(slot < width for slot in p)])
+
+    def width_cuts(self) -> list[TreeSpec]:
+        """The distinct ``width_cut`` s of this tree, narrowest first, ending with the tree itself."""
+        cuts: list[TreeSpec] = []
+        for width in range(1, self.max_children + 1):
+            cut = self.width_cut(width)
+            if not cuts or cut != cuts[-1]:
+                cuts.append(cut)
+        return cuts
+
     def internal_levels(self) -> list[torch.Tensor]:
         """Nodes that have child slots, grouped by depth 0..D-1 (each LongTensor [n_d])."""
         has_kids = self.num_children > 0

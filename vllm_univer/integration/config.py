@@ -3,9 +3,10 @@
     {"method": "univer", "model": DRAFT, "tree": "2x5", "verifier": "univer"}
     {"method": "univer", "model": DRAFT, "tree": "auto", "max_tree": "2x5"}
 
-``"tree": "auto"`` drafts, each step, the depth cut of ``max_tree`` (default
-``DEFAULT_TREE``; 0 = no speculation) that the measured cost and acceptance
-models expect to give the most tokens per second (``vllm_univer.sizing``).
+``"tree": "auto"`` drafts, each step, the cut of ``max_tree`` (default
+``DEFAULT_TREE``): one of its width cuts (``1x5`` or ``2x5`` for ``2x5``) to
+a depth (0 = no speculation), the one the measured cost and acceptance models
+expect to give the most tokens per second (``vllm_univer.sizing``).
 
 Validated with pydantic before vLLM sees anything, so a bad tree or verifier
 fails at config time with a message that names the field. No vLLM import here.
@@ -77,6 +78,13 @@ class UniverConfig(BaseModel):
         if self.auto:
             return TreeSpec.parse(self.max_tree if self.max_tree is not None else DEFAULT_TREE)
         return TreeSpec.parse(self.tree)
+
+    @property
+    def tree_shapes(self) -> list[TreeSpec]:
+        """The trees a step may draft (each cut to any depth with ``auto``): with
+        ``auto``, the width cuts of ``max_tree`` (for ``2x5``: the chain ``1x5``
+        and ``2x5``), narrowest first; else the tree alone."""
+        return self.tree_spec.width_cuts() if self.auto else [self.tree_spec]
 
     @property
     def scheme(self) -> str:

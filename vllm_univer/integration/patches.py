@@ -352,8 +352,8 @@ def patch_spec_decoding_prom() -> None:
             original(self, speculative_config, labelnames, per_engine_labelvalues, *args, **kwargs)
             self.univer_tree_nodes = None
             if is_univer(speculative_config):
-                tree = speculative_config.univer.tree_spec
-                self.univer_tree_nodes = TreeNodesProm(tree, labelnames, per_engine_labelvalues)
+                shapes = speculative_config.univer.tree_shapes
+                self.univer_tree_nodes = TreeNodesProm(shapes, labelnames, per_engine_labelvalues)
 
         return __init__
 

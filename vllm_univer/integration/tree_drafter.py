@@ -36,34 +36,27 @@ class TreeDrafter:
     def __init__(self, runner, proposer, tree: TreeSpec, scheme: str, state: TreeState, timers):
         self.runner = runner
         self.proposer = proposer  # vLLM's DraftModelProposer: the loaded draft model and its attention groups
-        self.tree = tree
         self.scheme = scheme
         self.state = state
         self.timers = timers
-        depth = tree.depth
-        self.level_span = [(int((depth < d).sum()), int((depth <= d).sum()) - 1) for d in range(tree.max_depth + 1)]
-        # The drafter runs every node above the deepest level (leaves are never run).
-        self.last_run_node = self.level_span[tree.max_depth - 1][1]
-        # Per depth: [(parents [g], kids [g, m], m, where the parents' rows are in the level)];
-        # the last is a slice (a view of q, no copy) when the parents are consecutive.
-        self.child_groups = []
-        num_children = tree.num_children
-        for d in range(tree.max_depth):
-            first, last = self.level_span[d]
-            groups = []
-            for m in sorted(set(num_children[first : last + 1].tolist()) - {0}):
-                parents = torch.nonzero(num_children[first : last + 1] == m).flatten() + first
-                lo, hi = int(parents[0]) - first, int(parents[-1]) - first + 1
-                in_level = slice(lo, hi) if hi - lo == len(parents) else (parents - first).to(runner.device)
-                groups.append((parents.to(runner.device), tree.children[parents, :m].to(runner.device), m, in_level))
-            self.child_groups.append(groups)
+        self._shapes: dict[TreeSpec, _Shape] = {}
+        self._use(tree)
         self.q_rows = StepBuffer(runner.device)  # the draft rows q, [B, N+1, V]
         self.forward_tokens: list[int] = []  # query tokens of each draft forward of the last step
 
+    def _use(self, tree: TreeSpec) -> None:
+        """Draft ``tree`` from now on (``tree: auto`` switches among width cuts)."""
+        if tree not in self._shapes:
+            self._shapes[tree] = _Shape(tree, self.runner.device)
+        shape = self._shapes[tree]
+        self.tree = tree
+        self.level_span, self.last_run_node, self.child_groups = shape.level_span, shape.last_run_node, shape.groups
+
     # ------------------------------------------------------------------ step
-    def propose(self, sampled_token_ids, sampling_metadata, depth=None) -> list[list[int]]:
-        """Draft a tree, cut to ``depth`` (None: the whole tree; 0: none; an int,
-        or one per batch row), for every request that got tokens this step.
+    def propose(self, sampled_token_ids, sampling_metadata, depth=None, tree: TreeSpec | None = None):
+        """Draft a tree of shape ``tree`` (None: the last one), cut to ``depth``
+        (None: the whole tree; 0: none; an int, or one per batch row), for
+        every request that got tokens this step.
 
         sampled_token_ids: the verifier's output [B, D+1] (-1 padded), before the
         runner's bookkeeping has appended it to the batch's token lists.
@@ -72,11 +65,14 @@ class TreeDrafter:
         token 0 and ignored by the verifier), [] for requests without a tree.
         The verifier reads a breadth-first prefix as the tree cut to its last full level.
         """
+        if tree is not None:
+            self._use(tree)
         runner, tree = self.runner, self.tree
         self.forward_tokens = []
         input_batch = runner.input_batch
         batch = input_batch.num_reqs
         depths = np.broadcast_to(np.asarray(tree.max_depth if depth is None else depth, dtype=np.int64), (batch,))
+        depths = np.minimum(depths, tree.max_depth)  # a width cut may be shallower than max_tree
         req_ids = input_batch.req_ids[:batch]
         # Requests the scheduler skipped this step are out of the batch but still live.
         self.state.forget_except(runner.requests.keys())
@@ -127,7 +123,7 @@ class TreeDrafter:
         self._cut(tokens, q, cut)
         for r, req_id in zip(root_pos.tolist(), active_ids):
             self.state.draft_kv_len[req_id] = r + 1  # the context and the root
-        self.state.add(DraftedTrees(active_ids, tokens, q))
+        self.state.add(DraftedTrees(active_ids, tokens, q, tree))
         node_tokens = tokens[:, 1:].clamp(min=0).tolist()
         for row, (i, d) in enumerate(zip(active.tolist(), cut.tolist())):
             drafts[i] = node_tokens[row][: self.level_span[d][1]]
@@ -334,6 +330,29 @@ class TreeDrafter:
         if isinstance(hidden, tuple):
             hidden = hidden[0]
         return hidden
+
+
+class _Shape:
+    """What the level loop needs of one tree shape, built once per shape."""
+
+    def __init__(self, tree: TreeSpec, device: torch.device):
+        depth = tree.depth
+        self.level_span = [(int((depth < d).sum()), int((depth <= d).sum()) - 1) for d in range(tree.max_depth + 1)]
+        # The drafter runs every node above the deepest level (leaves are never run).
+        self.last_run_node = self.level_span[tree.max_depth - 1][1]
+        # Per depth: [(parents [g], kids [g, m], m, where the parents' rows are in the level)];
+        # the last is a slice (a view of q, no copy) when the parents are consecutive.
+        self.groups = []
+        num_children = tree.num_children
+        for d in range(tree.max_depth):
+            first, last = self.level_span[d]
+            groups = []
+            for m in sorted(set(num_children[first : last + 1].tolist()) - {0}):
+                parents = torch.nonzero(num_children[first : last + 1] == m).flatten() + first
+                lo, hi = int(parents[0]) - first, int(parents[-1]) - first + 1
+                in_level = slice(lo, hi) if hi - lo == len(parents) else (parents - first).to(device)
+                groups.append((parents.to(device), tree.children[parents, :m].to(device), m, in_level))
+            self.groups.append(groups)
 
 
 class GreedyRows(NamedTuple):

@@ -4,7 +4,7 @@
 vLLM's scheduler already counts, per step, how many drafts had more than i
 draft tokens (``SpecDecodingStats.num_draft_tokens_per_pos``); the size of every
 draft follows from those counts, so the histogram needs nothing from the workers.
-With ``"tree": "auto"`` it shows the cuts chosen; a request not speculating in a
+With ``"tree": "auto"`` it shows the cuts chosen (depth and width); a request not speculating in a
 step (cut 0) drafts nothing and is not counted.
 """
 
@@ -19,9 +19,9 @@ from ..tree import TreeSpec
 NODES_HISTOGRAM = "vllm:univer_tree_nodes_per_request"
 
 
-def cut_sizes(tree: TreeSpec) -> list[int]:
-    """Draft nodes of ``tree`` cut to depth 1, 2, ..., D (the histogram's buckets)."""
-    return list(itertools.accumulate(tree.nodes_per_depth[1:]))
+def cut_sizes(shapes: list[TreeSpec]) -> list[int]:
+    """Draft nodes of each shape cut to depth 1, 2, ..., D (the histogram's buckets)."""
+    return sorted({size for tree in shapes for size in itertools.accumulate(tree.nodes_per_depth[1:])})
 
 
 def drafts_by_size(num_draft_tokens_per_pos: list[int]) -> dict[int, int]:
@@ -34,14 +34,14 @@ def drafts_by_size(num_draft_tokens_per_pos: list[int]) -> dict[int, int]:
 class TreeNodesProm:
     """The histogram, one child per engine (vLLM's label values)."""
 
-    def __init__(self, tree: TreeSpec, labelnames: list[str], per_engine_labelvalues: dict[int, list]):
+    def __init__(self, shapes: list[TreeSpec], labelnames: list[str], per_engine_labelvalues: dict[int, list]):
         from vllm.v1.metrics.utils import create_metric_per_engine
 
         histogram = prometheus_client.Histogram(
             name=NODES_HISTOGRAM,
             documentation="Draft tree nodes per request per step (tree speculation; cuts of the tree with 'auto').",
             labelnames=labelnames,
-            buckets=cut_sizes(tree),
+            buckets=cut_sizes(shapes),
         )
         self.histograms = create_metric_per_engine(histogram, per_engine_labelvalues)
 

@@ -37,7 +37,7 @@ class TreeRunner:
         self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
         self.sizer = None
         if config.auto:
-            self.sizer = TreeSizer(runner, self.tree, self.drafter)
+            self.sizer = TreeSizer(runner, config.tree_shapes, self.drafter)
         self.sampler = TreeVerificationSampler(
             runner, self.tree, config.verifier, self.state, self.kv_layers, self.timers, self.sizer
         )
@@ -96,17 +96,22 @@ class TreeRunner:
         batch = num_draft.shape[0]
         query_start = torch.from_numpy(runner.query_start_loc.np[: batch + 1].astype("int64"))
         computed = torch.from_numpy(runner.input_batch.num_computed_tokens_cpu[:batch].astype("int64"))
-        n = num_draft[tree_reqs]
-        row_valid = torch.arange(self.tree.num_nodes + 1).unsqueeze(0) <= n.unsqueeze(1)  # [R, N+1]
-        rows = tree_rows(query_start[tree_reqs], n, self.tree.num_nodes)
-        positions = computed[tree_reqs].unsqueeze(1) + self.tree.depth.unsqueeze(0)
+        # The shape of the trees drafted for this step (``tree: auto`` switches among
+        # width cuts). A request skipped while the shape changed has more rows than
+        # this shape has nodes: its tree is not verified (``TreeState.gather``), its
+        # rows past the shape's are left to vLLM's causal attention.
+        tree = self.state.latest_tree if self.state.latest_tree is not None else self.tree
+        n = num_draft[tree_reqs].clamp(max=tree.num_nodes)
+        row_valid = torch.arange(tree.num_nodes + 1).unsqueeze(0) <= n.unsqueeze(1)  # [R, N+1]
+        rows = tree_rows(query_start[tree_reqs], n, tree.num_nodes)
+        positions = computed[tree_reqs].unsqueeze(1) + tree.depth.unsqueeze(0)
         runner.positions[rows[row_valid].to(device)] = positions[row_valid].to(device, runner.positions.dtype)
         self._pending_plan = TreeAttentionPlan(
             query_rows=rows.to(device),
             row_valid=row_valid.to(device),
             request_index=tree_reqs.to(device),
             context_lens=computed[tree_reqs].to(device),
-            mask=self.tree.ancestor_mask.to(device),
+            mask=tree.ancestor_mask.to(device),
             keys_from_rows=True,
             # A batch of tree decodes only: vLLM's causal kernel would compute rows we overwrite.
             covers_all_rows=int(query_start[batch]) == int((n + 1).sum()),
@@ -129,9 +134,11 @@ class TreeRunner:
             self.sizer.calibrate()
 
     def propose(self, sampled_token_ids, sampling_metadata):
-        depth = None if self.sizer is None else self.sizer.choose(self.runner.input_batch.num_reqs)
+        shape, depth = None, None
+        if self.sizer is not None:
+            shape, depth = self.sizer.choose(self.runner.input_batch.num_reqs)
         with self.timers.measure("draft"):
-            return self.drafter.propose(sampled_token_ids, sampling_metadata, depth)
+            return self.drafter.propose(sampled_token_ids, sampling_metadata, depth, shape)
 
 
 def _refuse_custom_logits_processors(logitsprocs) -> None:

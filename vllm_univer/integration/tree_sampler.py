@@ -43,14 +43,13 @@ class TreeVerificationSampler:
     def __init__(self, runner, tree: TreeSpec, method: str, state: TreeState, kv_layers, timers, sizer=None):
         self.runner = runner
         self.sizer = sizer  # TreeSizer of ``tree: auto``: learns from the accepted depths
-        self.tree = tree
+        self.tree = tree  # the configured tree (``tree: auto``: max_tree; its width cuts are shapes too)
         self.method = method
         self.state = state
         self.kv_layers = kv_layers  # callable -> list of (keys, values) cache views
         self.timers = timers
-        # nodes_through_depth[d] = number of nodes (root included) at depth <= d.
-        self.nodes_through_depth = torch.tensor(tree.nodes_per_depth).cumsum(0)
-        self._cut_trees: dict[int, TreeSpec] = {}
+        self._cut_trees: dict[tuple[TreeSpec, int], TreeSpec] = {}
+        self._nodes_through_depth: dict[TreeSpec, torch.Tensor] = {}
         self.probs_buffer = StepBuffer(runner.device)  # the target probabilities, [B, N+1, V]
         self.bias_and_min_p = RequestBiasAndMinP()
 
@@ -64,12 +63,15 @@ class TreeVerificationSampler:
         batch = len(num_draft_list)
         req_ids = self.runner.input_batch.req_ids[:batch]
         scheduled = torch.tensor(num_draft_list, dtype=torch.long)
-        # The scheduler may cut a tree short (token budget, max_model_len) and
-        # ``tree: auto`` drafts depth cuts: a breadth-first prefix is verified as
-        # the tree cut to its last full level, and the step works on the tree cut
-        # to the deepest level any request has (no rows, no probabilities below it).
-        keep_depth = torch.searchsorted(self.nodes_through_depth, scheduled + 1, right=True) - 1
-        tree = self._cut_tree(max(1, int(keep_depth.max())))
+        # The trees of this step share one shape: the configured tree or (``tree:
+        # auto``) the width cut the drafter last used. The scheduler may cut a tree
+        # short (token budget, max_model_len) and ``auto`` drafts depth cuts: a
+        # breadth-first prefix is verified as the shape cut to its last full level,
+        # and the step works on the shape cut to the deepest level any request has
+        # (no rows, no probabilities below it).
+        shape = self.state.latest_tree if self.state.latest_tree is not None else self.tree
+        keep_depth = self._depth_of_prefix(shape, scheduled)
+        tree = self._cut_tree(shape, max(1, int(keep_depth.max())))
         n1 = tree.num_nodes + 1
         num_draft = scheduled.clamp(max=tree.num_nodes)
 
@@ -83,7 +85,7 @@ class TreeVerificationSampler:
         if temperature is None:  # all greedy
             temperature = torch.zeros(batch, device=device)
 
-        tokens, q, q_missing = self._trees_for(req_ids, num_draft_list, tree_logits)
+        tokens, q, q_missing = self._trees_for(req_ids, num_draft_list, tree_logits, shape)
         tokens, q = tokens[:, :n1], (q[:, :n1] if q is not None else None)
         exists = tree.depth.unsqueeze(0) <= keep_depth.unsqueeze(1)
         tokens = tokens.masked_fill(~exists.to(device), -1)
@@ -107,21 +109,35 @@ class TreeVerificationSampler:
         output = torch.full((batch, self.tree.max_depth + 1), -1, dtype=torch.long, device=device)
         output[:, : result.output_token_ids.shape[1]] = result.output_token_ids
 
+        path = self._accepted_path(tree, end)
         with self.timers.measure("kv_moves"):
-            self._keep_accepted_kv(batch, end)
-        self._update_draft_kv_len(req_ids, num_draft_list, keep_depth, tree.on(device).depth[end])
+            self._keep_accepted_kv(batch, path)
+        self._update_draft_kv_len(req_ids, num_draft_list, keep_depth, tree.on(device).depth[end], shape)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
-            logprobs = self._logprobs(logits, rows.to(device), end, output, sampling_metadata.max_num_logprobs)
+            logprobs = self._logprobs(logits, rows.to(device), path, output, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
-    def _cut_tree(self, depth: int) -> TreeSpec:
-        """The configured tree cut to ``depth`` (a breadth-first prefix: node ids unchanged)."""
-        if depth >= self.tree.max_depth:
-            return self.tree
-        if depth not in self._cut_trees:
-            self._cut_trees[depth] = TreeSpec(self.tree.paths[: int(self.nodes_through_depth[depth])])
-        return self._cut_trees[depth]
+    def _depth_of_prefix(self, shape: TreeSpec, num_draft: torch.Tensor) -> torch.Tensor:
+        """[R] scheduled nodes of ``shape`` (breadth-first prefixes) -> [R] the depth
+        of the shape they fill completely (0: not even depth 1)."""
+        if shape not in self._nodes_through_depth:  # [D+1]: nodes at depth <= d, root included
+            self._nodes_through_depth[shape] = torch.tensor(shape.nodes_per_depth).cumsum(0)
+        return torch.searchsorted(self._nodes_through_depth[shape], num_draft + 1, right=True) - 1
+
+    def _cut_tree(self, shape: TreeSpec, depth: int) -> TreeSpec:
+        """``shape`` cut to ``depth`` (a breadth-first prefix: node ids unchanged)."""
+        if depth >= shape.max_depth:
+            return shape
+        if (shape, depth) not in self._cut_trees:
+            self._cut_trees[shape, depth] = TreeSpec(shape.paths[: sum(shape.nodes_per_depth[: depth + 1])])
+        return self._cut_trees[shape, depth]
+
+    def _accepted_path(self, tree: TreeSpec, end: torch.Tensor) -> torch.Tensor:
+        """[B, D] (D: the configured tree's depth): the accepted nodes at depth 1 .. D, -1 past the end."""
+        path = tree.on(end.device).ancestors[end]
+        missing = self.tree.max_depth - path.shape[1]  # a shallower cut or shape
+        return torch.nn.functional.pad(path, (0, missing), value=-1) if missing else path
 
     def _verify_sampled(
         self, tree, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch: int
@@ -175,21 +191,21 @@ class TreeVerificationSampler:
             transforms.append(TreePenalties(tokens, tree.ancestors, sampling_metadata, batch))
         return transforms
 
-    def _logprobs(self, logits, node_rows, end, output, num_logprobs):
+    def _logprobs(self, logits, node_rows, path, output, num_logprobs):
         """The target's log-probabilities of every output token, in vLLM's raw
         mode: output j of a request was sampled at the path's node of depth j
         (the root for j = 0), so its row is that node's logits row."""
-        path = self.tree.on(end.device).ancestors[end]  # [B, D], -1 past the end
         at_node = torch.cat([torch.zeros_like(path[:, :1]), path], 1).clamp(min=0)  # [B, D+1]
         flat_rows = node_rows.gather(1, at_node).flatten()
         logprobs = self.runner.sampler.compute_logprobs(logits[flat_rows].float())
         # Padding (-1) entries are dropped by vLLM's parse_output; any valid id will do here.
         return self.runner.sampler.gather_logprobs(logprobs, num_logprobs, output.flatten().clamp(min=0))
 
-    def _trees_for(self, req_ids: list[str], num_draft: list[int], like: torch.Tensor):
-        """Tokens [B, N+1], q [B, N+1, V] (or None) and the rows drafted without q."""
-        tokens, q, found, q_missing = self.state.gather(req_ids)
-        orphans = [r for r, f, n in zip(req_ids, found, num_draft) if n > 0 and not f]
+    def _trees_for(self, req_ids: list[str], num_draft: list[int], like: torch.Tensor, shape: TreeSpec):
+        """Tokens [B, N+1], q [B, N+1, V] (or None) and the rows drafted without q,
+        for the trees of ``shape`` (a tree of another shape: none, the root alone)."""
+        tokens, q, _, q_missing = self.state.gather(req_ids, shape)
+        orphans = [r for r, n in zip(req_ids, num_draft) if n > 0 and r not in self.state.trees]
         if orphans:
             # Should not happen; rejecting every draft (Y ~ p at the root) stays lossless.
             logger.warning("tree speculation: no drafted tree for the scheduled drafts of %s", orphans)
@@ -197,22 +213,23 @@ class TreeVerificationSampler:
             return torch.full(like.shape[:2], -1, dtype=torch.long, device=like.device), None, None
         return tokens, q, q_missing
 
-    def _keep_accepted_kv(self, batch: int, end: torch.Tensor) -> None:
-        """Move each accepted path to consecutive slots in every layer's cache."""
+    def _keep_accepted_kv(self, batch: int, path: torch.Tensor) -> None:
+        """Move each accepted path ([B, D] nodes) to consecutive slots in every layer's cache."""
         input_batch = self.runner.input_batch
         context_lens = torch.from_numpy(input_batch.num_computed_tokens_cpu[:batch].astype(np.int64))
-        path = self.tree.on(end.device).ancestors[end].cpu()  # [B, D]
-        request, src, dst = accepted_path_moves(context_lens, path)
+        request, src, dst = accepted_path_moves(context_lens, path.cpu())
         if request.numel() == 0:
             return
-        device = end.device
+        device = path.device
         block_table = input_batch.block_table[0].get_cpu_tensor()[:batch].to(device)
         request, src, dst = request.to(device), src.to(device), dst.to(device)
         for keys, values in self.kv_layers():
             move_paged_kv(keys, block_table, request, src, dst)
             move_paged_kv(values, block_table, request, src, dst)
 
-    def _update_draft_kv_len(self, req_ids, num_draft, keep_depth: torch.Tensor, accepted: torch.Tensor) -> None:
+    def _update_draft_kv_len(
+        self, req_ids, num_draft, keep_depth: torch.Tensor, accepted: torch.Tensor, shape: TreeSpec
+    ) -> None:
         """The draft cache now holds the context, the root and the accepted nodes
         the drafter ran (every node above the deepest level of the tree as cut)."""
         computed = self.runner.input_batch.num_computed_tokens_cpu
@@ -222,7 +239,7 @@ class TreeVerificationSampler:
         if self.sizer is not None and len(req_ids) == len(num_draft):  # not vLLM's profile run (no requests)
             drafted = np.asarray(num_draft) > 0
             temperature = self.runner.input_batch.temperature_cpu[: len(req_ids)]
-            self.sizer.observe_acceptance(temperature[drafted], keep_depth[drafted], accepted[drafted])
+            self.sizer.observe_acceptance(shape, temperature[drafted], keep_depth[drafted], accepted[drafted])
         for i, (req_id, n, k, cut) in enumerate(zip(req_ids, num_draft, accepted.tolist(), keep_depth.tolist())):
             if n > 0:
                 self.state.draft_kv_len[req_id] = int(computed[i]) + 1 + min(k, max(cut - 1, 0))

@@ -1,12 +1,18 @@
-"""``"tree": "auto"``: the depth cut of the configured tree for each step
-(``vllm_univer.sizing``), fed with this runner's measurements.
+"""``"tree": "auto"``: the cut of the configured tree for each step, a width
+cut (its shape) and a depth (``vllm_univer.sizing``), fed with this runner's
+measurements.
 
 * Start-up (after vLLM's warm-up, ``calibrate``): the target's and the draft's
   forward times at a few token counts, through vLLM's own dummy runs.
 * Every step: the wall-clock period between two drafting calls, against the
   forwards that period ran (the target's scheduled tokens, the draft forwards
-  of the previous drafting, which the drafter still holds), corrects the cost model of the depth it ran at;
-  the verifier's accepted depths update the acceptance model.
+  of the previous drafting, which the drafter still holds), corrects the cost
+  model of the cut it ran (of every shape where it did not speculate); the
+  verifier's accepted depths update the acceptance model of the shape drafted.
+
+A step with a structured-output request drafts the full tree only: vLLM's
+scheduler builds its grammar bitmask rows from the draft count alone
+(``tree_grammar``), which names a depth cut of one shape, not the shape.
 
 Decisions are made on the host from host data (no device sync of their own).
 Under tensor parallelism every rank measures its own steps, so rank 0 decides
@@ -24,7 +30,16 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from ..sizing import AcceptanceModel, DepthChooser, ForwardCost, StepCostModel, StepWork, temperature_band
+from ..sizing import (
+    AcceptanceModel,
+    Cut,
+    ForwardCost,
+    ShapeModels,
+    StepCostModel,
+    StepWork,
+    TreeChooser,
+    temperature_band,
+)
 from ..tree import TreeSpec
 
 logger = init_logger(__name__)
@@ -33,6 +48,9 @@ logger = init_logger(__name__)
 # cut to depths[(k + i) % 3] (cuts that change between steps and within a batch),
 # in place of the choice; the measurements still run.
 SCHEDULE_ENV = "VLLM_UNIVER_AUTO_DEPTHS"
+# Test hook: a fixed cycle of width cuts, "1,2" -> decision k drafts max_tree.width_cut(widths[k % 2])
+# (shapes that change between steps; depths beyond a shape's own are cut to it).
+WIDTH_SCHEDULE_ENV = "VLLM_UNIVER_AUTO_WIDTHS"
 # Forwards are timed at start-up up to this many query tokens (compute-bound beyond: linear).
 CALIBRATION_MAX_TOKENS = 128
 
@@ -51,21 +69,33 @@ def _tp_group(runner):
     return get_tp_group()
 
 
+def _schedule(name: str, low: int, high: int) -> list[int] | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    cycle = [int(v) for v in value.split(",")]
+    if not all(low <= v <= high for v in cycle):
+        raise ValueError(f"{name}={value!r}: values must lie in {low}..{high}")
+    return cycle
+
+
 class TreeSizer:
-    def __init__(self, runner, tree: TreeSpec, drafter):
+    def __init__(self, runner, shapes: list[TreeSpec], drafter):
+        """``shapes``: the width cuts of max_tree, narrowest first, max_tree last."""
         self.runner = runner
-        self.tree = tree
+        self.shapes = shapes
+        self.tree = shapes[-1]
+        self._shape_index = {shape: i for i, shape in enumerate(shapes)}
         self.drafter = drafter  # its ``forward_tokens``: the draft forwards of the last drafting
-        self.acceptance = AcceptanceModel(tree.max_depth)
-        self.chooser: DepthChooser | None = None
-        self._last: tuple[float, int] | None = None  # (time, deepest cut) of the last choice
-        schedule = os.environ.get(SCHEDULE_ENV)
-        self._schedule = [int(d) for d in schedule.split(",")] if schedule else None
-        if self._schedule and not all(0 <= d <= tree.max_depth for d in self._schedule):
-            raise ValueError(f"{SCHEDULE_ENV}={schedule!r}: depths must lie in 0..{tree.max_depth}")
+        self.acceptance = [AcceptanceModel(shape.max_depth) for shape in shapes]
+        self.chooser: TreeChooser | None = None
+        self._last: tuple[float, Cut] | None = None  # (time, cut with the deepest depth) of the last choice
+        self._schedule = _schedule(SCHEDULE_ENV, 0, self.tree.max_depth)
+        self._width_schedule = _schedule(WIDTH_SCHEDULE_ENV, 1, 1 << 30)  # wider than the tree: the tree
         self._decisions = 0
         self._tp_group = _tp_group(runner)
         self.requests_at_depth = Counter()  # depth cut -> request-steps drafted at it
+        self.requests_at_width = Counter()  # shape's width (max children) -> request-steps drafted with it
 
     # -------------------------------------------------------------- start-up
     def calibrate(self) -> None:
@@ -113,45 +143,67 @@ class TreeSizer:
             "target_ms": [1e3 * t for t in target],
             "draft_ms": [1e3 * t for t in draft],
         }
-        self.chooser = DepthChooser(
-            StepCostModel(ForwardCost(sizes, target), ForwardCost(sizes, draft), self.tree.nodes_per_depth),
-            self.acceptance,
+        target_cost, draft_cost = ForwardCost(sizes, target), ForwardCost(sizes, draft)
+        self.chooser = TreeChooser(
+            [
+                ShapeModels(StepCostModel(target_cost, draft_cost, shape.nodes_per_depth), acceptance)
+                for shape, acceptance in zip(self.shapes, self.acceptance)
+            ]
         )
         logger.info("tree auto: calibrated in %.1f s: %s", time.perf_counter() - start_all, self.calibration)
 
     # ------------------------------------------------------------ each step
-    def choose(self, batch: int):
-        """Depth cut for the trees drafted now, for the ``batch`` requests in the
-        runner's batch (the next step's batch, as far as anyone knows): one int
-        for all, or (test schedule) one per batch row."""
+    def choose(self, batch: int) -> tuple[TreeSpec, int | np.ndarray]:
+        """(shape, depth cut) for the trees drafted now, for the ``batch`` requests
+        in the runner's batch (the next step's batch, as far as anyone knows):
+        the depth one int for all, or (test schedule) one per batch row."""
         now = time.perf_counter()
         if self.chooser is None:  # not calibrated (warm-up skipped): speculate in full
-            return self.tree.max_depth
+            return self.tree, self.tree.max_depth
         self._observe_period(now, batch)
         temperature = self.runner.input_batch.temperature_cpu[:batch]
-        depth = self.chooser.choose(_bands(temperature))
+        allowed = None if len(self.shapes) == 1 or not self._has_structured_output(batch) else {len(self.shapes) - 1}
+        cut = self.chooser.choose(_bands(temperature), allowed)
         self._decisions += 1
+        if self._width_schedule is not None:
+            width = self._width_schedule[self._decisions % len(self._width_schedule)]
+            cut = Cut(self._shape_index[self.tree.width_cut(width)] if allowed is None else cut.shape, cut.depth)
+        depth = cut.depth
         if self._schedule is not None:
             cycle = np.asarray(self._schedule)
             depth = cycle[(self._decisions + np.arange(batch)) % len(cycle)]
         if self._tp_group is not None:
-            depth = self._tp_group.broadcast_object(depth, src=0)
-        depths = np.broadcast_to(depth, (batch,))
+            cut, depth = self._tp_group.broadcast_object((cut, depth), src=0)
+        shape = self.shapes[cut.shape]
+        depths = np.minimum(np.broadcast_to(depth, (batch,)), shape.max_depth)
         self.requests_at_depth.update(depths.tolist())
-        self._last = (now, int(depths.max(initial=0)))
-        return depth
+        self.requests_at_width[shape.max_children] += int((depths > 0).sum())
+        self._last = (now, Cut(cut.shape, int(depths.max(initial=0))))
+        return shape, depth
 
-    def observe_acceptance(self, temperature: np.ndarray, cut_depths: np.ndarray, accepted: np.ndarray) -> None:
-        """Verified trees: their requests' temperatures, cut depths and accepted depths."""
-        self.acceptance.observe(_bands(temperature), cut_depths, accepted)
+    def _has_structured_output(self, batch: int) -> bool:
+        requests = self.runner.requests
+        return any(
+            requests[r].sampling_params is not None and requests[r].sampling_params.structured_outputs is not None
+            for r in self.runner.input_batch.req_ids[:batch]
+        )
+
+    def observe_acceptance(self, shape: TreeSpec, temperature, cut_depths, accepted) -> None:
+        """Verified trees of ``shape``: their requests' temperatures, cut depths and accepted depths."""
+        index = self._shape_index.get(shape)
+        if index is not None:
+            self.acceptance[index].observe(_bands(temperature), cut_depths, accepted)
 
     def _observe_period(self, now: float, batch: int) -> None:
         if self._last is None:
             return
-        started, depth = self._last
+        started, cut = self._last
         target_tokens = int(self.runner.query_start_loc.np[batch])
         work = StepWork(target_tokens, list(self.drafter.forward_tokens))
-        self.chooser.cost.observe(depth, work, now - started)
+        # No speculation is the same step whatever the shape: every shape's model learns from it.
+        for s, (cost, _) in enumerate(self.chooser.shapes):
+            if s == cut.shape or cut.depth == 0:
+                cost.observe(cut.depth, work, now - started)
 
     def summary(self) -> dict:
         """Steps per chosen depth, the acceptance hazards and cost corrections (benchmarks, tests)."""
@@ -159,7 +211,8 @@ class TreeSizer:
             return {}
         return {
             "requests_at_depth": {int(d): n for d, n in sorted(self.requests_at_depth.items())},
-            "hazards": self.acceptance.hazards().round(3).tolist(),
-            "cost_correction": self.chooser.cost.correction.round(3).tolist(),
+            "requests_at_width": {int(w): n for w, n in sorted(self.requests_at_width.items())},
+            "hazards": [a.hazards().round(3).tolist() for a in self.acceptance],
+            "cost_correction": [cost.correction.round(3).tolist() for cost, _ in self.chooser.shapes],
             "calibration": self.calibration,
         }

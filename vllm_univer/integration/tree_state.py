@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..tree import TreeSpec
+
 
 @dataclass
 class DraftedTrees:
@@ -18,11 +20,14 @@ class DraftedTrees:
     draft_probs: FloatTensor [B, N+1, V], row i = q node i's children were drawn
         from; None when every request of the batch was greedy (argmax matching
         never reads q, and the drafter then never builds it).
+    tree: the shape drafted (node ids are its own; with ``tree: auto`` a width
+        cut of ``max_tree``, each row cut to its own depth).
     """
 
     req_ids: list[str]
     tokens: torch.Tensor
     draft_probs: torch.Tensor | None
+    tree: TreeSpec
 
 
 @dataclass
@@ -34,13 +39,19 @@ class TreeState:
     trees: dict[str, tuple[DraftedTrees, int]] = field(default_factory=dict)
     # Leading positions of each request whose draft-model KV is in the cache.
     draft_kv_len: dict[str, int] = field(default_factory=dict)
+    # The shape of the trees drafted last: what the next step verifies. All trees
+    # of one drafting share a shape; a tree of another shape (its request was
+    # skipped for a step while the shape changed) is verified as no tree at all.
+    latest_tree: TreeSpec | None = None
 
     def add(self, drafted: DraftedTrees) -> None:
+        self.latest_tree = drafted.tree
         for row, req_id in enumerate(drafted.req_ids):
             self.trees[req_id] = (drafted, row)
 
-    def gather(self, req_ids: list[str]):
-        """Trees of ``req_ids`` -> (tokens [B, N+1], q [B, N+1, V] or None, found [B],
+    def gather(self, req_ids: list[str], tree: TreeSpec | None = None):
+        """Trees of ``req_ids`` (of shape ``tree`` when given; others count as
+        absent) -> (tokens [B, N+1], q [B, N+1, V] or None, found [B],
         q_missing BoolTensor [B] or None).
 
         One gather when the requests were drafted together (the usual case);
@@ -50,6 +61,8 @@ class TreeState:
         zero and flagged in ``q_missing`` (greedy requests: the caller fills them).
         """
         entries = [self.trees.get(r) for r in req_ids]
+        if tree is not None:
+            entries = [e if e is not None and e[0].tree == tree else None for e in entries]
         found = [e is not None for e in entries]
         present = [e for e in entries if e is not None]
         if not present:

@@ -1,22 +1,24 @@
 """Choosing how much of the tree to draft each step (``"tree": "auto"``).
 
 Pure Python / NumPy, no vLLM: a cost model of a step measured on the machine
-(``cost_model``), a model of how many tokens each depth cut of the tree gets
-accepted (``acceptance_model``), and the choice that maximises tokens per second
-for the batch at hand (``depth_choice``). The verifier sees whatever tree was
+(``cost_model``) and a model of how many tokens each depth cut gets accepted
+(``acceptance_model``), one of each per shape (the tree and its width cuts),
+and the choice that maximises tokens per second for the batch at hand
+(``tree_choice``). The verifier sees whatever tree was
 drafted, so none of this can change an output distribution.
 """
 
 from .acceptance_model import AcceptanceModel, temperature_band
 from .cost_model import ForwardCost, StepCostModel, StepWork
-from .depth_choice import DepthChooser, candidate_depths
+from .tree_choice import Cut, ShapeModels, TreeChooser
 
 __all__ = [
     "AcceptanceModel",
-    "DepthChooser",
+    "Cut",
     "ForwardCost",
     "StepCostModel",
     "StepWork",
-    "candidate_depths",
+    "ShapeModels",
+    "TreeChooser",
     "temperature_band",
 ]

@@ -1,0 +1,103 @@
+"""The cut of the tree that maximises tokens per second for the batch at hand.
+
+Candidates are the depth cuts 0 .. D of each *shape*: the configured tree and
+its width cuts (``TreeSpec.width_cuts``: for ``2x5`` the chain ``1x5`` and
+``2x5`` itself). Depth 0 is no speculation, a plain decode step: no draft
+forward, one target row per request. All requests of a step share the shape,
+each may get its own depth. The choice is
+
+    argmax_(s, d)  sum_r E[tokens_r | s, d] / seconds(R, s, d),
+
+each shape with its own cost model (its rows per depth) and acceptance model
+(its hazards per depth), with a little exploration: every ``explore_every``
+decisions one other cut is tried in turn (the next deeper cut of the chosen
+shape, then the best cut of each other shape), so the estimates of cuts that
+are not chosen stay current; but never a cut that could not beat the chosen
+one even if every draft were accepted, so where drafting cannot pay (a
+compute-bound CPU) no step ever speculates.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .acceptance_model import AcceptanceModel
+from .cost_model import StepCostModel
+
+
+class ShapeModels(NamedTuple):
+    """What the choice knows about one shape: its step costs and its acceptance."""
+
+    cost: StepCostModel
+    acceptance: AcceptanceModel
+
+
+class Cut(NamedTuple):
+    """A candidate tree: shape index (into the chooser's shapes) and depth cut (0: no speculation)."""
+
+    shape: int
+    depth: int
+
+
+class TreeChooser:
+    def __init__(self, shapes: list[ShapeModels], explore_every: int = 16):
+        if not shapes:
+            raise ValueError("TreeChooser needs at least one shape")
+        self.shapes = shapes
+        self.explore_every = explore_every
+        self.decisions = 0
+        self._explored = 0  # round-robin index over the exploration candidates
+
+    def rates(self, bands) -> list[np.ndarray]:
+        """Per shape, [D+1]: expected tokens per second of the batch at every depth cut."""
+        reqs = len(bands)
+        out = []
+        for cost, acceptance in self.shapes:
+            tokens = acceptance.expected_tokens(bands).sum(0)
+            seconds = np.array([cost.seconds(reqs, d) for d in range(len(tokens))])
+            out.append(tokens / seconds)
+        return out
+
+    def choose(self, bands, allowed: set[int] | None = None) -> Cut:
+        """The cut for a step whose requests are in temperature ``bands``, among
+        the shapes ``allowed`` (indices; None: all)."""
+        reqs = len(bands)
+        last = len(self.shapes) - 1
+        if reqs == 0:
+            return Cut(last, 0)
+        rates = self.rates(bands)
+        if allowed is not None:
+            rates = [r if s in allowed else r[:1] for s, r in enumerate(rates)]  # depth 0 is any shape's
+        best = max(
+            ((s, int(np.argmax(r[1:])) + 1) for s, r in enumerate(rates) if len(r) > 1),
+            key=lambda c: rates[c[0]][c[1]],
+            default=None,
+        )
+        plain = max(r[0] for r in rates)  # no speculation: every shape's model of the same step
+        choice = Cut(*best) if best is not None and rates[best[0]][best[1]] > plain else Cut(last, 0)
+        if choice.depth == 0 and allowed is not None:
+            choice = Cut(min(allowed), 0)
+        rate = rates[choice.shape][choice.depth] if choice.depth else plain
+        self.decisions += 1
+        if self.explore_every and self.decisions % self.explore_every == 0:
+            candidates = self._exploration_candidates(choice, rates)
+            if candidates:
+                trial = candidates[self._explored % len(candidates)]
+                self._explored += 1
+                # Every draft accepted: depth + 1 tokens per request.
+                ceiling = reqs * (trial.depth + 1) / self.shapes[trial.shape].cost.seconds(reqs, trial.depth)
+                if ceiling > rate:
+                    choice = trial
+        return choice
+
+    def _exploration_candidates(self, choice: Cut, rates: list[np.ndarray]) -> list[Cut]:
+        """The next deeper cut of the chosen shape, then each other shape's best cut."""
+        candidates = []
+        if choice.depth + 1 < len(rates[choice.shape]):
+            candidates.append(Cut(choice.shape, choice.depth + 1))
+        for s, r in enumerate(rates):
+            if s != choice.shape and len(r) > 1:
+                candidates.append(Cut(s, int(np.argmax(r[1:])) + 1))
+        return candidates
