@@ -374,3 +374,20 @@ def test_tree_auto_chooses_for_itself(models):
     assert sum(sizer["requests_at_depth"].values()) >= 80  # a choice per request-step
     # Two shapes (the chain 1x3 and 2x3), each with a correction per depth 0..3 and hazards per depth 1..3.
     assert [len(c) for c in sizer["cost_correction"]] == [4, 4] and [len(h[0]) for h in sizer["hazards"]] == [3, 3]
+
+
+def test_bfloat16_tree_speculation_runs_on_this_cpu(models):
+    """bfloat16, the main job's dtype on CPUs with native bfloat16. On AMX CPUs
+    vLLM would keep the KV cache in its amx layout, which tree attention does not
+    read; tree speculation switches those builders to the vec layout
+    (``patches.patch_cpu_attention_isa``), so the engine serves instead of failing
+    on its first tree step. (Greedy identity is checked in float32: bfloat16
+    rounding of tree rows against plain rows is far above the tie bound.)"""
+    target, draft = models
+    job = call(prompts(4, seed=6), temperature=0.0, max_tokens=48, ignore_eos=True)
+    sampled = call(prompts(4, seed=7), temperature=1.0, max_tokens=48, ignore_eos=True)
+    (result,) = run_engines([engine(target, [job, sampled], univer(draft, "2x3"), dtype="bfloat16")])
+    assert "error" not in result, result.get("error")
+    for c in result["calls"]:
+        assert [len(o) for o in c["outputs"]] == [48] * 4
+    assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0

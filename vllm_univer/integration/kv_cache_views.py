@@ -9,7 +9,7 @@ vLLM 0.32 keeps one tensor per layer, logically
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, viewed as
 ``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` and split into a key
 half and a value half. With the ``vec`` ISA (x86 without AMX, block size a
-multiple of 32) values are stored row-major per token, but keys are stored
+multiple of 32; on AMX CPUs too, for tree speculation) values are stored row-major per token, but keys are stored
 transposed inside each (block, head): element (token t, dim d) sits at
 ``d * block_size + t``. The views below expose both as
 ``[num_blocks, block_size, num_kv_heads, head_size]`` without copying.
@@ -22,14 +22,21 @@ import torch
 SUPPORTED_ISAS = ("vec",)
 
 
-def cpu_kv_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_cache [num_blocks, H, block_size, 2*Dh] -> (keys, values), each a strided
-    view [num_blocks, block_size, H, Dh] of the same storage (writes go through)."""
+def check_cpu_isa(isa: str | None) -> None:
+    """Refuse a CPU attention ISA whose KV layout tree attention does not read (AMX
+    is switched to vec for tree speculation: ``patches.patch_cpu_attention_isa``)."""
     if isa not in SUPPORTED_ISAS:
         raise NotImplementedError(
             f"tree attention on CPU reads the KV cache of the {SUPPORTED_ISAS} attention ISA; "
-            f"this machine uses {isa!r} (e.g. AMX with bfloat16). Use dtype=float32 or a GPU."
+            f"this machine's CPU attention uses {isa!r} (vec16: head sizes not a multiple of 32; "
+            "neon / vsx / vxe / rvv: non-x86 CPUs). Use a GPU."
         )
+
+
+def cpu_kv_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_cache [num_blocks, H, block_size, 2*Dh] -> (keys, values), each a strided
+    view [num_blocks, block_size, H, Dh] of the same storage (writes go through)."""
+    check_cpu_isa(isa)
     num_blocks, heads, block_size, two_dh = kv_cache.shape
     head_size = two_dh // 2
     if not kv_cache.is_contiguous():

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .kv_cache_views import layer_kv_views
+from .kv_cache_views import check_cpu_isa, layer_kv_views
 from .timers import StepTimers
-from .tree_attention_plan import TreeAttentionPlan, check_layer_supported
+from .tree_attention_plan import TreeAttentionPlan, backend_kind, check_layer_supported
 from .tree_drafter import TreeDrafter
 from .tree_sampler import TreeVerificationSampler, tree_rows
 from .tree_sizer import TreeSizer
@@ -67,6 +67,8 @@ class TreeRunner:
         """Refuse attention backends and layer features tree attention does not support."""
         for layer in self.attention_layers():
             check_layer_supported(layer.impl)
+            if backend_kind(layer.impl) == "cpu":
+                check_cpu_isa(getattr(layer, "isa", None))
 
     def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) views of every attention layer's cache, target and draft."""
