@@ -16,6 +16,7 @@ from vllm_univer.sizing import (
     StepCostModel,
     StepWork,
     TreeChooser,
+    prior_hazards,
     temperature_band,
 )
 from vllm_univer.tree import TreeSpec
@@ -151,7 +152,8 @@ def test_choice_weighs_each_request_by_its_band():
 def test_exploration_tries_the_next_cut_now_and_then():
     chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7, explore=4)
     picks = [chooser.choose([2] * 4).depth for _ in range(8)]
-    assert picks == [1, 1, 1, 2, 1, 1, 1, 2]
+    # Every 4th decision in turn: the next deeper cut, then no speculation (its cost measured).
+    assert picks == [1, 1, 1, 2, 1, 1, 1, 0]
 
 
 def shapes_chooser(target_per_token, target_fixed, draft_per_forward, hazards, explore=0):
@@ -216,4 +218,12 @@ def test_exploration_visits_the_other_shapes():
     # Chosen: the chain cut to 3 (no deeper cut of it); every 2nd decision the tree's best cut
     # (depth 2: 7.07 tokens/s against the chain's 7.7, but 9.1 if every draft were accepted).
     assert picks[0::2] == [Cut(0, 3)] * 4
-    assert picks[1::2] == [Cut(1, 2)] * 4
+    assert picks[1::2] == [Cut(1, 2), Cut(1, 0)] * 2  # and, in turn, no speculation
+
+
+def test_prior_hazards_grow_with_the_children_per_node():
+    assert prior_hazards([1, 1, 1, 1]) == pytest.approx([0.7, 0.7, 0.7])
+    assert prior_hazards(WIDTHS_2X3) == pytest.approx([0.91, 0.91, 0.91])
+    assert prior_hazards([1, 3, 6]) == pytest.approx([1 - 0.3**3, 1 - 0.3**2])
+    model = AcceptanceModel(3, prior_hazards(WIDTHS_2X3), prior_weight=4.0)
+    assert model.hazards()[2] == pytest.approx([0.91] * 3)

@@ -38,6 +38,7 @@ from ..sizing import (
     StepCostModel,
     StepWork,
     TreeChooser,
+    prior_hazards,
     temperature_band,
 )
 from ..tree import TreeSpec
@@ -87,7 +88,7 @@ class TreeSizer:
         self.tree = shapes[-1]
         self._shape_index = {shape: i for i, shape in enumerate(shapes)}
         self.drafter = drafter  # its ``forward_tokens``: the draft forwards of the last drafting
-        self.acceptance = [AcceptanceModel(shape.max_depth) for shape in shapes]
+        self.acceptance = [AcceptanceModel(shape.max_depth, prior_hazards(shape.nodes_per_depth)) for shape in shapes]
         self.chooser: TreeChooser | None = None
         self._last: tuple[float, Cut] | None = None  # (time, cut with the deepest depth) of the last choice
         self._schedule = _schedule(SCHEDULE_ENV, 0, self.tree.max_depth)

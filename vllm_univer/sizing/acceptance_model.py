@@ -33,13 +33,27 @@ def temperature_band(temperature) -> np.ndarray:
     return np.searchsorted(np.asarray(BAND_EDGES), t, side="left")
 
 
+def prior_hazards(nodes_per_depth: list[int], single: float = 0.7) -> np.ndarray:
+    """[D] prior h_j of a tree shape: a path accepted to depth j - 1 goes on
+    with one of its m_j children (m_j = nodes at depth j over nodes at j - 1),
+    each taken as accepted with probability ``single`` on its own, so
+    h_j = 1 - (1 - single)^m_j: a chain starts at ``single``, two children at
+    0.91. Rough (children of one parent are not independent); observations
+    replace it after a few steps, and it lets a wider shape start above a
+    narrower one, as it is measured to be."""
+    widths = np.asarray(nodes_per_depth, dtype=np.float64)
+    children = widths[1:] / np.maximum(widths[:-1], 1.0)
+    return 1.0 - (1.0 - single) ** children
+
+
 class AcceptanceModel:
-    def __init__(self, max_depth: int, prior_hazard: float = 0.7, prior_weight: float = 4.0, memory: float = 0.995):
+    def __init__(self, max_depth: int, prior_hazard=0.7, prior_weight: float = 4.0, memory: float = 0.995):
+        """``prior_hazard``: one h for every depth, or [D] (``prior_hazards``)."""
         self.max_depth = max_depth
         self.memory = memory
         # [band, depth 1..D]: decayed counts of trees that reached depth j, and of those accepted to j.
         self.reached = np.full((NUM_BANDS, max_depth), prior_weight)
-        self.accepted = np.full((NUM_BANDS, max_depth), prior_weight * prior_hazard)
+        self.accepted = self.reached * np.broadcast_to(np.asarray(prior_hazard, dtype=np.float64), (max_depth,))
 
     def observe(self, bands, cut_depths, accepted_depths) -> None:
         """Verified trees: their band, the depth they were cut to, the depth accepted."""

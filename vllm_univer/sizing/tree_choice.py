@@ -11,10 +11,13 @@ each may get its own depth. The choice is
 each shape with its own cost model (its rows per depth) and acceptance model
 (its hazards per depth), with a little exploration: every ``explore_every``
 decisions one other cut is tried in turn (the next deeper cut of the chosen
-shape, then the best cut of each other shape), so the estimates of cuts that
-are not chosen stay current; but never a cut that could not beat the chosen
-one even if every draft were accepted, so where drafting cannot pay (a
-compute-bound CPU) no step ever speculates.
+shape, the best cut of each other shape, and no speculation), so the
+estimates of cuts that are not chosen stay current; but never a speculating
+cut that could not beat the chosen one even if every draft were accepted, so
+where drafting cannot pay (a compute-bound CPU) no step ever speculates. A
+plain step is always worth a try now and then: its cost is the one that
+speculating steps' measurements say least about (theirs carry the drafting
+and verification overheads, a plain step's do not).
 """
 
 from __future__ import annotations
@@ -88,16 +91,18 @@ class TreeChooser:
                 self._explored += 1
                 # Every draft accepted: depth + 1 tokens per request.
                 ceiling = reqs * (trial.depth + 1) / self.shapes[trial.shape].cost.seconds(reqs, trial.depth)
-                if ceiling > rate:
+                if trial.depth == 0 or ceiling > rate:
                     choice = trial
         return choice
 
     def _exploration_candidates(self, choice: Cut, rates: list[np.ndarray]) -> list[Cut]:
-        """The next deeper cut of the chosen shape, then each other shape's best cut."""
+        """The next deeper cut of the chosen shape, each other shape's best cut, no speculation."""
         candidates = []
         if choice.depth + 1 < len(rates[choice.shape]):
             candidates.append(Cut(choice.shape, choice.depth + 1))
         for s, r in enumerate(rates):
             if s != choice.shape and len(r) > 1:
                 candidates.append(Cut(s, int(np.argmax(r[1:])) + 1))
+        if choice.depth > 0:
+            candidates.append(Cut(len(self.shapes) - 1, 0))
         return candidates
