@@ -51,7 +51,7 @@ def test_cost_correction_is_the_median_of_recent_steps_per_depth():
     assert model.seconds(1, 0) == 1.0 and model.seconds(1, 2) == 3.0
     model.observe(0, model.work(1, 0), 2.0)
     assert model.seconds(1, 0) == pytest.approx(2.0)
-    assert model.seconds(1, 2) == pytest.approx(6.0)  # unseen depth: the mean correction of the seen ones
+    assert model.seconds(1, 2) == pytest.approx(6.0)  # unseen depth, no speculating one seen: the plain correction
     for seconds in (3.0, 3.3, 2.7):
         model.observe(2, model.work(1, 2), seconds)
     assert model.seconds(1, 2) == pytest.approx(3.0)
@@ -152,8 +152,8 @@ def test_choice_weighs_each_request_by_its_band():
 def test_exploration_tries_the_next_cut_now_and_then():
     chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7, explore=4)
     picks = [chooser.choose([2] * 4).depth for _ in range(8)]
-    # Every 4th decision in turn: the next deeper cut, then no speculation (its cost measured).
-    assert picks == [1, 1, 1, 2, 1, 1, 1, 0]
+    # Every 4th decision in turn: no speculation (its cost measured), then the next deeper cut.
+    assert picks == [1, 1, 1, 0, 1, 1, 1, 2]
 
 
 def shapes_chooser(target_per_token, target_fixed, draft_per_forward, hazards, explore=0):
@@ -218,7 +218,21 @@ def test_exploration_visits_the_other_shapes():
     # Chosen: the chain cut to 3 (no deeper cut of it); every 2nd decision the tree's best cut
     # (depth 2: 7.07 tokens/s against the chain's 7.7, but 9.1 if every draft were accepted).
     assert picks[0::2] == [Cut(0, 3)] * 4
-    assert picks[1::2] == [Cut(1, 2), Cut(1, 0)] * 2  # and, in turn, no speculation
+    assert picks[1::2] == [Cut(1, 0), Cut(1, 2)] * 2  # in turn with no speculation
+
+
+def test_a_cut_that_does_not_pay_is_tried_ever_more_rarely():
+    """Exploration backs off: each trial of a speculating cut that is not then
+    chosen doubles the wait before the next (a speculating step can cost several
+    plain ones on a compute-bound CPU); plain steps are tried on every turn."""
+    chooser = shapes_chooser(0.01, 1.0, 0.05, hazards=(0.7, 0.8), explore=2)
+    picks = [chooser.choose([2] * 4) for _ in range(1024)]
+    trials = [i for i, p in enumerate(picks) if p == Cut(1, 2)]
+    # Waits of 1, 2, 4, ... explorations (2 decisions each), then MAX_BACKOFF = 64 explorations.
+    gaps = np.diff(trials).tolist()
+    assert gaps == sorted(gaps) and gaps[-1] == 128 and len(trials) <= 16, trials
+    assert picks.count(Cut(1, 0)) > 400  # plain steps keep being measured
+    assert picks.count(Cut(0, 3)) == 512  # every other decision is the choice
 
 
 def test_prior_hazards_grow_with_the_children_per_node():
@@ -227,3 +241,19 @@ def test_prior_hazards_grow_with_the_children_per_node():
     assert prior_hazards([1, 3, 6]) == pytest.approx([1 - 0.3**3, 1 - 0.3**2])
     model = AcceptanceModel(3, prior_hazards(WIDTHS_2X3), prior_weight=4.0)
     assert model.hazards()[2] == pytest.approx([0.91] * 3)
+
+
+def test_an_unseen_plain_step_is_not_charged_the_speculating_overheads():
+    """Speculating steps run 2x their forwards' timing (drafting, verification);
+    a plain step never run yet is predicted at its timing (what start-up measured),
+    and an unseen speculating depth at the speculating ones' correction."""
+    flat = ForwardCost([1, 100], [1.0, 1.0])
+    model = StepCostModel(flat, flat, WIDTHS_2X3, window=5)
+    model.observe(2, model.work(1, 2), 6.0)  # predicted 3.0: correction 2
+    assert model.seconds(1, 0) == pytest.approx(1.0)
+    assert model.seconds(1, 1) == pytest.approx(4.0)  # 2.0 raw, the speculating correction 2
+    model.observe(0, model.work(1, 0), 1.3)
+    assert model.seconds(1, 0) == pytest.approx(1.3)
+    assert model.seconds(1, 3) == pytest.approx(8.0)  # speculating depths keep their own evidence
+    model.observe(1, model.work(1, 1), 6.0)  # correction 3 at depth 1
+    assert model.seconds(1, 3) == pytest.approx(10.0)  # unseen: the mean speculating correction, 2.5

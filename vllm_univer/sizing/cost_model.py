@@ -103,6 +103,13 @@ class StepCostModel:
     def factor(self, depth: int) -> float:
         if self.ratios[depth]:
             return float(np.median(self.ratios[depth]))
-        # Not run yet at this cut: what the cuts already run say about the model's bias.
-        seen = [np.median(r) for r in self.ratios if r]
-        return float(np.mean(seen)) if seen else 1.0
+        # Not run yet at this cut. A plain step (depth 0) is what the start-up runs
+        # timed: 1. A speculating cut: what the speculating cuts already run say about
+        # the model's bias (the drafting and verification overheads the forward
+        # timings leave out), else what plain steps say (the scheduler's share).
+        if depth == 0:
+            return 1.0
+        seen = [np.median(r) for r in self.ratios[1:] if r]
+        if seen:
+            return float(np.mean(seen))
+        return float(np.median(self.ratios[0])) if self.ratios[0] else 1.0

@@ -10,14 +10,17 @@ each may get its own depth. The choice is
 
 each shape with its own cost model (its rows per depth) and acceptance model
 (its hazards per depth), with a little exploration: every ``explore_every``
-decisions one other cut is tried in turn (the next deeper cut of the chosen
-shape, the best cut of each other shape, and no speculation), so the
+decisions one other cut is tried in turn (no speculation, the next deeper
+cut of the chosen shape, the best cut of each other shape), so the
 estimates of cuts that are not chosen stay current; but never a speculating
 cut that could not beat the chosen one even if every draft were accepted, so
 where drafting cannot pay (a compute-bound CPU) no step ever speculates. A
 plain step is always worth a try now and then: its cost is the one that
 speculating steps' measurements say least about (theirs carry the drafting
-and verification overheads, a plain step's do not).
+and verification overheads, a plain step's do not). A speculating cut tried
+and not chosen waits twice as long before its next trial (up to
+``MAX_BACKOFF`` explorations): where speculating steps cost several plain
+ones, exploring them must stay rare.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import numpy as np
 
 from .acceptance_model import AcceptanceModel
 from .cost_model import StepCostModel
+
+# The longest wait between two trials of one cut, in explorations (x explore_every decisions).
+MAX_BACKOFF = 64
 
 
 class ShapeModels(NamedTuple):
@@ -52,6 +58,10 @@ class TreeChooser:
         self.explore_every = explore_every
         self.decisions = 0
         self._explored = 0  # round-robin index over the exploration candidates
+        # Per speculating cut tried and not chosen: explorations to wait before the
+        # next trial (doubling), and the decision from which it may be tried again.
+        self._backoff: dict[Cut, int] = {}
+        self._eligible_from: dict[Cut, int] = {}
 
     def rates(self, bands) -> list[np.ndarray]:
         """Per shape, [D+1]: expected tokens per second of the batch at every depth cut."""
@@ -83,9 +93,14 @@ class TreeChooser:
         if choice.depth == 0 and allowed is not None:
             choice = Cut(min(allowed), 0)
         rate = rates[choice.shape][choice.depth] if choice.depth else plain
+        self._backoff.pop(choice, None)  # a cut that pays is tried freely again once it stops paying
         self.decisions += 1
         if self.explore_every and self.decisions % self.explore_every == 0:
-            candidates = self._exploration_candidates(choice, rates)
+            candidates = [
+                c
+                for c in self._exploration_candidates(choice, rates)
+                if self._eligible_from.get(c, 0) <= self.decisions
+            ]
             if candidates:
                 trial = candidates[self._explored % len(candidates)]
                 self._explored += 1
@@ -93,16 +108,18 @@ class TreeChooser:
                 ceiling = reqs * (trial.depth + 1) / self.shapes[trial.shape].cost.seconds(reqs, trial.depth)
                 if trial.depth == 0 or ceiling > rate:
                     choice = trial
+                if trial.depth > 0:
+                    wait = self._backoff.get(trial, 1)
+                    self._eligible_from[trial] = self.decisions + wait * self.explore_every
+                    self._backoff[trial] = min(2 * wait, MAX_BACKOFF)
         return choice
 
     def _exploration_candidates(self, choice: Cut, rates: list[np.ndarray]) -> list[Cut]:
-        """The next deeper cut of the chosen shape, each other shape's best cut, no speculation."""
-        candidates = []
+        """No speculation, the next deeper cut of the chosen shape, each other shape's best cut."""
+        candidates = [Cut(len(self.shapes) - 1, 0)] if choice.depth > 0 else []
         if choice.depth + 1 < len(rates[choice.shape]):
             candidates.append(Cut(choice.shape, choice.depth + 1))
         for s, r in enumerate(rates):
             if s != choice.shape and len(r) > 1:
                 candidates.append(Cut(s, int(np.argmax(r[1:])) + 1))
-        if choice.depth > 0:
-            candidates.append(Cut(len(self.shapes) - 1, 0))
         return candidates
