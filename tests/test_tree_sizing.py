@@ -257,3 +257,19 @@ def test_an_unseen_plain_step_is_not_charged_the_speculating_overheads():
     assert model.seconds(1, 3) == pytest.approx(8.0)  # speculating depths keep their own evidence
     model.observe(1, model.work(1, 1), 6.0)  # correction 3 at depth 1
     assert model.seconds(1, 3) == pytest.approx(10.0)  # unseen: the mean speculating correction, 2.5
+
+
+def test_corrections_are_kept_per_batch_size():
+    """What a speculating step costs beyond its forwards grows with the batch on a
+    compute-bound CPU: batch 8 learns its own corrections, and until it has, an
+    unseen cut there borrows batch 8's other cuts before any other batch's."""
+    flat = ForwardCost([1, 1000], [1.0, 1.0])
+    model = StepCostModel(flat, flat, WIDTHS_2X3)
+    model.observe(1, model.work(1, 1), 2.4, num_requests=1)  # predicted 2.0: 1.2 at batch 1
+    assert model.seconds(8, 1) == pytest.approx(2.4)  # batch 8 unseen: batch 1's evidence
+    model.observe(2, model.work(8, 2), 15.0, num_requests=8)  # predicted 3.0: 5.0 at batch 8
+    assert model.seconds(1, 1) == pytest.approx(2.4)
+    assert model.seconds(8, 1) == pytest.approx(10.0)  # batch 8's own speculating correction
+    assert model.seconds(12, 2) == pytest.approx(15.0)  # 12 requests: the same bucket as 8 (8-15)
+    assert model.seconds(2, 2) == pytest.approx(3.0 * (1.2 + 5.0) / 2)  # bucket 2 unseen: every size's mean
+    assert model.seconds(8, 0) == pytest.approx(1.0)

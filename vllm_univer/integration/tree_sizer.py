@@ -210,7 +210,7 @@ class TreeSizer:
         # No speculation is the same step whatever the shape: every shape's model learns from it.
         for s, (cost, _) in enumerate(self.chooser.shapes):
             if s == cut.shape or cut.depth == 0:
-                cost.observe(cut.depth, work, now - started)
+                cost.observe(cut.depth, work, now - started, batch)
 
     def summary(self) -> dict:
         """Steps per chosen depth, the acceptance hazards and cost corrections (benchmarks, tests)."""

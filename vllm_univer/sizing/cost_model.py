@@ -55,14 +55,21 @@ class StepWork:
     draft_tokens: list[int] = field(default_factory=list)
 
 
+def batch_bucket(num_requests: int) -> int:
+    """Requests per step, bucketed by powers of two: 1, 2-3, 4-7, 8-15, ... -> 1, 2, 3, 4, ..."""
+    return max(int(num_requests), 1).bit_length()
+
+
 class StepCostModel:
     """Predicted seconds of a step, per depth cut, for a batch of R requests.
 
     depth_widths[j] = tree nodes of depth j (j = 0 is the root: 1). The
     correction of a depth is the median of the last ``window`` ratios of
-    observed to predicted period at that depth: one stall (a long prefill, an
-    idle gap between requests) moves it not at all, a lasting change within
-    ``window // 2 + 1`` steps.
+    observed to predicted period at that depth, kept per batch size (powers of
+    two: what a speculating step adds beyond its forwards' timing, tree attention
+    and drafting overheads, grows with the batch at its own rate): one stall (a
+    long prefill, an idle gap between requests) moves it not at all, a lasting
+    change within ``window // 2 + 1`` steps.
     """
 
     def __init__(self, target: ForwardCost, draft: ForwardCost, depth_widths: list[int], window: int = 9):
@@ -70,16 +77,21 @@ class StepCostModel:
         self.draft = draft
         self.widths = np.asarray(depth_widths, dtype=np.int64)
         self.rows_through = np.cumsum(self.widths)  # [D+1]: rows per request at depth cut d
-        self.ratios = [deque(maxlen=window) for _ in self.widths]  # per depth cut: observed / predicted
+        self.window = window
+        # (depth cut, batch bucket) -> the last observed / predicted ratios.
+        self.ratios: dict[tuple[int, int], deque] = {}
+
+    def _pooled(self, depth: int) -> list[float]:
+        return [x for (d, _), r in self.ratios.items() if d == depth for x in r]
 
     @property
     def correction(self) -> np.ndarray:
-        """[D+1]: the factor each depth's prediction is multiplied by (1 where nothing is seen)."""
-        return np.array([np.median(r) if r else 1.0 for r in self.ratios])
+        """[D+1]: each depth's median ratio over all batch sizes (1 where nothing is seen)."""
+        return np.array([np.median(r) if (r := self._pooled(d)) else 1.0 for d in range(len(self.widths))])
 
     @property
     def seen(self) -> np.ndarray:
-        return np.array([len(r) > 0 for r in self.ratios])
+        return np.array([bool(self._pooled(d)) for d in range(len(self.widths))])
 
     def work(self, num_requests: int, depth: int) -> StepWork:
         """The forwards a step of ``num_requests`` decodes cut to ``depth`` runs."""
@@ -92,24 +104,29 @@ class StepCostModel:
         return float(self.target(work.target_tokens)) + draft
 
     def seconds(self, num_requests: int, depth: int) -> float:
-        return self.raw_seconds(self.work(num_requests, depth)) * self.factor(depth)
+        return self.raw_seconds(self.work(num_requests, depth)) * self.factor(depth, num_requests)
 
-    def observe(self, depth: int, work: StepWork, seconds: float) -> None:
-        """A step cut to ``depth`` that did ``work`` took ``seconds`` of wall clock."""
+    def observe(self, depth: int, work: StepWork, seconds: float, num_requests: int = 1) -> None:
+        """A step of ``num_requests`` cut to ``depth`` that did ``work`` took ``seconds`` of wall clock."""
         predicted = self.raw_seconds(work)
         if predicted > 0 and np.isfinite(seconds) and seconds > 0:
-            self.ratios[depth].append(seconds / predicted)
+            key = (depth, batch_bucket(num_requests))
+            self.ratios.setdefault(key, deque(maxlen=self.window)).append(seconds / predicted)
 
-    def factor(self, depth: int) -> float:
-        if self.ratios[depth]:
-            return float(np.median(self.ratios[depth]))
-        # Not run yet at this cut. A plain step (depth 0) is what the start-up runs
-        # timed: 1. A speculating cut: what the speculating cuts already run say about
+    def factor(self, depth: int, num_requests: int = 1) -> float:
+        bucket = batch_bucket(num_requests)
+        if (depth, bucket) in self.ratios:
+            return float(np.median(self.ratios[depth, bucket]))
+        plain = self._pooled(0)
+        # Not run yet at this cut and batch size. A plain step (depth 0): what plain
+        # steps of other sizes say, else what the start-up runs timed (1). A
+        # speculating cut: what the speculating cuts run at this batch size say about
         # the model's bias (the drafting and verification overheads the forward
-        # timings leave out), else what plain steps say (the scheduler's share).
+        # timings leave out), else at any size, else what plain steps say.
         if depth == 0:
-            return 1.0
-        seen = [np.median(r) for r in self.ratios[1:] if r]
-        if seen:
-            return float(np.mean(seen))
-        return float(np.median(self.ratios[0])) if self.ratios[0] else 1.0
+            return float(np.median(plain)) if plain else 1.0
+        for same_size in (True, False):
+            seen = [np.median(r) for (d, b), r in self.ratios.items() if d > 0 and (b == bucket or not same_size)]
+            if seen:
+                return float(np.mean(seen))
+        return float(np.median(plain)) if plain else 1.0
