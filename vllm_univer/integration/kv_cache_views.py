@@ -9,8 +9,9 @@ vLLM 0.32 keeps one tensor per layer, logically
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, viewed as
 ``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` and split into a key
 half and a value half. With the ``vec`` ISA (x86 without AMX, block size a
-multiple of 32; on AMX CPUs too, for tree speculation) values are stored row-major per token, but keys are stored
-transposed inside each (block, head): element (token t, dim d) sits at
+multiple of 32; on AMX CPUs too, for tree speculation) values are stored
+row-major per token, but keys are stored transposed inside each (block,
+head): element (token t, dim d) sits at
 ``d * block_size + t``. The views below expose both as
 ``[num_blocks, block_size, num_kv_heads, head_size]`` without copying.
 """

@@ -32,7 +32,7 @@ class TreeRunner:
         _refuse_custom_logits_processors(runner.input_batch.logitsprocs)
         self.runner = runner
         self.tree = config.tree_spec
-        self.state = TreeState()
+        self.state = TreeState(latest_tree=self.tree)
         self.timers = StepTimers(runner.device)
         self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
         self.sizer = None
@@ -102,7 +102,7 @@ class TreeRunner:
         # width cuts). A request skipped while the shape changed has more rows than
         # this shape has nodes: its tree is not verified (``TreeState.gather``), its
         # rows past the shape's are left to vLLM's causal attention.
-        tree = self.state.latest_tree if self.state.latest_tree is not None else self.tree
+        tree = self.state.latest_tree
         n = num_draft[tree_reqs].clamp(max=tree.num_nodes)
         row_valid = torch.arange(tree.num_nodes + 1).unsqueeze(0) <= n.unsqueeze(1)  # [R, N+1]
         rows = tree_rows(query_start[tree_reqs], n, tree.num_nodes)

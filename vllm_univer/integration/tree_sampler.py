@@ -49,7 +49,7 @@ class TreeVerificationSampler:
         self.kv_layers = kv_layers  # callable -> list of (keys, values) cache views
         self.timers = timers
         self._cut_trees: dict[tuple[TreeSpec, int], TreeSpec] = {}
-        self._nodes_through_depth: dict[TreeSpec, torch.Tensor] = {}
+        self._nodes_through: dict[TreeSpec, torch.Tensor] = {}
         self.probs_buffer = StepBuffer(runner.device)  # the target probabilities, [B, N+1, V]
         self.bias_and_min_p = RequestBiasAndMinP()
 
@@ -69,7 +69,7 @@ class TreeVerificationSampler:
         # breadth-first prefix is verified as the shape cut to its last full level,
         # and the step works on the shape cut to the deepest level any request has
         # (no rows, no probabilities below it).
-        shape = self.state.latest_tree if self.state.latest_tree is not None else self.tree
+        shape = self.state.latest_tree
         keep_depth = self._depth_of_prefix(shape, scheduled)
         tree = self._cut_tree(shape, max(1, int(keep_depth.max())))
         n1 = tree.num_nodes + 1
@@ -118,19 +118,23 @@ class TreeVerificationSampler:
             logprobs = self._logprobs(logits, rows.to(device), path, output, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
+    def _nodes_through_depth(self, shape: TreeSpec) -> torch.Tensor:
+        """[D+1]: nodes of ``shape`` at depth <= d, root included (built once per shape)."""
+        if shape not in self._nodes_through:
+            self._nodes_through[shape] = torch.tensor(shape.nodes_per_depth).cumsum(0)
+        return self._nodes_through[shape]
+
     def _depth_of_prefix(self, shape: TreeSpec, num_draft: torch.Tensor) -> torch.Tensor:
         """[R] scheduled nodes of ``shape`` (breadth-first prefixes) -> [R] the depth
         of the shape they fill completely (0: not even depth 1)."""
-        if shape not in self._nodes_through_depth:  # [D+1]: nodes at depth <= d, root included
-            self._nodes_through_depth[shape] = torch.tensor(shape.nodes_per_depth).cumsum(0)
-        return torch.searchsorted(self._nodes_through_depth[shape], num_draft + 1, right=True) - 1
+        return torch.searchsorted(self._nodes_through_depth(shape), num_draft + 1, right=True) - 1
 
     def _cut_tree(self, shape: TreeSpec, depth: int) -> TreeSpec:
         """``shape`` cut to ``depth`` (a breadth-first prefix: node ids unchanged)."""
         if depth >= shape.max_depth:
             return shape
         if (shape, depth) not in self._cut_trees:
-            self._cut_trees[shape, depth] = TreeSpec(shape.paths[: sum(shape.nodes_per_depth[: depth + 1])])
+            self._cut_trees[shape, depth] = TreeSpec(shape.paths[: int(self._nodes_through_depth(shape)[depth])])
         return self._cut_trees[shape, depth]
 
     def _accepted_path(self, tree: TreeSpec, end: torch.Tensor) -> torch.Tensor:

@@ -39,9 +39,10 @@ class TreeState:
     trees: dict[str, tuple[DraftedTrees, int]] = field(default_factory=dict)
     # Leading positions of each request whose draft-model KV is in the cache.
     draft_kv_len: dict[str, int] = field(default_factory=dict)
-    # The shape of the trees drafted last: what the next step verifies. All trees
-    # of one drafting share a shape; a tree of another shape (its request was
-    # skipped for a step while the shape changed) is verified as no tree at all.
+    # The shape of the trees drafted last: what the next step verifies (the runner
+    # seeds it with the configured tree). All trees of one drafting share a shape;
+    # a tree of another shape (its request was skipped for a step while the shape
+    # changed) is verified as no tree at all.
     latest_tree: TreeSpec | None = None
 
     def add(self, drafted: DraftedTrees) -> None:
