@@ -300,19 +300,31 @@ def test_stop_and_max_tokens_cut_an_accepted_path(models):
 
 def test_logprobs_are_the_targets(models):
     """logprobs of generated tokens (and the top alternatives) are the target's
-    raw log-probabilities at each output position, as without speculation."""
+    raw log-probabilities at each output position, as without speculation:
+    with a fixed tree, and with tree "auto" cut so that some steps speculate for
+    no request of the batch (sampled by vLLM's own sampler), some for a few."""
     target, draft = models
     job = call(prompts(3, seed=5), temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=3)
     # Greedy, no penalties: the reference's processed logprobs are the raw ones.
-    results = run_engines([reference(target, [job]), engine(target, [job], univer(draft, "2x3"))])
-    base, spec = results[0]["calls"][0], results[1]["calls"][0]
-    assert_greedy_identical(spec["outputs"], base)
+    # Depth cuts of row i at decision k: cycle[(k + i) % 5]; k = 0, 5, ...: the whole batch at depth 0.
+    results = run_engines(
+        [
+            reference(target, [job]),
+            engine(target, [job], univer(draft, "2x3")),
+            {**engine(target, [job], auto(draft, "2x3")), "sizer": True},
+        ],
+        env={"VLLM_UNIVER_AUTO_DEPTHS": "0,0,0,3,2"},
+    )
+    base = results[0]["calls"][0]
+    assert results[2]["sizer"]["requests_at_depth"]["0"] > 0
     worst = 0.0
-    for out_base, out_spec, margins in zip(base["logprobs"], spec["logprobs"], base["margins"]):
-        assert len(out_base) == len(out_spec) == 40
-        for step_base, step_spec in zip(out_base[: compared_length(margins)], out_spec):
-            assert step_base.keys() == step_spec.keys()
-            worst = max([worst] + [abs(step_spec[token] - value) for token, value in step_base.items()])
+    for spec in (results[1]["calls"][0], results[2]["calls"][0]):
+        assert_greedy_identical(spec["outputs"], base)
+        for out_base, out_spec, margins in zip(base["logprobs"], spec["logprobs"], base["margins"]):
+            assert len(out_base) == len(out_spec) == 40
+            for step_base, step_spec in zip(out_base[: compared_length(margins)], out_spec):
+                assert step_base.keys() == step_spec.keys()
+                worst = max([worst] + [abs(step_spec[token] - value) for token, value in step_base.items()])
     # The rounding bound the tie-aware greedy comparisons rest on (greedy_identity).
     print(f"\nlargest |tree row - plain row| logprob difference: {worst:.2e} (bound {LOGPROB_ROUNDING:.0e})")
     assert worst <= LOGPROB_ROUNDING

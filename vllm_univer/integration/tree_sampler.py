@@ -62,6 +62,12 @@ class TreeVerificationSampler:
         num_draft_list = list(metadata.num_draft_tokens)
         batch = len(num_draft_list)
         req_ids = self.runner.input_batch.req_ids[:batch]
+        if not any(num_draft_list):
+            # No request has a tree (``tree: auto`` chose no speculation, or the
+            # scheduler left no room): a plain decode step, sampled by vLLM's own
+            # sampler as a plain engine would (one row per request, [B, 1] out).
+            self._restart_prompt_chunks(req_ids, num_draft_list)
+            return self.runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
         scheduled = torch.tensor(num_draft_list, dtype=torch.long)
         # The trees of this step share one shape: the configured tree or (``tree:
         # auto``) the width cut the drafter last used. The scheduler may cut a tree
@@ -237,7 +243,6 @@ class TreeVerificationSampler:
         """The draft cache now holds the context, the root and the accepted nodes
         the drafter ran (every node above the deepest level of the tree as cut)."""
         computed = self.runner.input_batch.num_computed_tokens_cpu
-        query_start = self.runner.query_start_loc.np
         accepted = accepted.cpu().numpy()
         keep_depth = keep_depth.numpy()
         if self.sizer is not None and len(req_ids) == len(num_draft):  # not vLLM's profile run (no requests)
@@ -247,6 +252,11 @@ class TreeVerificationSampler:
         for i, (req_id, n, k, cut) in enumerate(zip(req_ids, num_draft, accepted.tolist(), keep_depth.tolist())):
             if n > 0:
                 self.state.draft_kv_len[req_id] = int(computed[i]) + 1 + min(k, max(cut - 1, 0))
-            elif query_start[i + 1] - query_start[i] > 1:
-                # A prompt chunk (new or resumed request): draft it from the start.
+        self._restart_prompt_chunks(req_ids, num_draft)
+
+    def _restart_prompt_chunks(self, req_ids, num_draft) -> None:
+        """Requests that ran a prompt chunk this step (new or resumed) are drafted from the start."""
+        query_start = self.runner.query_start_loc.np
+        for i, (req_id, n) in enumerate(zip(req_ids, num_draft)):
+            if n == 0 and query_start[i + 1] - query_start[i] > 1:
                 self.state.draft_kv_len[req_id] = 0
