@@ -51,6 +51,12 @@ class RequestBiasAndMinP:
         self._key = key
 
     @property
+    def any(self) -> bool:
+        """Some request of the batch sets logit_bias or min_p (which vLLM's own sampler,
+        under speculative decoding, leaves out)."""
+        return self._bias is not None or self._min_p is not None
+
+    @property
     def min_p(self) -> torch.Tensor | None:
         """[B] float32, or None when no request of the batch sets min_p."""
         return self._min_p

@@ -62,10 +62,12 @@ class TreeVerificationSampler:
         num_draft_list = list(metadata.num_draft_tokens)
         batch = len(num_draft_list)
         req_ids = self.runner.input_batch.req_ids[:batch]
-        if not any(num_draft_list):
-            # No request has a tree (``tree: auto`` chose no speculation, or the
-            # scheduler left no room): a plain decode step, sampled by vLLM's own
-            # sampler as a plain engine would (one row per request, [B, 1] out).
+        self.bias_and_min_p.update(req_ids, lambda r: self.runner.requests[r].sampling_params, device)
+        if not any(num_draft_list) and not self.bias_and_min_p.any:
+            # No request has a tree (``tree: auto`` chose no speculation, a prompt
+            # step, or the scheduler left no room): sampled by vLLM's own sampler as
+            # a plain engine would (one row per request, [B, 1] out), unless a request
+            # sets logit_bias or min_p, which that sampler drops under speculation.
             self._restart_prompt_chunks(req_ids, num_draft_list)
             return self.runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
         scheduled = torch.tensor(num_draft_list, dtype=torch.long)
@@ -95,7 +97,6 @@ class TreeVerificationSampler:
         tokens, q = tokens[:, :n1], (q[:, :n1] if q is not None else None)
         exists = tree.depth.unsqueeze(0) <= keep_depth.unsqueeze(1)
         tokens = tokens.masked_fill(~exists.to(device), -1)
-        self.bias_and_min_p.update(req_ids, lambda r: self.runner.requests[r].sampling_params, device)
         transforms = self._path_transforms(tree, tokens, sampling_metadata, batch)
         if sampling_metadata.all_greedy:
             # Argmax matching needs neither probabilities nor q: the argmax of the
