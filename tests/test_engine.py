@@ -390,10 +390,9 @@ def test_tree_auto_chooses_for_itself(models):
 
 def test_bfloat16_tree_speculation_runs_on_this_cpu(models):
     """bfloat16, the main job's dtype on CPUs with native bfloat16. On AMX CPUs
-    vLLM would keep the KV cache in its amx layout, which tree attention does not
-    read; tree speculation switches those builders to the vec layout
-    (``patches.patch_cpu_attention_isa``), so the engine serves instead of failing
-    on its first tree step. (Greedy identity is checked in float32: bfloat16
+    vLLM keeps the KV cache in its amx layout, which tree attention reads in place
+    (``kv_cache_views``; the layout itself is checked against vLLM's kernels in
+    ``test_kv_cache_views``). (Greedy identity is checked in float32: bfloat16
     rounding of tree rows against plain rows is far above the tie bound.)"""
     target, draft = models
     job = call(prompts(4, seed=6), temperature=0.0, max_tokens=48, ignore_eos=True)

@@ -1,55 +1,98 @@
 """Views of vLLM's paged KV cache in the layout the tree kernels read:
 keys and values each ``[num_blocks, block_size, num_kv_heads, head_size]``,
-strided views of the layer's one cache tensor (writes go through).
+indexed ``cache[blocks, offsets]`` for reads and writes that go through.
 
 vLLM 0.32 keeps one tensor per layer, logically
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``. The CUDA backends
 (FlashAttention, Triton) read it as ``kv_cache.transpose(1, 2).split(head_size, -1)``
-(``standard_kv_views``). The CPU attention keeps the same tensor,
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, viewed as
-``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` and split into a key
-half and a value half. With the ``vec`` ISA (x86 without AMX, block size a
-multiple of 32; on AMX CPUs too, for tree speculation) values are stored
-row-major per token, but keys are stored transposed inside each (block,
-head): element (token t, dim d) sits at
-``d * block_size + t``. The views below expose both as
-``[num_blocks, block_size, num_kv_heads, head_size]`` without copying.
+(``standard_kv_views``). The CPU attention keeps the same tensor viewed as
+``[num_blocks, num_kv_heads, 2 * block_size, head_size]``: per (block, head)
+a key half then a value half of ``block_size * head_size`` elements each, laid
+out for its attention ISA (element (token t, dim d), offsets within the half):
+
+* ``vec`` (x86 without AMX, or float32 / float16): keys transposed,
+  ``d * block_size + t``; values row-major, ``t * head_size + d``. Both are
+  plain strided views.
+* ``amx`` (x86 with AMX, bfloat16, block size a multiple of 32): the operands of
+  AMX's bf16 tile products, packed in pairs ("VNNI") along each product's
+  reduction axis. Keys (Q K^T reduces over d) in tiles of 16 tokens:
+  ``(t // 16) * 16 * head_size + (d // 2) * 32 + (t % 16) * 2 + d % 2``; values
+  (P V reduces over t) in tiles of 16 dims:
+  ``(d // 16) * 16 * block_size + (t // 2) * 32 + (d % 16) * 2 + t % 2``.
+  Each is a strided view with the token axis and the head-dim axis split in
+  two (``TiledPagedCache``). The layout was read off vLLM's own
+  ``cpu_attn_reshape_and_cache`` (``tests/test_kv_cache_views.py`` writes
+  through it and reads back through these views).
 """
 
 from __future__ import annotations
 
 import torch
 
-SUPPORTED_ISAS = ("vec",)
+SUPPORTED_ISAS = ("vec", "amx")
 
 
 def check_cpu_isa(isa: str | None) -> None:
-    """Refuse a CPU attention ISA whose KV layout tree attention does not read (AMX
-    is switched to vec for tree speculation: ``patches.patch_cpu_attention_isa``)."""
+    """Refuse a CPU attention ISA whose KV layout tree attention does not read."""
     if isa not in SUPPORTED_ISAS:
         raise NotImplementedError(
-            f"tree attention on CPU reads the KV cache of the {SUPPORTED_ISAS} attention ISA; "
+            f"tree attention on CPU reads the KV cache of the {SUPPORTED_ISAS} attention ISAs; "
             f"this machine's CPU attention uses {isa!r} (vec16: head sizes not a multiple of 32; "
             "neon / vsx / vxe / rvv: non-x86 CPUs). Use a GPU."
         )
 
 
-def cpu_kv_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_cache [num_blocks, H, block_size, 2*Dh] -> (keys, values), each a strided
-    view [num_blocks, block_size, H, Dh] of the same storage (writes go through)."""
+class TiledPagedCache:
+    """A paged K or V cache stored with its token and head-dim axes each split in
+    two, read and written as ``[num_blocks, block_size, H, Dh]`` through
+    ``cache[blocks, offsets]`` (what ``gather_paged`` and ``move_paged_kv`` use).
+
+    tiles: a strided view [num_blocks, block_size // inner, inner, H, Dh // lanes, lanes].
+    """
+
+    def __init__(self, tiles: torch.Tensor):
+        self.tiles = tiles
+        num_blocks, outer, self.inner, heads, d_outer, lanes = tiles.shape
+        self.shape = torch.Size((num_blocks, outer * self.inner, heads, d_outer * lanes))
+        self.device, self.dtype = tiles.device, tiles.dtype
+
+    def _split(self, index):
+        blocks, offsets = index
+        return blocks, offsets // self.inner, offsets % self.inner
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tiles[self._split(index)].flatten(-2)
+
+    def __setitem__(self, index, value: torch.Tensor) -> None:
+        self.tiles[self._split(index)] = value.unflatten(-1, self.tiles.shape[-2:])
+
+
+def cpu_kv_views(kv_cache: torch.Tensor, isa: str):
+    """kv_cache [num_blocks, H, block_size, 2*Dh] -> (keys, values), each read and
+    written as [num_blocks, block_size, H, Dh] (a strided view, or a
+    ``TiledPagedCache`` over one for ``amx``) of the same storage."""
     check_cpu_isa(isa)
     num_blocks, heads, block_size, two_dh = kv_cache.shape
     head_size = two_dh // 2
     if not kv_cache.is_contiguous():
         raise ValueError("expected a contiguous CPU KV cache tensor")
     s_block, s_head = kv_cache.stride(0), kv_cache.stride(1)
+    value_offset = kv_cache.storage_offset() + block_size * head_size
+    if isa == "amx":
+        keys = kv_cache.as_strided(
+            (num_blocks, block_size // 16, 16, heads, head_size // 2, 2), (s_block, 16 * head_size, 2, s_head, 32, 1)
+        )
+        values = kv_cache.as_strided(
+            (num_blocks, block_size // 2, 2, heads, head_size // 16, 16),
+            (s_block, 32, 1, s_head, 16 * block_size, 2),
+            storage_offset=value_offset,
+        )
+        return TiledPagedCache(keys), TiledPagedCache(values)
     # Key half of (block, head): bs * Dh elements, transposed: [Dh, bs].
     keys = kv_cache.as_strided((num_blocks, block_size, heads, head_size), (s_block, 1, s_head, block_size))
     # Value half: the next bs * Dh elements, row-major [bs, Dh].
     values = kv_cache.as_strided(
-        (num_blocks, block_size, heads, head_size),
-        (s_block, head_size, s_head, 1),
-        storage_offset=kv_cache.storage_offset() + block_size * head_size,
+        (num_blocks, block_size, heads, head_size), (s_block, head_size, s_head, 1), storage_offset=value_offset
     )
     return keys, values
 

@@ -338,35 +338,6 @@ def patch_cpu_expand_kernel() -> None:
     _wraps_once(cpu_triton_utils, "_expand_kernel_impl", make)
 
 
-def patch_cpu_attention_isa() -> None:
-    """``CPUAttentionMetadataBuilder.__init__``: on x86 CPUs with AMX, vLLM's CPU
-    attention keeps a bfloat16 KV cache in its ``amx`` layout (tiles packed for
-    the AMX kernels), which tree attention does not read (``kv_cache_views``).
-    With ``method: "univer"`` the builder takes the ``vec`` layout instead, which
-    vLLM's vec kernels serve in bfloat16 too (as on x86 CPUs without AMX): the
-    cache is allocated, written and read in that one layout from the start. The
-    model's matmuls keep AMX (oneDNN); only the attention kernels change."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
-    except ImportError:  # a build without the CPU backend
-        return
-
-    from .speculative_config import is_univer
-
-    def make(original):
-        def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-            original(self, kv_cache_spec, layer_names, vllm_config, device)
-            if is_univer(vllm_config.speculative_config) and self.isa == "amx":
-                # vLLM picks amx only for bfloat16 with block_size % 32 == 0 on x86,
-                # where it would otherwise pick vec.
-                self.isa = "vec"
-                self._set_isa_to_layers(layer_names)
-
-        return __init__
-
-    _wraps_once(CPUAttentionMetadataBuilder, "__init__", make)
-
-
 def patch_spec_decoding_prom() -> None:
     """``SpecDecodingProm`` (vLLM's spec-decode Prometheus metrics, in the API
     server): add the histogram of draft nodes per request per step
@@ -429,7 +400,6 @@ ALL_PATCHES = (
     patch_proposer_dummy_run,
     patch_worker_warm_up,
     patch_cpu_expand_kernel,
-    patch_cpu_attention_isa,
     patch_spec_decoding_prom,
     patch_aot_artifact_finalize_loading,
 )
