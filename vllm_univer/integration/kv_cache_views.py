@@ -45,7 +45,8 @@ def check_cpu_isa(isa: str | None) -> None:
 class TiledPagedCache:
     """A paged K or V cache stored with its token and head-dim axes each split in
     two, read and written as ``[num_blocks, block_size, H, Dh]`` through
-    ``cache[blocks, offsets]`` (what ``gather_paged`` and ``move_paged_kv`` use).
+    ``cache[blocks, offsets]`` (what ``gather_paged`` and ``move_paged_kv`` use)
+    and read whole blocks through ``cache[blocks]`` (``gather_context``).
 
     tiles: a strided view [num_blocks, block_size // inner, inner, H, Dh // lanes, lanes].
     """
@@ -61,6 +62,9 @@ class TiledPagedCache:
         return blocks, offsets // self.inner, offsets % self.inner
 
     def __getitem__(self, index) -> torch.Tensor:
+        """cache[blocks, offsets] -> [..., H, Dh]; cache[blocks] -> [..., block_size, H, Dh] (whole blocks)."""
+        if not isinstance(index, tuple):
+            return self.tiles[index].flatten(-2).flatten(-4, -3)
         return self.tiles[self._split(index)].flatten(-2)
 
     def __setitem__(self, index, value: torch.Tensor) -> None:

@@ -55,17 +55,22 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, positions: torc
     return cache[blocks, positions % block_size]
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor, max_len: int):
+def gather_context(cache, block_table: torch.Tensor, context_lens: torch.Tensor, max_len: int):
     """Read each request's first ``max_len`` cached tokens through its block table.
 
-    cache [num_blocks, block_size, Hkv, Dh], block_table [B, max_blocks] (int),
-    context_lens [B] -> ([B, max_len, Hkv, Dh], valid [B, max_len] bool).
+    cache [num_blocks, block_size, Hkv, Dh] (a tensor view, or any cache whose
+    ``cache[blocks]`` reads whole blocks, ``kv_cache_views.TiledPagedCache``),
+    block_table [B, max_blocks] (int), context_lens [B] ->
+    ([B, max_len, Hkv, Dh], valid [B, max_len] bool).
+
+    Whole blocks are copied (one index on the block axis), not token by token:
+    the same bytes, far fewer index computations.
     """
     pos = torch.arange(max_len, device=cache.device)
     valid = pos.unsqueeze(0) < context_lens.unsqueeze(1)
-    # Positions past a request's context read its block 0: any valid entry, masked out.
-    positions = torch.where(valid, pos.unsqueeze(0), torch.zeros_like(pos).unsqueeze(0))
-    return gather_paged(cache, block_table, positions), valid
+    num_blocks = -(-max_len // cache.shape[1])
+    blocks = cache[block_table[:, :num_blocks].long()]  # [B, num_blocks, block_size, Hkv, Dh]
+    return blocks.flatten(1, 2)[:, :max_len], valid
 
 
 def paged_context_attention(query, key_cache, value_cache, block_table, context_lens, scale=None, max_context_len=None):
@@ -134,15 +139,21 @@ def tree_attention(
     The cached context is gathered once (padded to the longest, padding masked),
     the tree keys appended, and one ``scaled_dot_product_attention`` (PyTorch's
     fused CPU kernel; grouped-query heads without expanding K/V) runs over
-    [context ; tree] with the ancestor mask on the tree part, in float32 (float64
-    inputs stay float64). Equal to ``paged_context_attention`` and
+    [context ; tree] with the ancestor mask on the tree part, in the query's dtype
+    (float32 accumulation; float32 and float64 inputs stay as they are). Equal to ``paged_context_attention`` and
     ``tree_self_attention`` merged through their log-sum-exp; a dozen ATen ops
     per call instead of ~40 over materialised [B, H, T, L] scores.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     max_len = int(max_context_len) if max_context_len is not None else int(context_lens.max())
     batch, t = query.shape[:2]
-    dtype = torch.promote_types(query.dtype, torch.float32)
+    # 16-bit models attend in their own dtype, as vLLM's kernels do (the fused kernel
+    # accumulates in float32): half the bytes moved, twice the matmul rate.
+    dtype = (
+        query.dtype
+        if query.dtype in (torch.bfloat16, torch.float16)
+        else torch.promote_types(query.dtype, torch.float32)
+    )
     keys, valid = gather_context(key_cache, block_table, context_lens, max_len)  # [B, L, Hkv, Dh], [B, L]
     values, _ = gather_context(value_cache, block_table, context_lens, max_len)
     keys = torch.cat([keys, tree_keys], 1).transpose(1, 2).to(dtype)  # [B, Hkv, L+T, Dh]
