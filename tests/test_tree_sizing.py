@@ -273,3 +273,23 @@ def test_corrections_are_kept_per_batch_size():
     assert model.seconds(12, 2) == pytest.approx(15.0)  # 12 requests: the same bucket as 8 (8-15)
     assert model.seconds(2, 2) == pytest.approx(3.0 * (1.2 + 5.0) / 2)  # bucket 2 unseen: every size's mean
     assert model.seconds(8, 0) == pytest.approx(1.0)
+
+
+def test_an_unseen_shape_borrows_the_other_shapes_speculating_corrections():
+    """The chain has run at batch 8 and cost 3x its forwards; the whole tree has not
+    run there yet. Its cuts are charged the chain's correction (what speculating
+    adds beyond the forwards), not the start-up timing alone, so the choice does
+    not try a tree that the chain's evidence already says cannot pay; its own
+    evidence, once seen, comes first."""
+    flat = ForwardCost([1, 1000], [1.0, 1.0])
+    chain = ShapeModels(StepCostModel(flat, flat, [1, 1, 1, 1]), AcceptanceModel(3, [0.9] * 3))
+    tree = ShapeModels(StepCostModel(flat, flat, WIDTHS_2X3), AcceptanceModel(3, [0.95] * 3))
+    chooser = TreeChooser([chain, tree], explore_every=0)
+    chain.cost.observe(1, chain.cost.work(8, 1), 6.0, num_requests=8)  # predicted 2.0: 3x
+    chain.cost.observe(0, chain.cost.work(8, 0), 1.0, num_requests=8)
+    tree.cost.observe(0, tree.cost.work(8, 0), 1.0, num_requests=8)
+    assert tree.cost.seconds(8, 2) == pytest.approx(3 * 3.0)
+    assert chooser.choose(np.ones(8, dtype=np.int64)) == Cut(1, 0)  # no speculation
+    tree.cost.observe(2, tree.cost.work(8, 2), 4.5, num_requests=8)  # its own: 1.5x
+    assert tree.cost.seconds(8, 1) == pytest.approx(1.5 * 2.0)
+    assert chain.cost.seconds(8, 2) == pytest.approx(3 * 3.0)  # the chain's own evidence first

@@ -80,6 +80,10 @@ class StepCostModel:
         self.window = window
         # (depth cut, batch bucket) -> the last observed / predicted ratios.
         self.ratios: dict[tuple[int, int], deque] = {}
+        # The other shapes' models (``TreeChooser``): what a speculating step adds
+        # beyond its forwards (tree attention, drafting, verification) is much the
+        # same share for every shape, so an unseen cut borrows their evidence too.
+        self.peers: list[StepCostModel] = []
 
     def _pooled(self, depth: int) -> list[float]:
         return [x for (d, _), r in self.ratios.items() if d == depth for x in r]
@@ -120,13 +124,19 @@ class StepCostModel:
         plain = self._pooled(0)
         # Not run yet at this cut and batch size. A plain step (depth 0): what plain
         # steps of other sizes say, else what the start-up runs timed (1). A
-        # speculating cut: what the speculating cuts run at this batch size say about
-        # the model's bias (the drafting and verification overheads the forward
-        # timings leave out), else at any size, else what plain steps say.
+        # speculating cut: what the speculating cuts run at this batch size, of this
+        # shape, else of any shape, say about the model's bias (the drafting and
+        # verification overheads the forward timings leave out), else at any size,
+        # else what plain steps say.
         if depth == 0:
             return float(np.median(plain)) if plain else 1.0
-        for same_size in (True, False):
-            seen = [np.median(r) for (d, b), r in self.ratios.items() if d > 0 and (b == bucket or not same_size)]
+        for same_size, models in ((True, [self]), (True, self.peers), (False, [self]), (False, self.peers)):
+            seen = [
+                np.median(r)
+                for model in models
+                for (d, b), r in model.ratios.items()
+                if d > 0 and (b == bucket or not same_size)
+            ]
             if seen:
                 return float(np.mean(seen))
         return float(np.median(plain)) if plain else 1.0

@@ -55,6 +55,8 @@ class TreeChooser:
         if not shapes:
             raise ValueError("TreeChooser needs at least one shape")
         self.shapes = shapes
+        for models in shapes:
+            models.cost.peers = [other.cost for other in shapes if other is not models]
         self.explore_every = explore_every
         self.decisions = 0
         self._explored = 0  # round-robin index over the exploration candidates
