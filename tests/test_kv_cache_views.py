@@ -24,15 +24,15 @@ def _write(kv, keys, values, slots, isa):
     )
 
 
-def _isa():
-    isa = _get_attn_isa(torch.float32, BLOCK, DH)
-    if isa != "vec":
-        pytest.skip(f"attention ISA {isa!r} on this machine")
-    return isa
-
-
-def _amx_layout_writable() -> None:
-    """vLLM's amx cache layout is written by plain stores, on any x86 build with its AMX code."""
+def _require_layout(isa: str, block: int = BLOCK, dh: int = DH) -> None:
+    """Skip unless this machine's vLLM writes ``isa``'s cache layout: vec where vLLM
+    picks it for float32 at this block and head size; amx (written by plain stores)
+    on any x86 build with its AMX code."""
+    if isa == "vec":
+        picked = _get_attn_isa(torch.float32, block, dh)
+        if picked != "vec":
+            pytest.skip(f"attention ISA {picked!r} on this machine")
+        return
     try:
         _write(
             torch.zeros(1, 1, BLOCK, 2 * DH, dtype=torch.bfloat16),
@@ -52,10 +52,7 @@ def _layouts():
 @pytest.mark.parametrize("isa,dtype", _layouts())
 @pytest.mark.parametrize("block,dh", [(32, 64), (128, 128)])
 def test_views_read_what_vllm_wrote(isa, dtype, block, dh):
-    if isa == "amx":
-        _amx_layout_writable()
-    elif _get_attn_isa(torch.float32, block, dh) != "vec":
-        pytest.skip("the vec layout is not this machine's")
+    _require_layout(isa, block, dh)
     kv = torch.zeros(4, HEADS, block, 2 * dh, dtype=dtype)
     t = 3 * block - 5
     k, v = torch.randn(t, HEADS, dh).to(dtype), torch.randn(t, HEADS, dh).to(dtype)
@@ -80,10 +77,7 @@ def test_views_read_what_vllm_wrote(isa, dtype, block, dh):
 @pytest.mark.parametrize("isa,dtype", _layouts())
 def test_kv_moves_through_views_are_seen_by_vllm_kernel(isa, dtype):
     """Move entries with move_paged_kv on our views; vLLM's kernel reads the moved data."""
-    if isa == "amx":
-        _amx_layout_writable()
-    else:
-        _isa()
+    _require_layout(isa)
     kv = torch.zeros(3, HEADS, BLOCK, 2 * DH, dtype=dtype)
     k, v = torch.randn(40, HEADS, DH).to(dtype), torch.randn(40, HEADS, DH).to(dtype)
     _write(kv, k, v, torch.arange(40), isa)
@@ -100,11 +94,9 @@ def test_kv_moves_through_views_are_seen_by_vllm_kernel(isa, dtype):
 @pytest.mark.parametrize("context_lens", [[5, 40], [31, 64], [0, 3]])
 @pytest.mark.parametrize("isa,dtype", [("vec", torch.float32), ("amx", torch.bfloat16)])
 def test_chain_tree_attention_equals_vllm_causal_kernel(context_lens, isa, dtype):
-    if isa == "amx":
-        if not torch.cpu._is_amx_tile_supported() or not torch.cpu._init_amx():
-            pytest.skip("vLLM's amx attention kernel needs a CPU with AMX")
-    else:
-        _isa()
+    _require_layout(isa)
+    if isa == "amx" and not (torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()):
+        pytest.skip("vLLM's amx attention kernel needs a CPU with AMX")
     tree = TreeSpec.parse("1x4")
     t = tree.num_nodes + 1
     gen = torch.Generator().manual_seed(sum(context_lens))

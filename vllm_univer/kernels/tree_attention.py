@@ -69,6 +69,8 @@ def gather_context(cache, block_table: torch.Tensor, context_lens: torch.Tensor,
     pos = torch.arange(max_len, device=cache.device)
     valid = pos.unsqueeze(0) < context_lens.unsqueeze(1)
     num_blocks = -(-max_len // cache.shape[1])
+    # A request with a shorter context reads whatever block ids its row holds past
+    # its own (vLLM zero-fills them): valid entries of some block, masked out.
     blocks = cache[block_table[:, :num_blocks].long()]  # [B, num_blocks, block_size, Hkv, Dh]
     return blocks.flatten(1, 2)[:, :max_len], valid
 
@@ -140,9 +142,10 @@ def tree_attention(
     the tree keys appended, and one ``scaled_dot_product_attention`` (PyTorch's
     fused CPU kernel; grouped-query heads without expanding K/V) runs over
     [context ; tree] with the ancestor mask on the tree part, in the query's dtype
-    (float32 accumulation; float32 and float64 inputs stay as they are). Equal to ``paged_context_attention`` and
-    ``tree_self_attention`` merged through their log-sum-exp; a dozen ATen ops
-    per call instead of ~40 over materialised [B, H, T, L] scores.
+    (float32 accumulation; float32 and float64 inputs stay as they are). Equal to
+    ``paged_context_attention`` and ``tree_self_attention`` merged through their
+    log-sum-exp; a dozen ATen ops per call instead of ~40 over materialised
+    [B, H, T, L] scores.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     max_len = int(max_context_len) if max_context_len is not None else int(context_lens.max())
