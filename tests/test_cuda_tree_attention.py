@@ -51,7 +51,7 @@ CHECK = textwrap.dedent("""
     query = torch.randn(tokens, HQ, DH, generator=gen)
     rows = torch.stack([torch.arange(int(starts[r]), int(starts[r]) + t) for r in (1, 2)])
     plan = TreeAttentionPlan(query_rows=rows, row_valid=None, request_index=torch.tensor([1, 2]),
-                             context_lens=context[1:], mask=tree.ancestor_mask, keys_from_rows=True,
+                             context_lens=context[1:], mask=tree.ancestor_mask,
                              covers_all_rows=False, max_context_len=40)
 
     def causal_stand_in(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, **_):
@@ -104,7 +104,7 @@ CHECK = textwrap.dedent("""
     check_layer_supported(flash)
     only_tree = types.SimpleNamespace(block_table=table, tree_plan=TreeAttentionPlan(
         query_rows=rows, row_valid=None, request_index=torch.tensor([1, 2]), context_lens=context[1:],
-        mask=tree.ancestor_mask, keys_from_rows=False, covers_all_rows=True, max_context_len=40))
+        mask=tree.ancestor_mask, covers_all_rows=True, max_context_len=40))
     output = torch.zeros(tokens, HQ * DH)  # the flat layout some callers pass
     flash.forward(layer, query, None, None, kv_cache, only_tree, output)
     torch.testing.assert_close(output.view(tokens, HQ, DH)[rows].double(), reference_tree_rows(), atol=2e-5,

@@ -2,6 +2,7 @@
 attention kernel (a chain tree is causal attention)."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ vllm_ops = pytest.importorskip("vllm._custom_ops")
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from vllm_univer import TreeSpec  # noqa: E402
-from vllm_univer.integration.kv_cache_views import cpu_kv_views  # noqa: E402
+from vllm_univer.integration.cpu_tree_attention import forward_tree_rows  # noqa: E402
+from vllm_univer.integration.kv_cache_views import cpu_kv_views, gather_cpu_blocks  # noqa: E402
+from vllm_univer.integration.tree_attention_plan import TreeAttentionPlan  # noqa: E402
 from vllm_univer.kernels import move_paged_kv, tree_attention  # noqa: E402
 
 BLOCK, HEADS, DH = 32, 2, 64
@@ -165,3 +168,96 @@ def test_chain_tree_attention_equals_vllm_causal_kernel(context_lens, isa, dtype
 def test_unsupported_isa_is_refused():
     with pytest.raises(NotImplementedError, match="neon"):
         cpu_kv_views(torch.zeros(1, 1, 32, 128), "neon")
+
+
+@pytest.mark.parametrize("isa,dtype", _layouts())
+@pytest.mark.parametrize("block,dh", [(32, 64), (128, 128)])
+def test_gather_cpu_blocks_reads_whole_blocks_in_token_order(isa, dtype, block, dh):
+    _require_layout(isa, block, dh)
+    kv = torch.randn(6, HEADS, block, 2 * dh).to(dtype)
+    keys, values = cpu_kv_views(kv, isa)
+    blocks = torch.tensor([[4, 0, 2], [1, 5, 3]], dtype=torch.int32)
+    got_k, got_v = gather_cpu_blocks(kv, isa, blocks)
+    assert got_k.shape == got_v.shape == (2, 3 * block, HEADS, dh)
+    for b in range(2):
+        ids = blocks[b].long().repeat_interleave(block), torch.arange(block).repeat(3)
+        assert torch.equal(got_k[b], keys[ids])
+        assert torch.equal(got_v[b], values[ids])
+
+
+def _tree_attention_reference(q, k, v, context_lens, mask, scale):
+    """float64, per request and head: softmax over the first L cached keys and the
+    tree keys at L + k that the mask lets each query see."""
+    batch, tq, hq, _ = q.shape
+    hkv = k[0].shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, length in enumerate(context_lens):
+        visible = torch.cat([torch.ones(tq, length, dtype=torch.bool), mask], 1)
+        keys, vals = k[b][: length + mask.shape[1]].double(), v[b][: length + mask.shape[1]].double()
+        for h in range(hq):
+            s = (q[b, :, h].double() @ keys[:, h // (hq // hkv)].T * scale).masked_fill(~visible, float("-inf"))
+            out[b, :, h] = s.softmax(-1) @ vals[:, h // (hq // hkv)]
+    return out
+
+
+@pytest.mark.parametrize("isa,dtype", _layouts())
+@pytest.mark.parametrize("drafting", [False, True])
+def test_cpu_backend_tree_rows_equal_reference(isa, dtype, drafting):
+    """``cpu_tree_attention.forward_tree_rows`` on a cache vLLM wrote: an irregular tree
+    (verification: every node a query row, one request padded) or one drafting level
+    (its nodes query the levels above, cached), contexts empty / inside a block /
+    across blocks, grouped-query heads."""
+    _require_layout(isa)
+    tree = TreeSpec.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0), (2, 0)])
+    context_lens = [0, 13, 70]
+    tk = tree.num_nodes + 1
+    gen = torch.Generator().manual_seed(7)
+    max_blocks = max(math.ceil((c + tk) / BLOCK) for c in context_lens) + 1
+    num_blocks = 4 * max_blocks + 2
+    kv = torch.zeros(num_blocks, HEADS, BLOCK, 2 * DH, dtype=dtype)
+    # Rows 1..3 of vLLM's block table are the tree requests; row 0 is another request.
+    table = torch.randperm(num_blocks, generator=gen)[: 4 * max_blocks].view(4, max_blocks).int()
+    k = [torch.randn(c + tk, HEADS, DH, generator=gen).to(dtype) for c in context_lens]
+    v = [torch.randn(c + tk, HEADS, DH, generator=gen).to(dtype) for c in context_lens]
+    for b, c in enumerate(context_lens):
+        pos = torch.arange(c + tk)
+        _write(kv, k[b], v[b], table[b + 1, pos // BLOCK].long() * BLOCK + pos % BLOCK, isa)
+    if drafting:  # the nodes at depth 2 query every node above them and themselves
+        first, last = 4, 6
+        mask = tree.ancestor_mask[first : last + 1, : last + 1]
+        k, v = (
+            [x[: c + last + 1] for x, c in zip(k, context_lens)],
+            [x[: c + last + 1] for x, c in zip(v, context_lens)],
+        )
+    else:
+        mask = tree.ancestor_mask
+    tq = mask.shape[0]
+    hq = 2 * HEADS
+    tokens = len(context_lens) * tq + 2  # two rows of other requests around the tree rows
+    query = torch.randn(tokens, hq, DH, generator=gen).to(dtype)
+    rows = (2 + torch.arange(len(context_lens) * tq)).view(-1, tq)
+    row_valid = None if drafting else torch.ones(rows.shape, dtype=torch.bool)
+    if not drafting:  # the last request drafted fewer nodes: its last two rows are padding
+        row_valid[-1, -2:] = False
+        rows[-1, -2:] = rows[-1, 0]
+    plan = TreeAttentionPlan(
+        query_rows=rows,
+        row_valid=row_valid,
+        request_index=torch.tensor([1, 2, 3]),
+        context_lens=torch.tensor(context_lens),
+        mask=mask,
+        covers_all_rows=False,
+        max_context_len=max(context_lens),
+    )
+    impl = types.SimpleNamespace(num_heads=hq, head_size=DH, scale=0.3)
+    layer = types.SimpleNamespace(isa=isa)
+    output = torch.full((tokens, hq * DH), 7.0, dtype=dtype)
+    forward_tree_rows(impl, layer, query, None, None, kv, types.SimpleNamespace(block_table=table), output, plan)
+    expected = _tree_attention_reference(query[rows], k, v, context_lens, mask, 0.3)
+    got = output.view(tokens, hq, DH)
+    tol = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    valid = torch.ones(rows.shape, dtype=torch.bool) if row_valid is None else row_valid
+    torch.testing.assert_close(got[rows[valid]].double(), expected[valid], **tol)
+    untouched = torch.ones(tokens, dtype=torch.bool)
+    untouched[rows[valid]] = False
+    assert (got[untouched] == 7.0).all()  # other requests' rows (and padding) are left to vLLM

@@ -101,6 +101,71 @@ def cpu_kv_views(kv_cache: torch.Tensor, isa: str):
     return keys, values
 
 
+def _head_major_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_cache [num_blocks, H, block_size, 2*Dh] (one layer of vLLM's CPU cache) ->
+    (keys, values), strided views [H, num_blocks, ...] whose trailing axes, read in
+    order, run over (token, head dim) of one block: [H, num_blocks, block_size, Dh]
+    once flattened (and, for amx keys, viewed back from int32 to the cache dtype).
+    The axis orders are those of the layouts in the module docstring."""
+    num_blocks, heads, block_size, two_dh = kv_cache.shape
+    dh = two_dh // 2
+    halves = kv_cache.view(num_blocks, heads, 2, block_size * dh)
+    keys, values = halves[:, :, 0], halves[:, :, 1]
+    if isa == "amx":
+        # keys (t//16, d//2, t%16, d%2): the (d, d+1) pairs of one token are adjacent;
+        # moved as int32 words, the copy into token order moves half as many elements.
+        keys = keys.view(torch.int32).unflatten(-1, (block_size // 16, dh // 2, 16)).permute(1, 0, 2, 4, 3)
+        # values (d//16, t//2, d%16, t%2)
+        values = values.unflatten(-1, (dh // 16, block_size // 2, 16, 2)).permute(1, 0, 3, 5, 2, 4)
+    else:
+        keys = keys.unflatten(-1, (dh, block_size)).permute(1, 0, 3, 2)  # (d, t)
+        values = values.unflatten(-1, (block_size, dh)).transpose(0, 1)  # (t, d)
+    return keys, values
+
+
+def gather_cpu_blocks(
+    kv_cache: torch.Tensor, isa: str, blocks: torch.Tensor, workspace: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks of one layer of vLLM's CPU cache, in token order, for attention.
+
+    kv_cache [num_blocks, H, block_size, 2*Dh]; blocks [B, n] block ids (each
+    request's first n blocks) -> (keys, values), each [B, n * block_size, H, Dh],
+    views of head-major copies ([H, B, n * block_size, Dh] contiguous, what
+    ``masked_attention`` reads in place).
+
+    The blocks are copied whole (``index_select`` of contiguous runs, a quarter of
+    the time of advanced indexing), then each half is put in token order from the
+    ISA's layout. (Not ``index_select`` on the reordered views: on a strided source
+    it first copies the whole layer.) ``workspace``: a dict kept by the caller
+    across calls of one shape (the layers of one forward); the copies are made into
+    its buffers, so fresh megabytes are not allocated (and page-faulted) per layer.
+    The returned tensors are valid until the next call with the same workspace.
+    """
+    if not kv_cache.is_contiguous():
+        raise ValueError("expected a contiguous CPU KV cache tensor")
+    check_cpu_isa(isa)
+    batch, n = blocks.shape
+    heads, block_size, head_size = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3] // 2
+    workspace = {} if workspace is None else workspace
+
+    def buffer(name, like):
+        if name not in workspace or workspace[name].shape != like.shape or workspace[name].dtype != like.dtype:
+            workspace[name] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return workspace[name]
+
+    ids = blocks.reshape(-1).long()
+    picked = buffer("blocks", kv_cache[: batch * n])
+    torch.index_select(kv_cache, 0, ids, out=picked)  # [B*n, H, block_size, 2*Dh]
+    return tuple(
+        buffer(name, view)
+        .copy_(view)
+        .view(kv_cache.dtype)
+        .view(heads, batch, n * block_size, head_size)
+        .permute(1, 2, 0, 3)
+        for name, view in zip(("keys", "values"), _head_major_views(picked, isa))
+    )
+
+
 def standard_kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA backends' split: [num_blocks, H, block_size, 2*Dh] -> (keys, values),
     each [num_blocks, block_size, H, Dh] (whatever the physical stride order)."""

@@ -10,7 +10,8 @@ rows of the batch, then compute the tree rows exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,11 +27,9 @@ class TreeAttentionPlan:
     context_lens: LongTensor [R], L: cached tokens every tree token sees in full.
     mask: BoolTensor [Tq, Tk], query j may see tree key k (ancestors and itself);
         tree key k is cached at position L + k when the layer attends.
-    keys_from_rows: True when the tree keys are the query rows' own new keys
-        (verification: Tk = Tq); False when earlier levels are only in the cache
-        (drafting one level). Kernels reading every key from the cache ignore it.
     covers_all_rows: every row of the forward is a tree row (skip vLLM's kernel).
     max_context_len: Python int bound on context_lens (avoids a host sync).
+    _derived: what every layer of the forward derives alike (``derived``).
     """
 
     query_rows: torch.Tensor
@@ -38,9 +37,16 @@ class TreeAttentionPlan:
     request_index: torch.Tensor
     context_lens: torch.Tensor
     mask: torch.Tensor
-    keys_from_rows: bool
     covers_all_rows: bool
     max_context_len: int
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def derived(self, key, make: Callable[[], object]):
+        """``make()``, computed by the first layer that asks for ``key`` and kept for
+        the others (the plan lives for one forward): per-step metadata, built once."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
 
 # vLLM attention implementations whose forward is patched for tree rows.

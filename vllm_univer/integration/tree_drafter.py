@@ -201,7 +201,6 @@ class TreeDrafter:
                 request_index=torch.arange(reqs, device=device),
                 context_lens=context,
                 mask=tree.ancestor_mask[first : last + 1, : last + 1].to(device),
-                keys_from_rows=False,
                 covers_all_rows=True,
                 max_context_len=int(root_pos.max()),
             )

@@ -114,7 +114,6 @@ class TreeRunner:
             request_index=tree_reqs.to(device),
             context_lens=computed[tree_reqs].to(device),
             mask=tree.ancestor_mask.to(device),
-            keys_from_rows=True,
             # A batch of tree decodes only: vLLM's causal kernel would compute rows we overwrite.
             covers_all_rows=int(query_start[batch]) == int((n + 1).sum()),
             max_context_len=int(computed[tree_reqs].max()),
