@@ -104,16 +104,20 @@ class TreeRunner:
         # rows past the shape's are left to vLLM's causal attention.
         tree = self.state.latest_tree
         n = num_draft[tree_reqs].clamp(max=tree.num_nodes)
-        row_valid = torch.arange(tree.num_nodes + 1).unsqueeze(0) <= n.unsqueeze(1)  # [R, N+1]
-        rows = tree_rows(query_start[tree_reqs], n, tree.num_nodes)
-        positions = computed[tree_reqs].unsqueeze(1) + tree.depth.unsqueeze(0)
+        # Trees are breadth-first prefixes (depth cuts, scheduler cuts): attention
+        # runs over the longest one, not the whole shape (a 2x5 cut to depth 1 has
+        # 3 rows of 63).
+        nodes = int(n.max())
+        row_valid = torch.arange(nodes + 1).unsqueeze(0) <= n.unsqueeze(1)  # [R, nodes+1]
+        rows = tree_rows(query_start[tree_reqs], n, nodes)
+        positions = computed[tree_reqs].unsqueeze(1) + tree.depth[: nodes + 1].unsqueeze(0)
         runner.positions[rows[row_valid].to(device)] = positions[row_valid].to(device, runner.positions.dtype)
         self._pending_plan = TreeAttentionPlan(
             query_rows=rows.to(device),
             row_valid=row_valid.to(device),
             request_index=tree_reqs.to(device),
             context_lens=computed[tree_reqs].to(device),
-            mask=tree.ancestor_mask.to(device),
+            mask=tree.ancestor_mask[: nodes + 1, : nodes + 1].to(device),
             # A batch of tree decodes only: vLLM's causal kernel would compute rows we overwrite.
             covers_all_rows=int(query_start[batch]) == int((n + 1).sum()),
             max_context_len=int(computed[tree_reqs].max()),
