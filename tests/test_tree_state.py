@@ -38,3 +38,18 @@ def test_a_tree_of_another_shape_is_verified_as_no_tree():
     assert tokens.tolist() == [[6, 3, 4], [-1, -1, -1]]
     tokens, _, found, _ = state.gather(["drafted", "skipped"])  # no shape asked: both, as stored
     assert found == [True, True] and tokens.tolist() == [[6, 3, 4], [5, 1, 2]]
+
+
+def test_trees_drafted_to_different_depths_gather_with_zero_deeper_rows():
+    """A depth cut keeps q rows down to its deepest level only (1x2 cut to depth 1:
+    2 of 3 rows); gathered beside a tree drafted deeper (a request the scheduler
+    skipped for a step), the missing rows are zero, as a drafted leaf level's are."""
+    state = TreeState()
+    deep, shallow = torch.rand(1, 3, 5), torch.rand(1, 2, 5)
+    state.add(DraftedTrees(["deep"], torch.tensor([[3, 0, 1]]), deep, TREE_1X2))
+    state.add(DraftedTrees(["shallow"], torch.tensor([[4, 2, -1]]), shallow, TREE_1X2))
+    tokens, got_q, found, q_missing = state.gather(["shallow", "deep"], TREE_1X2)
+    assert found == [True, True] and q_missing.tolist() == [False, False]
+    assert got_q.shape == (2, 3, 5)
+    assert torch.equal(got_q[0, :2], shallow[0]) and (got_q[0, 2] == 0).all()
+    assert torch.equal(got_q[1], deep[0])

@@ -174,9 +174,12 @@ class TreeDrafter:
         if not all_greedy:
             # Rows of internal nodes are written level by level; leaf rows are never a
             # draw's law but the verifier reads them at a leaf end node: keep them finite.
+            # Rows down to the deepest level drafted only: a 2x5 cut to depth 1 keeps
+            # 3 rows of 63 (the rest would be zeroed and carried for nothing).
             batch_ids = self.runner.input_batch.req_ids
-            q = self._q_buffer((reqs, n1, vocab), {batch_ids[i] for i in active})
-            q[:, self.level_span[depth][0] :] = 0.0
+            first, last = self.level_span[depth]
+            q = self._q_buffer((reqs, last + 1, vocab), {batch_ids[i] for i in active})
+            q[:, first:] = 0.0
         temp = temperature.to(device).view(-1, 1)
         self._draw_children(
             0,

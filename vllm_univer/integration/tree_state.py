@@ -17,9 +17,11 @@ class DraftedTrees:
     """The trees proposed at the end of one step, for the next step's verifier.
 
     tokens: LongTensor [B, N+1], node tokens (column 0 = the root; -1 = no node).
-    draft_probs: FloatTensor [B, N+1, V], row i = q node i's children were drawn
-        from; None when every request of the batch was greedy (argmax matching
-        never reads q, and the drafter then never builds it).
+    draft_probs: FloatTensor [B, M, V], row i = q node i's children were drawn
+        from, for the M <= N+1 nodes down to the deepest level drafted (a depth
+        cut keeps no rows below it; the deepest level's rows are zero); None when
+        every request of the batch was greedy (argmax matching never reads q, and
+        the drafter then never builds it).
     tree: the shape drafted (node ids are its own; with ``tree: auto`` a width
         cut of ``max_tree``, each row cut to its own depth).
     """
@@ -52,8 +54,8 @@ class TreeState:
 
     def gather(self, req_ids: list[str], tree: TreeSpec | None = None):
         """Trees of ``req_ids`` (of shape ``tree`` when given; others count as
-        absent) -> (tokens [B, N+1], q [B, N+1, V] or None, found [B],
-        q_missing BoolTensor [B] or None).
+        absent) -> (tokens [B, N+1], q [B, M, V] or None (M: the most rows any of
+        them has), found [B], q_missing BoolTensor [B] or None).
 
         One gather when the requests were drafted together (the usual case);
         requests without a tree get tokens -1 (only the root exists) and q rows
@@ -88,8 +90,17 @@ class TreeState:
             if not with_q:
                 q = None
             else:
-                zero = torch.zeros_like(with_q[0][0])
-                q = torch.stack([b.draft_probs[i] if b.draft_probs is not None else zero for b, i in rows])
+                # Trees drafted to different depths keep different numbers of rows:
+                # the missing deeper rows are zero, like a drafted tree's deepest level.
+                most = max(x.shape[1] for x in with_q)
+                zero = with_q[0].new_zeros(most, with_q[0].shape[2])
+
+                def rows_of(b, i):
+                    if b.draft_probs is None:
+                        return zero
+                    return torch.nn.functional.pad(b.draft_probs[i], (0, 0, 0, most - b.draft_probs.shape[1]))
+
+                q = torch.stack([rows_of(b, i) for b, i in rows])
                 q_missing = torch.tensor([b.draft_probs is None for b, _ in rows], device=tokens.device)
         missing = torch.tensor([not f for f in found], device=tokens.device)
         return tokens.masked_fill(missing.unsqueeze(1), -1), q, found, q_missing
