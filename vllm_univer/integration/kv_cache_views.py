@@ -42,6 +42,13 @@ def check_cpu_isa(isa: str | None) -> None:
         )
 
 
+def _check_cpu_cache(kv_cache: torch.Tensor, isa: str | None) -> None:
+    """The layouts below are read off a contiguous cache of a supported ISA."""
+    check_cpu_isa(isa)
+    if not kv_cache.is_contiguous():
+        raise ValueError("expected a contiguous CPU KV cache tensor")
+
+
 class TiledPagedCache:
     """A paged K or V cache stored with its token and head-dim axes each split in
     two, read and written as ``[num_blocks, block_size, H, Dh]`` through
@@ -75,11 +82,9 @@ def cpu_kv_views(kv_cache: torch.Tensor, isa: str):
     """kv_cache [num_blocks, H, block_size, 2*Dh] -> (keys, values), each read and
     written as [num_blocks, block_size, H, Dh] (a strided view, or a
     ``TiledPagedCache`` over one for ``amx``) of the same storage."""
-    check_cpu_isa(isa)
+    _check_cpu_cache(kv_cache, isa)
     num_blocks, heads, block_size, two_dh = kv_cache.shape
     head_size = two_dh // 2
-    if not kv_cache.is_contiguous():
-        raise ValueError("expected a contiguous CPU KV cache tensor")
     s_block, s_head = kv_cache.stride(0), kv_cache.stride(1)
     value_offset = kv_cache.storage_offset() + block_size * head_size
     if isa == "amx":
@@ -141,9 +146,7 @@ def gather_cpu_blocks(
     its buffers, so fresh megabytes are not allocated (and page-faulted) per layer.
     The returned tensors are valid until the next call with the same workspace.
     """
-    if not kv_cache.is_contiguous():
-        raise ValueError("expected a contiguous CPU KV cache tensor")
-    check_cpu_isa(isa)
+    _check_cpu_cache(kv_cache, isa)
     batch, n = blocks.shape
     heads, block_size, head_size = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3] // 2
     workspace = {} if workspace is None else workspace
