@@ -293,3 +293,65 @@ def test_an_unseen_shape_borrows_the_other_shapes_speculating_corrections():
     tree.cost.observe(2, tree.cost.work(8, 2), 4.5, num_requests=8)  # its own: 1.5x
     assert tree.cost.seconds(8, 1) == pytest.approx(1.5 * 2.0)
     assert chain.cost.seconds(8, 2) == pytest.approx(3 * 3.0)  # the chain's own evidence first
+
+
+def test_the_drafts_catch_up_is_spread_over_the_tokens_left():
+    """Speculating after plain steps first runs every token the draft has not
+    seen through it (new prompts, plain steps' tokens). Spread over many tokens
+    left it barely changes the rates; over a few it makes no speculation pay;
+    exactly at the rates the formula gives."""
+    chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7)
+    chooser.shapes[0].cost.draft = ForwardCost([1, 10_000], [0.1, 0.1 + 9_999 * 1e-3])  # 1 ms a token
+    assert chooser.choose([2] * 4).depth == 1
+    (rates,) = chooser.rates([2] * 4, backlog=600, tokens_left=8)
+    tokens = 4 * np.array([1, 1.7, 1 + 0.7 + 0.49, 1 + 0.7 + 0.49 + 0.343])
+    draft = [0.1 + (4 * w - 1) * 1e-3 for w in WIDTHS_2X3]  # level j's forward: 4 w_j tokens
+    seconds = np.array([1 + 0.02 * 4 * r + sum(draft[:d]) for d, r in enumerate([1, 3, 7, 15])])
+    steps = np.maximum(8 * 4 / tokens, 1.0)
+    seconds[1:] += 0.6 / steps[1:]  # 600 tokens at 1 ms
+    assert rates == pytest.approx(tokens / seconds, rel=1e-9)
+    # 3 s of catch-up: over 8 tokens left (4.7 steps at depth 1) no cut pays, over 32 depth 1 does.
+    assert chooser.choose([2] * 4, backlog=3000, tokens_left=8).depth == 0
+    assert chooser.choose([2] * 4, backlog=3000, tokens_left=32).depth == 1
+    assert chooser.choose([2] * 4, backlog=3000).depth == 1  # no max_tokens: unbounded
+
+
+def test_a_trial_is_charged_the_whole_catch_up():
+    """Exploring a speculating cut from plain steps is one step that may not be
+    repeated: it must pay even with the draft's whole catch-up in it, or it is not tried."""
+    chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.1, explore=1)
+    chooser.shapes[0].cost.draft = ForwardCost([1, 10_000], [0.1, 0.1 + 9_999 * 1e-3])
+    (rates,) = chooser.rates([2] * 4)
+    assert int(np.argmax(rates)) == 0  # poor acceptance: plain is the choice
+    # Every decision explores; with no backlog the next cut (depth 1) could pay if all were accepted.
+    assert chooser.choose([2] * 4, tokens_left=32).depth == 1
+    fresh = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.1, explore=1)
+    fresh.shapes[0].cost.draft = chooser.shapes[0].cost.draft
+    # 1000 prompt tokens to catch up: 1 s more in that step, 8 tokens in 2.34 s < 4 in 1.08 s.
+    assert [fresh.choose([2] * 4, backlog=1000, tokens_left=32).depth for _ in range(10)] == [0] * 10
+
+
+def test_an_unseen_batch_size_is_committed_to_on_the_rows_extra_cost():
+    """Batch 1 ran depth 2 at 0.5 s beyond its forwards (6 tree rows). At batch 8,
+    unseen, the optimistic estimate borrows batch 1's factor; the conservative
+    one its seconds per tree row, 8 x the rows: the choice goes by the
+    conservative one (no speculation), exploration by the optimistic one."""
+    target, draft = ForwardCost([1, 1000], [1.0, 1.0]), ForwardCost([1, 1000], [0.1, 0.1])
+    cost = StepCostModel(target, draft, WIDTHS_2X3)
+    chooser = TreeChooser([ShapeModels(cost, AcceptanceModel(3, [0.9] * 3, prior_weight=1.0))], explore_every=2)
+    cost.observe(0, cost.work(1, 0), 1.0, num_requests=1)
+    cost.observe(2, cost.work(1, 2), 1.7, num_requests=1)  # predicted 1.2: factor 1.7 / 1.2, 0.5 / 6 s per row
+    assert cost.seconds(8, 2) == pytest.approx(1.7)
+    assert cost.seconds(8, 2, conservative=True) == pytest.approx(1.2 + 48 * 0.5 / 6)
+    assert cost.seconds(8, 1, conservative=True) == pytest.approx(1.1 + 16 * 0.5 / 6)  # depth 1 unseen: any depth's
+    assert cost.seconds(1, 2, conservative=True) == pytest.approx(1.7)  # seen: its own factor
+    assert chooser.choose([2]) == Cut(0, 2)  # batch 1: 2.71 tokens in 1.7 s
+    # Batch 8: optimistic, depth 1 gives 15.2 tokens in 1.56 s; conservative, in 2.43 s: plain (8 in 1 s).
+    # Every other decision explores: the trial, 16 tokens in 1.56 s, could beat 8 in 1 s.
+    picks = [chooser.choose([2] * 8) for _ in range(4)]
+    assert picks == [Cut(0, 1), Cut(0, 0), Cut(0, 1), Cut(0, 0)], picks
+    # Once batch 8 has run a cut, its own evidence decides.
+    cost.observe(1, cost.work(8, 1), 1.3, num_requests=8)
+    assert cost.seconds(8, 1, conservative=True) == pytest.approx(1.3)
+    chooser.explore_every = 0
+    assert chooser.choose([2] * 8) == Cut(0, 1)

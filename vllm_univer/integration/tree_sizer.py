@@ -54,6 +54,7 @@ SCHEDULE_ENV = "VLLM_UNIVER_AUTO_DEPTHS"
 WIDTH_SCHEDULE_ENV = "VLLM_UNIVER_AUTO_WIDTHS"
 # Forwards are timed at start-up up to this many query tokens (compute-bound beyond: linear).
 CALIBRATION_MAX_TOKENS = 128
+CALIBRATION_PASSES = 3
 
 
 def _bands(temperature: np.ndarray) -> np.ndarray:
@@ -135,16 +136,22 @@ class TreeSizer:
             with torch.random.fork_rng(devices=devices):  # vLLM seeded the generators after its warm-up
                 target_run(sizes[0])
                 proposer.dummy_run(sizes[0])  # warm: first calls allocate
-                target = [timed(lambda n=n: target_run(n)) for n in sizes]
-                draft = [timed(lambda n=n: proposer.dummy_run(n)) for n in sizes]
+                # Median of a few passes over the sizes: one slow run (a first call
+                # at a size, the machine busy) would otherwise bend the curve.
+                target = np.median(
+                    [[timed(lambda n=n: target_run(n)) for n in sizes] for _ in range(CALIBRATION_PASSES)], 0
+                )
+                draft = np.median(
+                    [[timed(lambda n=n: proposer.dummy_run(n)) for n in sizes] for _ in range(CALIBRATION_PASSES)], 0
+                )
         finally:
             del proposer.univer_forwards
         self.calibration = {
             "tokens": sizes,
-            "target_ms": [1e3 * t for t in target],
-            "draft_ms": [1e3 * t for t in draft],
+            "target_ms": [1e3 * float(t) for t in target],
+            "draft_ms": [1e3 * float(t) for t in draft],
         }
-        target_cost, draft_cost = ForwardCost(sizes, target), ForwardCost(sizes, draft)
+        target_cost, draft_cost = ForwardCost(sizes, list(target)), ForwardCost(sizes, list(draft))
         self.chooser = TreeChooser(
             [
                 ShapeModels(StepCostModel(target_cost, draft_cost, shape.nodes_per_depth), acceptance)
@@ -164,7 +171,8 @@ class TreeSizer:
         self._observe_period(now, batch)
         temperature = self.runner.input_batch.temperature_cpu[:batch]
         allowed = None if len(self.shapes) == 1 or not self._has_structured_output(batch) else {len(self.shapes) - 1}
-        cut = self.chooser.choose(_bands(temperature), allowed)
+        backlog, tokens_left = self._draft_backlog(batch)
+        cut = self.chooser.choose(_bands(temperature), allowed, backlog, tokens_left)
         self._decisions += 1
         if self._width_schedule is not None:
             width = self._width_schedule[self._decisions % len(self._width_schedule)]
@@ -181,6 +189,23 @@ class TreeSizer:
         self.requests_at_width[shape.max_children] += int((depths > 0).sum())
         self._last = (now, Cut(cut.shape, int(depths.max(initial=0))))
         return shape, depth
+
+    def _draft_backlog(self, batch: int) -> tuple[int, float]:
+        """(tokens the draft has not run, over the batch; median tokens a request
+        has left to generate, inf when unbounded): what speculating now first
+        costs, and over how many tokens that pays back."""
+        input_batch, requests = self.runner.input_batch, self.runner.requests
+        req_ids = input_batch.req_ids[:batch]
+        draft_kv_len = self.drafter.state.draft_kv_len
+        seen = np.array([draft_kv_len.get(r, 0) for r in req_ids], dtype=np.int64)
+        backlog = int(np.maximum(input_batch.num_tokens_no_spec[:batch] - seen, 0).sum())
+        left = [
+            (params.max_tokens or np.inf) - len(requests[r].output_token_ids)
+            if (params := requests[r].sampling_params) is not None
+            else np.inf
+            for r in req_ids
+        ]
+        return backlog, float(np.median(left)) if left else np.inf
 
     def _has_structured_output(self, batch: int) -> bool:
         requests = self.runner.requests

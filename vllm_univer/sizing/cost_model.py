@@ -15,6 +15,13 @@ factor per depth, learnt from the wall-clock period of the steps actually run
 against what the model predicts for the work they did, takes in what the
 start-up runs leave out (attention over long contexts, sampling, verification,
 the scheduler).
+
+A speculating cut not yet run at a batch size has two estimates. The
+optimistic one borrows the other sizes' correction *factor* (what speculating
+adds grows like the forwards); the conservative one borrows their extra
+seconds *per tree row* (it grows with the rows, as on a CPU, where the forwards
+barely grow and the drafting, tree attention and verification work do). The
+choice commits on the conservative one and explores on the optimistic one.
 """
 
 from __future__ import annotations
@@ -78,8 +85,10 @@ class StepCostModel:
         self.widths = np.asarray(depth_widths, dtype=np.int64)
         self.rows_through = np.cumsum(self.widths)  # [D+1]: rows per request at depth cut d
         self.window = window
-        # (depth cut, batch bucket) -> the last observed / predicted ratios.
+        # (depth cut, batch bucket) -> the last observed / predicted ratios, and the
+        # last observed - predicted seconds per tree row (speculating cuts).
         self.ratios: dict[tuple[int, int], deque] = {}
+        self.row_extras: dict[tuple[int, int], deque] = {}
         # The other shapes' models (``TreeChooser``): what a speculating step adds
         # beyond its forwards (tree attention, drafting, verification) is much the
         # same share for every shape, so an unseen cut borrows their evidence too.
@@ -107,8 +116,40 @@ class StepCostModel:
         draft = float(np.sum(self.draft(work.draft_tokens))) if work.draft_tokens else 0.0
         return float(self.target(work.target_tokens)) + draft
 
-    def seconds(self, num_requests: int, depth: int) -> float:
-        return self.raw_seconds(self.work(num_requests, depth)) * self.factor(depth, num_requests)
+    def seconds(self, num_requests: int, depth: int, conservative: bool = False) -> float:
+        """Predicted seconds of a step of ``num_requests`` cut to ``depth``;
+        ``conservative``: for a speculating cut unseen at this batch size, the
+        larger of the two estimates (module docstring)."""
+        raw = self.raw_seconds(self.work(num_requests, depth))
+        optimistic = raw * self.factor(depth, num_requests)
+        if not conservative or depth == 0 or (depth, batch_bucket(num_requests)) in self.ratios:
+            return optimistic
+        extra = self._row_extra(depth)
+        if extra is None:
+            return optimistic
+        rows = num_requests * int(self.rows_through[depth] - 1)
+        return max(optimistic, raw * self.factor(0, num_requests) + extra * rows)
+
+    def _row_extra(self, depth: int) -> float | None:
+        """Seconds a speculating step took beyond its prediction, per tree row: this
+        shape's evidence at ``depth``, else at any depth, else the other shapes'."""
+        for models, same_depth in (([self], True), ([self], False), (self.peers, False)):
+            seen = [
+                np.median(r)
+                for model in models
+                for (d, _), r in model.row_extras.items()
+                if d == depth or not same_depth
+            ]
+            if seen:
+                return float(np.mean(seen))
+        return None
+
+    def catch_up_seconds(self, num_requests: int, backlog_tokens: int) -> float:
+        """One-off seconds of the draft's level-0 forward running ``backlog_tokens``
+        it has not seen (prompts, tokens of plain steps) besides the roots."""
+        if backlog_tokens <= 0:
+            return 0.0
+        return float(self.draft(num_requests + backlog_tokens) - self.draft(num_requests))
 
     def observe(self, depth: int, work: StepWork, seconds: float, num_requests: int = 1) -> None:
         """A step of ``num_requests`` cut to ``depth`` that did ``work`` took ``seconds`` of wall clock."""
@@ -116,6 +157,10 @@ class StepCostModel:
         if predicted > 0 and np.isfinite(seconds) and seconds > 0:
             key = (depth, batch_bucket(num_requests))
             self.ratios.setdefault(key, deque(maxlen=self.window)).append(seconds / predicted)
+            tree_rows = work.target_tokens - num_requests
+            if depth > 0 and tree_rows > 0:
+                plain = seconds - predicted * self.factor(0, num_requests)
+                self.row_extras.setdefault(key, deque(maxlen=self.window)).append(plain / tree_rows)
 
     def factor(self, depth: int, num_requests: int = 1) -> float:
         bucket = batch_bucket(num_requests)

@@ -21,6 +21,14 @@ and verification overheads, a plain step's do not). A speculating cut tried
 and not chosen waits twice as long before its next trial (up to
 ``MAX_BACKOFF`` explorations): where speculating steps cost several plain
 ones, exploring them must stay rare.
+
+Speculating after plain steps first costs a catch-up: the draft runs every
+token it has not seen (the prompts of new requests, the tokens of plain
+steps) in its level-0 forward. The choice spreads that one-off cost over the
+steps left to the requests (their ``max_tokens``); a trial, one step that may
+not be repeated, is charged all of it. A cut is committed to on the cost
+model's conservative estimate and tried on its optimistic one
+(``StepCostModel.seconds``).
 """
 
 from __future__ import annotations
@@ -65,24 +73,32 @@ class TreeChooser:
         self._backoff: dict[Cut, int] = {}
         self._eligible_from: dict[Cut, int] = {}
 
-    def rates(self, bands) -> list[np.ndarray]:
-        """Per shape, [D+1]: expected tokens per second of the batch at every depth cut."""
+    def rates(self, bands, backlog: int = 0, tokens_left: float = np.inf) -> list[np.ndarray]:
+        """Per shape, [D+1]: expected tokens per second of the batch at every depth
+        cut, on the conservative step costs, each speculating cut charged the
+        draft's catch-up over ``backlog`` tokens spread over the steps that
+        ``tokens_left`` (per request) take at that cut."""
         reqs = len(bands)
         out = []
         for cost, acceptance in self.shapes:
             tokens = acceptance.expected_tokens(bands).sum(0)
-            seconds = np.array([cost.seconds(reqs, d) for d in range(len(tokens))])
+            seconds = np.array([cost.seconds(reqs, d, conservative=True) for d in range(len(tokens))])
+            steps = np.maximum(tokens_left * reqs / tokens, 1.0)
+            seconds[1:] += cost.catch_up_seconds(reqs, backlog) / steps[1:]
             out.append(tokens / seconds)
         return out
 
-    def choose(self, bands, allowed: set[int] | None = None) -> Cut:
+    def choose(self, bands, allowed: set[int] | None = None, backlog: int = 0, tokens_left: float = np.inf) -> Cut:
         """The cut for a step whose requests are in temperature ``bands``, among
-        the shapes ``allowed`` (indices; None: all)."""
+        the shapes ``allowed`` (indices; None: all). ``backlog``: tokens the
+        draft has not seen beyond one per request (what speculating now must
+        first run through it); ``tokens_left``: tokens each request has left to
+        generate, as far as known (typical of the batch)."""
         reqs = len(bands)
         last = len(self.shapes) - 1
         if reqs == 0:
             return Cut(last, 0)
-        rates = self.rates(bands)
+        rates = self.rates(bands, backlog, tokens_left)
         if allowed is not None:
             rates = [r if s in allowed else r[:1] for s, r in enumerate(rates)]  # depth 0 is any shape's
         best = max(
@@ -106,8 +122,11 @@ class TreeChooser:
             if candidates:
                 trial = candidates[self._explored % len(candidates)]
                 self._explored += 1
-                # Every draft accepted: depth + 1 tokens per request.
-                ceiling = reqs * (trial.depth + 1) / self.shapes[trial.shape].cost.seconds(reqs, trial.depth)
+                # Every draft accepted: depth + 1 tokens per request, in the optimistic
+                # time of the step plus the whole catch-up it first costs.
+                cost = self.shapes[trial.shape].cost
+                seconds = cost.seconds(reqs, trial.depth) + cost.catch_up_seconds(reqs, backlog)
+                ceiling = reqs * (trial.depth + 1) / seconds
                 if trial.depth == 0 or ceiling > rate:
                     choice = trial
                 if trial.depth > 0:
