@@ -2,7 +2,7 @@
 
 For each engine configuration (no speculation, vLLM's own ``draft_model`` chain
 with k = 5, ``univer`` with each verifier) one engine runs, in its own process,
-the same MT-Bench prompts (chat template, round robin over categories) at each
+the same prompts (MT-Bench, round robin over categories, and HumanEval; chat template) at each
 (batch size, temperature) of the matrix, and the script records:
 
 * output tokens/s (wall clock of ``generate``, after a warm-up request) and its
@@ -46,10 +46,17 @@ ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
-SPEED_CELLS = [(8, 1.0, 32), (8, 0.0, 32), (1, 1.0, 64), (1, 0.0, 64)]  # (batch, temperature, new tokens)
-ACCEPTANCE_CELLS = [(8, 1.0, 32)]
+# (batch, temperature, new tokens, prompt set): the speed matrix of tree 'auto' against every other row.
+SPEED_CELLS = [
+    (batch, temperature, 64 if batch == 1 else 32, dataset)
+    for dataset in ("mtbench", "humaneval")
+    for batch in (8, 16, 1)
+    for temperature in (1.0, 0.0)
+]
+ACCEPTANCE_CELLS = [(8, 1.0, 32, "mtbench")]
 # Structured outputs rows: every request answers in this JSON schema (the text may end early).
-JSON_CELLS = [(8, 0.0, 64), (8, 1.0, 64)]
+JSON_CELLS = [(8, 0.0, 64, "mtbench"), (8, 1.0, 64, "mtbench")]
+MAX_BATCH = max(c[0] for c in SPEED_CELLS)
 JSON_SCHEMA = {
     "type": "object",
     "properties": {"summary": {"type": "string"}, "steps": {"type": "array", "items": {"type": "string"}}},
@@ -122,7 +129,7 @@ def run_one_engine(job: dict) -> dict:
         dtype=serving_dtype(),
         enforce_eager=True,
         max_model_len=2048,
-        max_num_seqs=8,
+        max_num_seqs=MAX_BATCH,
         seed=0,
         disable_log_stats=False,
     )
@@ -132,28 +139,32 @@ def run_one_engine(job: dict) -> dict:
         from vllm.sampling_params import StructuredOutputsParams
 
         structured = {"structured_outputs": StructuredOutputsParams(json=JSON_SCHEMA), "ignore_eos": False}
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": t + (JSON_HINT if structured else "")}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        for t in job["prompts"]
-    ]
-    llm.generate(texts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
+    texts = {
+        dataset: [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t + (JSON_HINT if structured else "")}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            for t in prompts
+        ]
+        for dataset, prompts in job["prompts"].items()
+    }
+    llm.generate(texts["mtbench"][:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
     cells = []
-    for batch, temperature, new_tokens in job["cells"]:
+    for batch, temperature, new_tokens, dataset in job["cells"]:
         params = SamplingParams(
             **{"temperature": temperature, "max_tokens": new_tokens, "ignore_eos": True, "seed": None, **structured}
         )
         before, timers_before = spec_counters(llm), llm.collective_rpc(_timers)[0]
         sizer_before = llm.collective_rpc(_sizer)[0]
         start = time.perf_counter()
-        outputs = llm.generate(texts[:batch], params, use_tqdm=False)
+        outputs = llm.generate(texts[dataset][:batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
         after, timers_after = spec_counters(llm), llm.collective_rpc(_timers)[0]
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         cell = {
+            "dataset": dataset,
             "batch": batch,
             "temperature": temperature,
             "new_tokens": new_tokens,
@@ -193,7 +204,9 @@ def run_matrix(args) -> list[dict]:
     from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
 
     target, draft = str(model_dir(DEFAULT_TARGET)), str(model_dir(DEFAULT_DRAFT))
-    texts = [p["turns"][0] for p in prompts("mtbench", limit=8)]
+    texts = {
+        dataset: [p["turns"][0] for p in prompts(dataset, limit=MAX_BATCH)] for dataset in ("mtbench", "humaneval")
+    }
     results = []
     out_json = RESULTS / f"{results_stem(args)}.json"
     done = {}
@@ -203,7 +216,7 @@ def run_matrix(args) -> list[dict]:
         if config["name"] in done and config["name"] not in args.rerun:
             results.append(done[config["name"]])
             continue
-        cells = [c for c in config["cells"] if not args.quick or c[0] == 8]
+        cells = [c for c in config["cells"] if not args.quick or (c[0] == 8 and c[3] == "mtbench")]
         job = {
             "name": config["name"],
             "spec": config["spec"],
@@ -253,7 +266,7 @@ def report(results: list[dict], command: str) -> str:
         return r["name"].endswith("(JSON)")
 
     base = {
-        (kind(r), c["batch"], c["temperature"]): c["tok_per_s"]
+        (kind(r), *cell_key(c)): c["tok_per_s"]
         for r in results
         if r["name"].startswith("no speculation")
         for c in r["cells"]
@@ -263,7 +276,7 @@ def report(results: list[dict], command: str) -> str:
         "",
         f"Command: `{command}`. Machine: {device_label()}; Qwen2.5-Coder 1.5B target / 0.5B draft, "
         f"{serving_dtype()}, "
-        "enforce_eager, MT-Bench prompts (chat template), ignore_eos. One engine per row, one process per "
+        "enforce_eager, MT-Bench or HumanEval prompts (chat template), ignore_eos. One engine per row, one process per "
         "engine, one engine at a time. Rows are saved in the JSON file beside this one; `--rerun NAME...` "
         "replaces the named rows.",
         "",
@@ -275,12 +288,13 @@ def report(results: list[dict], command: str) -> str:
         "(0: no speculation); 'width 1 / 2' = share of the speculating request-steps drafted with the chain 1x5 "
         "(width cut 1) and with the whole 2x5.",
         "",
-        "| engine | batch | T | new tokens | tok/s | vs no spec | tau | accepted per depth | outside forwards |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| engine | prompts | batch | T | new tokens | tok/s | vs no spec | tau | accepted per depth "
+        "| outside forwards |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for c in r["cells"]:
-            key = (kind(r), c["batch"], c["temperature"])
+            key = (kind(r), *cell_key(c))
             ratio = c["tok_per_s"] / base[key] if key in base else float("nan")
             tau = f"{c['tau']:.2f} +- {tau_standard_error(c):.2f}" if "tau" in c else "-"
             depth = " / ".join(f"{a:.2f}" for a in c.get("accepted_per_depth", [])) or "-"
@@ -294,10 +308,15 @@ def report(results: list[dict], command: str) -> str:
                 widths = " / ".join(f"{100 * n / total:.0f}%" for _, n in sorted(c["requests_at_width"].items()))
                 depth = f"{depth}; width {' / '.join(str(w) for w in sorted(c['requests_at_width']))}: {widths}"
             lines.append(
-                f"| {r['name']} | {c['batch']} | {c['temperature']:g} | {c['new_tokens']} | "
+                f"| {r['name']} | {cell_key(c)[0]} | {c['batch']} | {c['temperature']:g} | {c['new_tokens']} | "
                 f"{c['tok_per_s']:.2f} | {ratio:.2f}x | {tau} | {depth} | {share} |"
             )
     return "\n".join(lines + offline_agreement(results) + auto_goal(results)) + "\n"
+
+
+def cell_key(cell: dict) -> tuple[str, int, float]:
+    """(prompt set, batch, temperature) of a matrix cell (rows of earlier runs: MT-Bench)."""
+    return cell.get("dataset", "mtbench"), cell["batch"], cell["temperature"]
 
 
 def auto_goal(results: list[dict]) -> list[str]:
@@ -307,7 +326,7 @@ def auto_goal(results: list[dict]) -> list[str]:
         if r["name"].endswith("(JSON)"):
             continue
         for c in r["cells"]:
-            cells.setdefault((c["batch"], c["temperature"]), {})[r["name"]] = c["tok_per_s"]
+            cells.setdefault(cell_key(c), {})[r["name"]] = c["tok_per_s"]
     worst_best, worst_plain = float("inf"), float("inf")
     for rows in cells.values():
         autos = {n: v for n, v in rows.items() if n.endswith(" auto")}
@@ -347,7 +366,7 @@ def offline_agreement(results: list[dict], tree: str = "2x5", temperature: float
     ]
     for r in results:
         method = r["name"].removesuffix(f" {tree}")
-        cell = next((c for c in r["cells"] if c["batch"] == 8 and c["temperature"] == temperature and "tau" in c), None)
+        cell = next((c for c in r["cells"] if cell_key(c) == ("mtbench", 8, temperature) and "tau" in c), None)
         values = offline.get(method)
         if r["name"] == method or cell is None or not values or len(values) < 2:
             continue
