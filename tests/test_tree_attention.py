@@ -135,3 +135,26 @@ def test_accepted_path_kv_moves_to_consecutive_slots(block_size):
             assert torch.equal(at(cache, b, L + j), at(before, b, L + node))
         for pos in range(L + 1):  # context and the root are untouched
             assert torch.equal(at(cache, b, pos), at(before, b, pos))
+
+
+def test_accepted_path_kv_moves_in_every_cache_of_a_list():
+    """One call moves the path in every layer's K and V: contiguous caches,
+    strided views (head-major layouts) and caches of another block size (their
+    own slots) alike, each exactly as a call on that cache alone."""
+    tree = TreeSpec.parse("2x3")
+    gen = torch.Generator().manual_seed(2)
+    context_lens = torch.tensor([5, 17])
+    path = tree.ancestors[torch.tensor([14, 5])]
+    request, src, dst = accepted_path_moves(context_lens, path)
+    table = torch.randperm(16, generator=gen)[:8].view(2, 4)
+    caches = []
+    for block_size, head_major in ((8, False), (8, True), (16, False)):
+        data = torch.randn(16, 3, block_size, 4, generator=gen)  # [blocks, heads, block, dim]
+        caches.append(data.transpose(1, 2) if head_major else data.transpose(1, 2).contiguous())
+    expected = [cache.clone() for cache in caches]
+    for cache in expected:
+        move_paged_kv(cache, table, request, src, dst)
+    assert not torch.equal(expected[0], caches[0])  # the paths do move entries
+    move_paged_kv(caches, table, request, src, dst)
+    for got, want in zip(caches, expected):
+        assert torch.equal(got, want)

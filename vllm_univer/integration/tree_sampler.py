@@ -234,9 +234,7 @@ class TreeVerificationSampler:
         device = path.device
         block_table = input_batch.block_table[0].get_cpu_tensor()[:batch].to(device)
         request, src, dst = request.to(device), src.to(device), dst.to(device)
-        for keys, values in self.kv_layers():
-            move_paged_kv(keys, block_table, request, src, dst)
-            move_paged_kv(values, block_table, request, src, dst)
+        move_paged_kv([half for layer in self.kv_layers() for half in layer], block_table, request, src, dst)
 
     def _update_draft_kv_len(
         self, req_ids, num_draft, keep_depth: torch.Tensor, accepted: torch.Tensor, shape: TreeSpec

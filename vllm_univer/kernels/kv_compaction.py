@@ -11,6 +11,8 @@ moves are applied as one gather then one scatter anyway.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -31,21 +33,28 @@ def accepted_path_moves(context_lens: torch.Tensor, path_nodes: torch.Tensor):
 
 
 def move_paged_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, request: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    caches: torch.Tensor | Sequence[torch.Tensor],
+    block_table: torch.Tensor,
+    request: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
 ) -> None:
-    """Copy cache entries of logical positions ``src`` to ``dst`` (in place).
+    """Copy cache entries of logical positions ``src`` to ``dst`` (in place), in
+    one cache or in each of ``caches`` (every layer's K and V).
 
-    cache: [num_blocks, block_size, ...] (a view of the layer's K or V cache);
+    cache: [num_blocks, block_size, ...] (a view of a layer's K or V cache);
     block_table [B, max_blocks]; request, src, dst [M] as from ``accepted_path_moves``.
+    The physical slots are computed once per block size, not per cache: per
+    cache the move is one gather and one scatter.
     """
     if request.numel() == 0:
         return
-    block_size = cache.shape[1]
-
-    def physical(pos):
-        return block_table[request, pos // block_size].long(), pos % block_size
-
-    src_block, src_off = physical(src)
-    dst_block, dst_off = physical(dst)
-    values = cache[src_block, src_off]  # gather first: moves never read what they wrote
-    cache[dst_block, dst_off] = values
+    slots: dict[int, tuple] = {}
+    for cache in [caches] if isinstance(caches, torch.Tensor) else caches:
+        block_size = cache.shape[1]
+        if block_size not in slots:
+            src_block = block_table[request, src // block_size].long()
+            dst_block = block_table[request, dst // block_size].long()
+            slots[block_size] = (src_block, src % block_size, dst_block, dst % block_size)
+        src_block, src_off, dst_block, dst_off = slots[block_size]
+        cache[dst_block, dst_off] = cache[src_block, src_off]  # gather first: moves never read what they wrote
