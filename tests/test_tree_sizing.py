@@ -355,3 +355,34 @@ def test_an_unseen_batch_size_is_committed_to_on_the_rows_extra_cost():
     assert cost.seconds(8, 1, conservative=True) == pytest.approx(1.3)
     chooser.explore_every = 0
     assert chooser.choose([2] * 8) == Cut(0, 1)
+
+
+def test_the_draft_backlog_is_what_the_draft_has_not_run():
+    """The sizer's inputs to the choice, from the runner's batch: tokens the draft
+    has not run (a new request: its whole prompt; one drafted every step: none),
+    and the median tokens left to generate (no max_tokens: unbounded)."""
+    from types import SimpleNamespace
+
+    from vllm_univer.integration.tree_sizer import TreeSizer
+
+    def request(max_tokens, generated):
+        return SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=max_tokens), output_token_ids=[0] * generated)
+
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(
+            req_ids=["new", "drafted", "plain", "gone"], num_tokens_no_spec=np.array([120, 300, 80, 9])
+        ),
+        requests={
+            "new": request(64, 0),
+            "drafted": request(100, 40),
+            "plain": request(None, 10),
+            "gone": request(5, 5),
+        },
+    )
+    sizer = TreeSizer.__new__(TreeSizer)
+    sizer.runner = runner
+    sizer.drafter = SimpleNamespace(state=SimpleNamespace(draft_kv_len={"drafted": 300, "plain": 70}))
+    backlog, left = sizer._draft_backlog(3)  # the batch's first three rows
+    assert backlog == 120 + 0 + 10
+    assert left == 64  # median of 64, 60 and unbounded
+    assert sizer._draft_backlog(2) == (120, 62.0)
