@@ -71,8 +71,7 @@ def _tp_group(runner):
     return get_tp_group()
 
 
-def _schedule(name: str, low: int, high: int) -> list[int] | None:
-    value = os.environ.get(name)
+def _schedule(name: str, value: str | None, low: int, high: int) -> list[int] | None:
     if not value:
         return None
     cycle = [int(v) for v in value.split(",")]
@@ -92,12 +91,18 @@ class TreeSizer:
         self.acceptance = [AcceptanceModel(shape.max_depth, prior_hazards(shape.nodes_per_depth)) for shape in shapes]
         self.chooser: TreeChooser | None = None
         self._last: tuple[float, Cut] | None = None  # (time, cut with the deepest depth) of the last choice
-        self._schedule = _schedule(SCHEDULE_ENV, 0, self.tree.max_depth)
-        self._width_schedule = _schedule(WIDTH_SCHEDULE_ENV, 1, 1 << 30)  # wider than the tree: the tree
+        self.set_schedule(os.environ.get(SCHEDULE_ENV), os.environ.get(WIDTH_SCHEDULE_ENV))
         self._decisions = 0
         self._tp_group = _tp_group(runner)
         self.requests_at_depth = Counter()  # depth cut -> request-steps drafted at it
         self.requests_at_width = Counter()  # shape's width (max children) -> request-steps drafted with it
+
+    def set_schedule(self, depths: str | None, widths: str | None = None) -> None:
+        """Test and benchmark hook (``SCHEDULE_ENV``, ``WIDTH_SCHEDULE_ENV``): fixed
+        cycles of depth and width cuts in place of the choice ("2,0,3"; None: choose);
+        the measurements still run. ``benchmarks/auto_ab.py`` switches them between runs."""
+        self._schedule = _schedule(SCHEDULE_ENV, depths, 0, self.tree.max_depth)
+        self._width_schedule = _schedule(WIDTH_SCHEDULE_ENV, widths, 1, 1 << 30)  # wider than the tree: the tree
 
     # -------------------------------------------------------------- start-up
     def calibrate(self) -> None:
