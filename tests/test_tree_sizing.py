@@ -19,6 +19,7 @@ from vllm_univer.sizing import (
     prior_hazards,
     temperature_band,
 )
+from vllm_univer.sizing.tree_choice import SPECULATION_MARGIN
 from vllm_univer.tree import TreeSpec
 
 WIDTHS_2X3 = [1, 2, 4, 8]  # nodes per depth of "2x3"
@@ -99,6 +100,13 @@ def test_forgetting_follows_a_change_in_acceptance():
     assert model.hazards()[1, 0] < 0.01
 
 
+def margin_argmax(rates) -> int:
+    """The depth a chooser commits to: the best speculating cut if it beats no
+    speculation (depth 0) by ``SPECULATION_MARGIN``, else 0."""
+    best = int(np.argmax(rates[1:])) + 1
+    return best if rates[best] > rates[0] * (1 + SPECULATION_MARGIN) else 0
+
+
 def chooser_with(target_per_token, target_fixed, draft_per_forward, hazard, widths=WIDTHS_2X3, explore=0):
     target = ForwardCost([1, 10_000], [target_fixed + target_per_token, target_fixed + 10_000 * target_per_token])
     draft = ForwardCost([1, 10_000], [draft_per_forward, draft_per_forward])
@@ -134,7 +142,7 @@ def test_choice_is_the_known_best_cut_in_between():
         chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=hazard)
         surv = np.cumprod([hazard] * 3)
         tokens = 4 * (1 + np.concatenate([[0], np.cumsum(surv)]))
-        assert chooser.choose([2] * 4).depth == int(np.argmax(tokens / seconds)), hazard
+        assert chooser.choose([2] * 4).depth == margin_argmax(tokens / seconds), hazard
 
 
 def test_choice_weighs_each_request_by_its_band():
@@ -146,7 +154,7 @@ def test_choice_weighs_each_request_by_its_band():
     assert chooser.choose([3] * 4).depth == 0
     for mix in itertools.product([0, 3], repeat=4):
         (rates,) = chooser.rates(list(mix))
-        assert chooser.choose(list(mix)).depth == int(np.argmax(rates))
+        assert chooser.choose(list(mix)).depth == margin_argmax(rates)
 
 
 def test_exploration_tries_the_next_cut_now_and_then():
@@ -177,16 +185,18 @@ def test_width_cuts_of_a_tree():
 
 
 def exhaustive_best(target_per_token, target_fixed, draft_per_forward, hazards, reqs=4):
-    """argmax over (shape, depth) of tokens / seconds, written out by hand."""
+    """argmax over (shape, depth) of tokens / seconds, written out by hand; a
+    speculating cut only if it beats no speculation by ``SPECULATION_MARGIN``."""
     best, best_rate = None, 0.0
+    plain = reqs / (target_fixed + target_per_token * reqs)
     for s, (widths, hazard) in enumerate(zip([[1, 1, 1, 1], WIDTHS_2X3], hazards)):
-        for d in range(4):
+        for d in range(1, 4):
             rows = sum(widths[: d + 1])
             seconds = target_fixed + target_per_token * reqs * rows + draft_per_forward * d
             tokens = reqs * (1 + sum(hazard**k for k in range(1, d + 1)))
             if tokens / seconds > best_rate:
-                best, best_rate = (s if d else 1, d), tokens / seconds
-    return Cut(*best)
+                best, best_rate = (s, d), tokens / seconds
+    return Cut(*best) if best_rate > plain * (1 + SPECULATION_MARGIN) else Cut(1, 0)
 
 
 def test_choice_takes_the_chain_where_rows_cost_and_the_tree_where_they_are_free():
@@ -386,3 +396,19 @@ def test_the_draft_backlog_is_what_the_draft_has_not_run():
     assert backlog == 120 + 0 + 10
     assert left == 64  # median of 64, 60 and unbounded
     assert sizer._draft_backlog(2) == (120, 62.0)
+
+
+def test_a_speculating_cut_must_beat_no_speculation_by_the_margin():
+    """Near a tie the estimates' errors decide: a cut predicted 3 % faster than
+    plain steps is not taken, one 8 % faster is."""
+    for gain, depth in ((1.03, 0), (1.08, 1)):
+        # Plain: 4 tokens in 1 s. Depth 1: 4 * (1 + h) tokens in 1.5 s.
+        target, draft = ForwardCost([1, 1000], [1.0, 1.0]), ForwardCost([1, 1000], [0.5, 0.5])
+        hazard = 1.5 * gain - 1
+        chooser = TreeChooser(
+            [ShapeModels(StepCostModel(target, draft, [1, 1]), AcceptanceModel(1, hazard, prior_weight=1.0))],
+            explore_every=0,
+        )
+        (rates,) = chooser.rates([2] * 4)
+        assert rates[1] / rates[0] == pytest.approx(gain)
+        assert chooser.choose([2] * 4).depth == depth

@@ -28,7 +28,8 @@ steps) in its level-0 forward. The choice spreads that one-off cost over the
 steps left to the requests (their ``max_tokens``); a trial, one step that may
 not be repeated, is charged all of it. A cut is committed to on the cost
 model's conservative estimate and tried on its optimistic one
-(``StepCostModel.seconds``).
+(``StepCostModel.seconds``), and only if it beats no speculation by
+``SPECULATION_MARGIN``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ from .cost_model import StepCostModel
 
 # The longest wait between two trials of one cut, in explorations (x explore_every decisions).
 MAX_BACKOFF = 64
+# A speculating cut is chosen only if its expected rate beats no speculation by this
+# much: near a tie, the cost and acceptance estimates' errors (a few % each) decide,
+# and what the model leaves out falls on speculation's side (the straggler steps of
+# a batch whose requests end at different steps, a catch-up priced on a short
+# history). Measured on a 2-core CPU at batch 8: predicted +6 %, ran -10 % end to end.
+SPECULATION_MARGIN = 0.05
 
 
 class ShapeModels(NamedTuple):
@@ -107,7 +114,8 @@ class TreeChooser:
             default=None,
         )
         plain = max(r[0] for r in rates)  # no speculation: every shape's model of the same step
-        choice = Cut(*best) if best is not None and rates[best[0]][best[1]] > plain else Cut(last, 0)
+        speculate = best is not None and rates[best[0]][best[1]] > plain * (1 + SPECULATION_MARGIN)
+        choice = Cut(*best) if speculate else Cut(last, 0)
         if choice.depth == 0 and allowed is not None:
             choice = Cut(min(allowed), 0)
         rate = rates[choice.shape][choice.depth] if choice.depth else plain
