@@ -188,7 +188,7 @@ def run_one_engine(job: dict) -> dict:
     # Warm-up: a short generate at every batch size of the matrix, so that no timed
     # cell pays for first-time work at its shapes (oneDNN primitives, allocations).
     for batch in sorted({c[0] for c in job["cells"]}):
-        llm.generate(texts["mtbench"][:batch], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        llm.generate(texts["mtbench"][:batch], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     cells = []
     for batch, temperature, new_tokens, dataset in job["cells"]:
         params = SamplingParams(
