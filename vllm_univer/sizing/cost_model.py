@@ -159,8 +159,9 @@ class StepCostModel:
             self.ratios.setdefault(key, deque(maxlen=self.window)).append(seconds / predicted)
             tree_rows = work.target_tokens - num_requests
             if depth > 0 and tree_rows > 0:
-                plain = seconds - predicted * self.factor(0, num_requests)
-                self.row_extras.setdefault(key, deque(maxlen=self.window)).append(plain / tree_rows)
+                # Beyond what the same forwards would take in a plain step.
+                extra = seconds - predicted * self.factor(0, num_requests)
+                self.row_extras.setdefault(key, deque(maxlen=self.window)).append(extra / tree_rows)
 
     def factor(self, depth: int, num_requests: int = 1) -> float:
         bucket = batch_bucket(num_requests)

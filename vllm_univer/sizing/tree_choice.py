@@ -48,7 +48,7 @@ MAX_BACKOFF = 64
 # and what the model leaves out falls on speculation's side (the straggler steps of
 # a batch whose requests end at different steps, a catch-up priced on a short
 # history). Measured on a 2-core CPU at batch 8, T = 1, 32 tokens: depth 1 predicted
-# +4-6 % per step (+2-3 % as run), -10 % end to end; where trees pay (batch 1) the
+# +4-6 % per step (+2-3 % as run), -14 to -25 % end to end; where trees pay (batch 1) the
 # predicted gain is +20-40 %.
 SPECULATION_MARGIN = 0.10
 
