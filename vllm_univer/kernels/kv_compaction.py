@@ -11,8 +11,6 @@ moves are applied as one gather then one scatter anyway.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 
@@ -33,7 +31,7 @@ def accepted_path_moves(context_lens: torch.Tensor, path_nodes: torch.Tensor):
 
 
 def move_paged_kv(
-    caches: torch.Tensor | Sequence[torch.Tensor],
+    caches: torch.Tensor | list | tuple,
     block_table: torch.Tensor,
     request: torch.Tensor,
     src: torch.Tensor,
@@ -50,7 +48,9 @@ def move_paged_kv(
     if request.numel() == 0:
         return
     slots: dict[int, tuple] = {}
-    for cache in [caches] if isinstance(caches, torch.Tensor) else caches:
+    # A cache is a tensor or a tensor-like view (``TiledPagedCache``: vLLM's amx
+    # layout); a list or tuple holds several.
+    for cache in caches if isinstance(caches, (list, tuple)) else [caches]:
         block_size = cache.shape[1]
         if block_size not in slots:
             src_block = block_table[request, src // block_size].long()
