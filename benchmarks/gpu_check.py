@@ -10,9 +10,11 @@ Run on a CUDA machine from the repository root (about 5 minutes on one H200):
    of the engine's CUDA path (float32 and bfloat16) against float64.
 2. Timings: that kernel against the PyTorch gather path per layer; then ``verify``
    per method for B in {1, 16, 64}, trees 1x5 / 2x5 / 3x3, V in {32000, 151936},
-   with CUDA events; peak extra memory over the inputs.
-   vLLM is not installed on the device, so the baseline is our own ``token``
-   verifier on a chain with the same number of rows.
+   with CUDA events; peak extra memory over the inputs; beside them our own
+   ``token`` verifier on a chain with the same number of rows.
+3. Chains: ``token`` and ``block`` on 1x5 (their fused one-launch step and the
+   PyTorch rules) against vLLM's own rejection sampler on the same chains, where
+   vLLM is importable (``gpu_engine.sh`` installs it first).
 Writes gpu_check.md into DIR (default benchmarks/results).
 """
 
@@ -244,6 +246,61 @@ def timings(device: torch.device, lines: list[str]) -> None:
                 print(lines[-1], flush=True)
 
 
+def vllm_chain_step(batch: int, k: int, vocab: int, device: torch.device):
+    """vLLM's ``rejection_sample`` on ``batch`` chains of ``k`` drafts, every request
+    sampled (T = 1) with its draft probabilities: a callable, or None without vLLM.
+    It takes target logits (its softmax is part of its time); ``verify`` takes
+    probabilities."""
+    try:
+        from vllm.v1.sample.rejection_sampler import rejection_sample
+    except ImportError:
+        return None
+    from types import SimpleNamespace
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    n = batch * k
+    draft = torch.randint(0, vocab, (n,), device=device, generator=gen, dtype=torch.int32)
+    logits = torch.randn(n, vocab, device=device, generator=gen)
+    draft_probs = torch.softmax(torch.randn(n, vocab, device=device, generator=gen), -1)
+    bonus = torch.randint(0, vocab, (batch, 1), device=device, generator=gen, dtype=torch.int32)
+    cu = torch.arange(k, n + 1, k, device=device, dtype=torch.int32)
+    metadata = SimpleNamespace(
+        all_greedy=False, all_random=True, temperature=torch.ones(batch, device=device), generators={}
+    )
+    return lambda: rejection_sample(draft, [k] * batch, k, cu, draft_probs, logits, bonus, metadata)
+
+
+def chain_timings(device: torch.device, lines: list[str]) -> None:
+    """token and block on 1x5: the fused step (one launch) and the PyTorch rules,
+    against vLLM's rejection sampler on the same chains (issue 12: no slower)."""
+    lines += [
+        "",
+        "## Chains 1x5, T = 1: token and block against vLLM's rejection sampler (ms, median of 10)",
+        "",
+        "| V | B | token | token torch | block | block torch | vLLM rejection_sample | token / vLLM | block / vLLM |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    chain = TreeSpec.parse("1x5")
+    for vocab in (32000, 151936):
+        for batch in (1, 16, 64):
+            row, times = [vocab, batch], {}
+            for method in ("token", "block"):
+                tokens, p, q = (x.to(device) for x in make_inputs(method, chain, batch, vocab))
+                for fused in (None, False):
+                    ms = cuda_median_ms(lambda: verify(method, chain, tokens, p, q, validate=False, fused=fused))
+                    times[method, fused] = ms
+                    row.append(f"{ms:.3f}")
+                del tokens, p, q
+            step = vllm_chain_step(batch, chain.num_nodes, vocab, device)
+            if step is None:
+                row += ["n/a (no vLLM)", "", ""]
+            else:
+                ms = cuda_median_ms(step)
+                row += [f"{ms:.3f}", f"{times['token', None] / ms:.2f}", f"{times['block', None] / ms:.2f}"]
+            lines.append("| " + " | ".join(str(x) for x in row) + " |")
+            print(lines[-1], flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -261,6 +318,7 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     attention_timings(device, lines)
     timings(device, lines)
+    chain_timings(device, lines)
     out = Path(args.out) / "gpu_check.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

@@ -1,6 +1,7 @@
-"""The fused (Triton) path of ``verify`` for univer, greedy and target_only
-equals the PyTorch node rules: run by Triton's interpreter on CPU, in a
-subprocess (TRITON_INTERPRET must be set before Triton is imported).
+"""The fused (Triton) path of ``verify`` equals the PyTorch node rules: run by
+Triton's interpreter on CPU, in a subprocess (TRITON_INTERPRET must be set
+before Triton is imported). univer, greedy and target_only (one launch per
+level, one for the next token):
 
 * the law of the end node that the fused node weights and stop probabilities
   give (through the shared ``decide_*``: ``end_node_law``) equals the PyTorch
@@ -14,6 +15,12 @@ subprocess (TRITON_INTERPRET must be set before Triton is imported).
   to p;
 * ``verify(fused=True)`` returns well-formed outputs whose greedy rows equal
   argmax matching.
+
+token and block (a whole chain step in one launch): the end-node law of the
+weights and stop probabilities the kernel writes equals the PyTorch rules', and
+for random uniforms the end node and next token it returns are exactly what
+``decide_*`` and the inverse CDF of the exact residual law give for the same
+uniforms.
 
 On a GPU, ``benchmarks/gpu_check.py`` samples ``verify`` (which takes this path
 there) against ``outcome_law``.
@@ -148,10 +155,114 @@ CHECK = textwrap.dedent("""
 """)
 
 
-def test_fused_topk1_verify_equals_the_node_rules_in_interpreter():
+CHAIN_CHECK = textwrap.dedent("""
+    import torch
+    from vllm_univer import TreeSpec, outcome_law, verify
+    from vllm_univer.kernels.triton_chain_verify import chain_verify
+    from vllm_univer.tree_pass import allocate, decide_descent, decide_postorder, end_node_law, finish_stop
+    from vllm_univer.verifiers import Family, get_verifier
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(batch, n1, vocab, zeros):
+        x = torch.softmax(torch.randn(batch, n1, vocab, generator=gen, dtype=torch.float64) * 2, -1)
+        if zeros:
+            x[..., : vocab // 3] = 0
+            x[:, 1, :] = 1.0  # ties
+        return x / x.sum(-1, keepdim=True)
+
+    def check_case(method, depth, vocab, zeros, dtype, samples=120):
+        tree = TreeSpec.parse(f"1x{depth}")
+        tt = tree.on(torch.device("cpu"))
+        verifier = get_verifier(method)
+        batch, n1 = 6, depth + 1
+        p, q = rows(batch, n1, vocab, zeros), rows(batch, n1, vocab, not zeros)
+        q[0] = p[0]  # q = p: empty residuals
+        tokens = torch.randint(0, vocab, (batch, n1), generator=gen)
+        tokens[1, 2:] = -1  # a chain cut short
+        if vocab > 3:
+            tokens[2, 1:] = (p[2, :-1].argmax(-1))  # every draft the target's favourite
+        p_in, q_in = p.to(dtype), q.to(dtype)
+        ref_w, ref_s = allocate(verifier, tt, tokens, p_in.double(), q_in.double())
+        postorder = verifier.family is Family.POSTORDER
+        uniforms = torch.rand(batch, n1 + 1, generator=gen, dtype=torch.float64)
+        _, _, w, s = chain_verify(method, p_in, q_in, tokens, uniforms)
+        tol = 1e-12 if dtype == torch.float64 else 2e-5
+        law_ref = end_node_law(verifier, tt, ref_w, ref_s)
+        law = end_node_law(verifier, tt, w, s if postorder else None)
+        assert torch.allclose(law, law_ref, atol=tol), (method, depth, (law - law_ref).abs().max())
+        if dtype != torch.float64:
+            return
+        # End node and next token for many uniforms, against decide_* and the exact residual law.
+        y_law = outcome_law(method, tree, tokens, p, q)  # [B, N+1, V]
+        threshold = ref_s if postorder else ref_w
+        checked = 0
+        for _ in range(samples):
+            u = torch.rand(batch, n1 + 1, generator=gen, dtype=torch.float64)
+            greedy = torch.rand(batch, generator=gen) < 0.3
+            out, end, _, _ = chain_verify(method, p, q, tokens, u, greedy)
+            nxt = out.gather(1, end.unsqueeze(1)).squeeze(1)
+            # Greedy rows: argmax matching; their output rows are verify's PyTorch path's.
+            plain = verify(method, tree, tokens, p, q, greedy=greedy, fused=False)
+            assert torch.equal(out[greedy], plain.output_token_ids[greedy]), (method, depth)
+            # Every row: the accepted drafts, then the next token, then -1.
+            for b in range(batch):
+                e = int(end[b])
+                assert out[b, :e].tolist() == tokens[b, 1 : e + 1].tolist() and (out[b, e + 1 :] == -1).all()
+            eta = u[:, :n1]
+            want = decide_postorder(tt, threshold, eta) if postorder else decide_descent(tt, threshold, eta, depth)
+            for b in range(batch):
+                if greedy[b] or (eta[b] - threshold[b]).abs().min() < 1e-9:
+                    continue  # rounding decides this comparison
+                assert end[b] == want[b], (method, depth, b, end[b], want[b])
+                row = y_law[b, int(want[b])]
+                cdf = (row / row.sum()).cumsum(0)
+                if (cdf - u[b, n1]).abs().min() < 1e-9:
+                    continue
+                expected = int(torch.searchsorted(cdf, u[b, n1 : n1 + 1], right=True).clamp(max=vocab - 1))
+                assert int(nxt[b]) == expected, (method, depth, b, int(want[b]), int(nxt[b]), expected)
+                checked += 1
+        assert checked > samples * batch // 3, checked
+
+    for method in ("token", "block"):
+        for depth in (1, 3, 5):
+            for zeros in (False, True):
+                check_case(method, depth, 7, zeros, torch.float64)
+        check_case(method, 2, 5000, False, torch.float64, samples=20)  # two vocabulary blocks
+        check_case(method, 5, 300, False, torch.float32)
+        check_case(method, 5, 300, True, torch.bfloat16)
+
+    # verify(fused=True): outputs well formed; greedy rows are argmax matching (drafts
+    # partly the target's argmax, so that walks go deep), first index on ties.
+    tree = TreeSpec.parse("1x5")
+    p, q = rows(8, 6, 50, False), rows(8, 6, 50, False)
+    p[:, :, 7] = p[:, :, 3] = p.max(-1).values  # ties
+    p = p / p.sum(-1, keepdim=True)
+    tokens = torch.randint(0, 50, (8, 6), generator=gen)
+    tokens[::3, 1:] = 3
+    greedy = torch.arange(8) % 2 == 0
+    for method in ("token", "block"):
+        fused = verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(3), greedy=greedy,
+                       fused=True)
+        plain = verify(method, tree, tokens, p, q, greedy=greedy, fused=False)
+        assert torch.equal(fused.output_token_ids[greedy], plain.output_token_ids[greedy])
+        assert ((fused.output_token_ids >= 0).sum(1) == fused.num_accepted + 1).all()
+    print("CHAIN OK")
+""")
+
+
+def _interpret(script: str, marker: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=1800)
-    assert proc.returncode == 0 and "FUSED OK" in proc.stdout, proc.stderr[-5000:]
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1800)
+    assert proc.returncode == 0 and marker in proc.stdout, proc.stderr[-5000:]
+
+
+def test_fused_topk1_verify_equals_the_node_rules_in_interpreter():
+    _interpret(CHECK, "FUSED OK")
+
+
+def test_fused_chain_step_equals_the_node_rules_and_decisions_in_interpreter():
+    _interpret(CHAIN_CHECK, "CHAIN OK")
 
 
 def test_fused_path_refuses_methods_without_kernels():

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fused_tree_pass import FUSED_METHODS, fused_allocate, fused_available, fused_next_token
+from .fused_tree_pass import FUSED_METHODS, fused_allocate, fused_available, fused_chain_step, fused_next_token
 from .inverse_cdf import sample_from_weights
 from .ops import normalize
 from .tree import TreeSpec
@@ -62,9 +62,10 @@ def verify(
             Y = argmax p.
         validate: check the inputs (one host sync); engines that already
             guarantee well-formed inputs may skip it.
-        fused: run univer / greedy / target_only as Triton kernels, one launch
-            per depth level plus one for the next token (``fused_tree_pass``;
-            the same law). None: on CUDA when Triton is there.
+        fused: run as Triton kernels (``fused_tree_pass``; the same law):
+            univer / greedy / target_only in one launch per depth level plus
+            one for the next token, token / block in one launch per step.
+            None: on CUDA when Triton is there.
 
     The law of (path, Y) is exactly ``outcome_law``; averaged over the draft
     scheme's trees it is the target's law (lossless). Runs on the inputs' device
@@ -88,29 +89,11 @@ def verify(
     # The kernels read any float dtype in place; the PyTorch rules work in dtype.
     p = target_probs if fused else target_probs.to(dtype)
     q = draft_probs if fused else draft_probs.to(dtype)
-    batch = tokens.shape[0]
 
-    if fused:
-        weight, stop, q_bar_scale = fused_allocate(verifier, tt, tokens, p, q, dtype)
-        if verifier.family is Family.POSTORDER:
-            stop = finish_stop(tt, tokens, weight, stop)
-    else:
-        weight, stop = allocate(verifier, tt, tokens, p, q)
-    uniforms = torch.rand(batch, tree.num_nodes + 1, generator=generator, device=device, dtype=dtype)
-    if verifier.family is Family.POSTORDER:
-        end = decide_postorder(tt, stop, uniforms)
-    else:
-        end = decide_descent(tt, weight, uniforms, tree.max_depth)
-
-    if fused:
-        next_token = fused_next_token(verifier, tt, tokens, p, q, end, weight, q_bar_scale, generator)
-    else:
-        residual = node_residuals(verifier, tt, tokens, p, q, weight, end.unsqueeze(-1)).squeeze(1)
-        p_end = p.gather(1, end.view(-1, 1, 1).expand(-1, 1, p.shape[-1])).squeeze(1)
-        # An empty residual at the end node has probability 0 in exact arithmetic;
-        # fall back to p_end so rounding can never produce an arbitrary token.
-        empty = residual.sum(-1, keepdim=True) <= 0
-        next_token = sample_from_weights(torch.where(empty, p_end, residual), generator)
+    if fused and verifier.chain_only:  # the whole step, greedy rows and output rows included
+        output_token_ids, end = fused_chain_step(verifier, tokens, p, q, greedy, generator)
+        return VerifyOutput(output_token_ids, end, end)
+    end, next_token = _end_and_next_token(verifier, tt, tree, tokens, p, q, dtype, fused, generator)
 
     if greedy is not None:
         greedy_end, greedy_next = _argmax_matching(tt, tokens, p.argmax(-1), tree.max_depth)
@@ -118,6 +101,31 @@ def verify(
         next_token = torch.where(greedy, greedy_next, next_token)
 
     return _assemble(tt, tokens, end, next_token, tree.max_depth)
+
+
+def _end_and_next_token(verifier, tt, tree: TreeSpec, tokens, p, q, dtype, fused: bool, generator):
+    """(end node [B], next token [B]): node weights level by level, the decision,
+    then the draw from the end node's residual (fused: Triton kernels for the
+    node rules and the draw)."""
+    if fused:
+        weight, stop, q_bar_scale = fused_allocate(verifier, tt, tokens, p, q, dtype)
+        if verifier.family is Family.POSTORDER:
+            stop = finish_stop(tt, tokens, weight, stop)
+    else:
+        weight, stop = allocate(verifier, tt, tokens, p, q)
+    uniforms = torch.rand(tokens.shape[0], tree.num_nodes + 1, generator=generator, device=p.device, dtype=dtype)
+    if verifier.family is Family.POSTORDER:
+        end = decide_postorder(tt, stop, uniforms)
+    else:
+        end = decide_descent(tt, weight, uniforms, tree.max_depth)
+    if fused:
+        return end, fused_next_token(verifier, tt, tokens, p, q, end, weight, q_bar_scale, generator)
+    residual = node_residuals(verifier, tt, tokens, p, q, weight, end.unsqueeze(-1)).squeeze(1)
+    p_end = p.gather(1, end.view(-1, 1, 1).expand(-1, 1, p.shape[-1])).squeeze(1)
+    # An empty residual at the end node has probability 0 in exact arithmetic;
+    # fall back to p_end so rounding can never produce an arbitrary token.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    return end, sample_from_weights(torch.where(empty, p_end, residual), generator)
 
 
 def verify_greedy(tree: TreeSpec, draft_token_ids: torch.Tensor, target_argmax: torch.Tensor) -> VerifyOutput:

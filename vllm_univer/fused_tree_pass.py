@@ -1,8 +1,9 @@
-"""``verify`` for univer, greedy and target_only in a few fused launches (Triton):
-one per depth level for the node rules, one for the next token
-(``kernels/triton_topk1_verify.py``). Same laws as the PyTorch node rules of
-``tree_pass`` (tested against them and against ``outcome_law`` in Triton's
-interpreter); ``verify`` takes this path on CUDA.
+"""``verify`` in a few fused launches (Triton): univer, greedy and target_only
+with one per depth level for the node rules and one for the next token
+(``kernels/triton_topk1_verify.py``); token and block, on chains, in one launch
+for the whole step (``kernels/triton_chain_verify.py``). Same laws as the
+PyTorch node rules of ``tree_pass`` (tested against them and against
+``outcome_law`` in Triton's interpreter); ``verify`` takes this path on CUDA.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 from .tree import _TreeTensors
 from .verifiers import TreeVerifier
 
-FUSED_METHODS = ("univer", "greedy", "target_only")
+CHAIN_METHODS = ("token", "block")
+FUSED_METHODS = ("univer", "greedy", "target_only", *CHAIN_METHODS)
 
 
 def fused_available(method: str, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> bool:
@@ -66,3 +68,23 @@ def fused_next_token(
     uniforms = torch.rand(p.shape[0], generator=generator, device=p.device, dtype=torch.float64)
     # The kernel reads the end node's weight as its prefix scale for univer only.
     return residual_draw(verifier.name, p, q, tokens, tt.children, end, weight, q_bar_scale, uniforms)
+
+
+def fused_chain_step(
+    verifier: TreeVerifier,
+    tokens: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    greedy: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain method's whole step in one launch, greedy rows included: tokens
+    [B, N+1] int64, p, q [B, N+1, V], greedy [B] bool or None -> (output rows
+    [B, N+1] as ``VerifyOutput.output_token_ids``, end node [B] = accepted tokens)."""
+    from .kernels.triton_chain_verify import chain_verify
+
+    uniforms = torch.rand(
+        tokens.shape[0], tokens.shape[1] + 1, generator=generator, device=p.device, dtype=torch.float64
+    )
+    out, end, _, _ = chain_verify(verifier.name, p, q, tokens, uniforms, greedy)
+    return out, end

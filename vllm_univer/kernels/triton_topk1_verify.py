@@ -31,16 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_rows import block_size, clipped_ratio, continue_prob, draw_residual
+
 UNIVER, GREEDY, TARGET_ONLY = 0, 1, 2
 RULES = {"univer": UNIVER, "greedy": GREEDY, "target_only": TARGET_ONLY}
-
-
-@triton.jit
-def _clipped_ratio(num, den):
-    # min(1, num / den) for num, den >= 0, with x/0 = 1 for x > 0 and 0/0 = 0 (ops.clipped_ratio).
-    safe = tl.where(den > 0, den, 1.0)
-    ratio = tl.where(den > 0, num / safe, tl.where(num > 0, 1.0, 0.0))
-    return tl.minimum(ratio, 1.0)
 
 
 @triton.jit
@@ -107,7 +101,7 @@ def _topk1_level_kernel(
         earlier = (tok[:, None] == tok[None, :]) & (slot[None, :] < slot[:, None])
         first = has_tok & (tl.max(earlier.to(tl.int32), axis=1) == 0)
         mass = tl.where(first, p_tok, 0.0)
-        child = _clipped_ratio(mass, tl.maximum(p_sum - (tl.cumsum(mass, axis=0) - mass), 0.0))
+        child = clipped_ratio(mass, tl.maximum(p_sum - (tl.cumsum(mass, axis=0) - mass), 0.0))
     else:
         # Topk1Node.read: slot 0 the sampled child r ~ q_bar, slots 1.. the top set T.
         q_tok = tl.load(q_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
@@ -135,30 +129,18 @@ def _topk1_level_kernel(
         if RULE == UNIVER:
             top_mass = scale * p_top
             rho = tl.maximum(scale * (p_sum - tl.sum(p_top, axis=0)) - carried, 0.0)
-            den = rho + (1.0 - scale)  # ops.continue_prob
-            stop = tl.where(den > 0, rho / tl.where(den > 0, den, 1.0), 1.0)
-            stop = tl.minimum(tl.maximum(stop, 0.0), 1.0)
+            stop = continue_prob(rho, scale)
             tl.store(stop_ptr + b * stride_wb + node, stop.to(stop_ptr.dtype.element_ty))
             room = tl.maximum(1.0 - carried - (tl.cumsum(top_mass, axis=0) - top_mass), 0.0)
-            child = tl.where(slot == 0, _clipped_ratio(scale * p_r, q_bar_r), _clipped_ratio(top_mass, room))
+            child = tl.where(slot == 0, clipped_ratio(scale * p_r, q_bar_r), clipped_ratio(top_mass, room))
         else:  # GREEDY
             g_total = p_sum - carried
             room = tl.maximum(g_total - (tl.cumsum(p_top, axis=0) - p_top), 0.0)
-            child = tl.where(slot == 0, _clipped_ratio(p_r, q_bar_r), _clipped_ratio(p_top, room))
+            child = tl.where(slot == 0, clipped_ratio(p_r, q_bar_r), clipped_ratio(p_top, room))
         q_bar_scale = tl.where(has_sampled, 1.0 / q_off, 0.0)
         tl.store(q_bar_scale_ptr + b * stride_wb + node, q_bar_scale)
     child = tl.where(has_tok, child, 0.0)
     tl.store(weight_ptr + b * stride_wb + kid, child.to(weight_ptr.dtype.element_ty), mask=kid >= 0)
-
-
-@triton.jit
-def _residual_weight(p_blk, q_blk, in_set, scale, q_bar_scale, RULE: tl.constexpr):
-    # The unnormalised law of Y at the end node (the rules' residual rows).
-    if RULE == TARGET_ONLY:
-        res = p_blk  # p with every child token removed
-    else:
-        res = tl.maximum(scale * p_blk - q_blk * q_bar_scale, 0.0)  # [P~ p - q_bar]+ off T
-    return tl.where(in_set, 0.0, res)
 
 
 @triton.jit
@@ -195,53 +177,13 @@ def _residual_draw_kernel(
     scale = _entry_scale(weight_ptr, b, stride_wb, node, RULE)
     q_bar_scale = tl.load(q_bar_scale_ptr + b * stride_wb + node)
 
-    offs = tl.arange(0, BLOCK_V)
-    res_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
-    p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
-    for start in range(0, vocab, BLOCK_V):
-        idx = start + offs
-        inside = idx < vocab
-        p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
-        q_blk = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
-        in_set = tl.max((idx[:, None] == tok[None, :]).to(tl.int32), axis=1) > 0
-        res_acc += _residual_weight(p_blk, q_blk, in_set, scale, q_bar_scale, RULE)
-        p_acc += p_blk
-    res_total = tl.sum(res_acc, axis=0)
-    # An empty residual has probability 0 in exact arithmetic; draw from p then (as verify does).
-    use_p = res_total <= 0
-    total = tl.where(use_p, tl.sum(p_acc, axis=0), res_total)
-    target = tl.load(uniform_ptr + b) * total
-
-    # Inverse CDF: the first token whose running mass exceeds the target; the
-    # block totals are summed in the same order as above, so the last block
-    # always holds it (its last positive token if rounding inside a block says otherwise).
-    running = tl.zeros((), dtype=tl.float64)
-    found = tl.zeros((), dtype=tl.int32)
-    choice = tl.zeros((), dtype=tl.int64)
-    last_positive = tl.zeros((), dtype=tl.int64)
-    for start in range(0, vocab, BLOCK_V):
-        idx = start + offs
-        inside = idx < vocab
-        p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
-        q_blk = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
-        in_set = tl.max((idx[:, None] == tok[None, :]).to(tl.int32), axis=1) > 0
-        w = tl.where(use_p, p_blk, _residual_weight(p_blk, q_blk, in_set, scale, q_bar_scale, RULE))
-        block_total = tl.sum(w, axis=0)
-        crosses = (running + tl.cumsum(w, axis=0) > target) & (w > 0)
-        first = tl.min(tl.where(crosses, idx, vocab), axis=0)
-        positive_here = tl.max(tl.where(w > 0, idx, -1), axis=0)
-        last_positive = tl.where(positive_here >= 0, positive_here.to(tl.int64), last_positive)
-        block_holds = (found == 0) & (running + block_total > target)
-        pick = tl.where(first < vocab, first.to(tl.int64), last_positive)
-        choice = tl.where(block_holds, pick, choice)
-        found = tl.where(block_holds, 1, found)
-        running += block_total
-    choice = tl.where(found == 1, choice, last_positive)
+    uniform = tl.load(uniform_ptr + b)
+    choice = draw_residual(p_row, q_row, tok, scale, q_bar_scale, uniform, vocab, RULE == TARGET_ONLY, BLOCK_V)
     tl.store(out_ptr + b, choice)
 
 
 def _launch_shape(num_slots: int, vocab: int) -> tuple[int, int]:
-    return triton.next_power_of_2(max(num_slots, 2)), min(4096, triton.next_power_of_2(vocab))
+    return triton.next_power_of_2(max(num_slots, 2)), block_size(vocab)
 
 
 def topk1_level(
