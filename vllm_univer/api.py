@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .fused_tree_pass import FUSED_METHODS, fused_allocate, fused_available, fused_chain_step, fused_next_token
+from .fused_tree_pass import FUSED_METHODS, fused_allocate, fused_available, fused_chain_step, fused_finish
 from .inverse_cdf import sample_from_weights
 from .ops import normalize
 from .tree import TreeSpec
-from .tree_pass import allocate, decide_descent, decide_postorder, end_node_law, finish_stop, node_residuals
+from .tree_pass import allocate, decide_descent, decide_postorder, end_node_law, node_residuals
 from .validation import check_inputs
 from .verifiers import Family, get_verifier
 
@@ -64,7 +64,7 @@ def verify(
             guarantee well-formed inputs may skip it.
         fused: run as Triton kernels (``fused_tree_pass``; the same law):
             univer / greedy / target_only in one launch per depth level plus
-            one for the next token, token / block in one launch per step.
+            one for the rest of the step, token / block in one launch per step.
             None: on CUDA when Triton is there.
 
     The law of (path, Y) is exactly ``outcome_law``; averaged over the draft
@@ -93,7 +93,10 @@ def verify(
     if fused and verifier.chain_only:  # the whole step, greedy rows and output rows included
         output_token_ids, end = fused_chain_step(verifier, tokens, p, q, greedy, generator)
         return VerifyOutput(output_token_ids, end, end)
-    end, next_token = _end_and_next_token(verifier, tt, tree, tokens, p, q, dtype, fused, generator)
+    if fused:  # node rules per level, then the rest of the step in one launch
+        weight, stop, q_bar_scale = fused_allocate(verifier, tt, tokens, p, q, dtype)
+        return VerifyOutput(*fused_finish(verifier, tt, tokens, p, q, weight, stop, q_bar_scale, greedy, generator))
+    end, next_token = _end_and_next_token(verifier, tt, tree, tokens, p, q, generator)
 
     if greedy is not None:
         greedy_end, greedy_next = _argmax_matching(tt, tokens, p.argmax(-1), tree.max_depth)
@@ -103,23 +106,15 @@ def verify(
     return _assemble(tt, tokens, end, next_token, tree.max_depth)
 
 
-def _end_and_next_token(verifier, tt, tree: TreeSpec, tokens, p, q, dtype, fused: bool, generator):
-    """(end node [B], next token [B]): node weights level by level, the decision,
-    then the draw from the end node's residual (fused: Triton kernels for the
-    node rules and the draw)."""
-    if fused:
-        weight, stop, q_bar_scale = fused_allocate(verifier, tt, tokens, p, q, dtype)
-        if verifier.family is Family.POSTORDER:
-            stop = finish_stop(tt, tokens, weight, stop)
-    else:
-        weight, stop = allocate(verifier, tt, tokens, p, q)
-    uniforms = torch.rand(tokens.shape[0], tree.num_nodes + 1, generator=generator, device=p.device, dtype=dtype)
+def _end_and_next_token(verifier, tt, tree: TreeSpec, tokens, p, q, generator):
+    """(end node [B], next token [B]) by the PyTorch node rules: weights level by
+    level, the decision, then the draw from the end node's residual."""
+    weight, stop = allocate(verifier, tt, tokens, p, q)
+    uniforms = torch.rand(tokens.shape[0], tree.num_nodes + 1, generator=generator, device=p.device, dtype=p.dtype)
     if verifier.family is Family.POSTORDER:
         end = decide_postorder(tt, stop, uniforms)
     else:
         end = decide_descent(tt, weight, uniforms, tree.max_depth)
-    if fused:
-        return end, fused_next_token(verifier, tt, tokens, p, q, end, weight, q_bar_scale, generator)
     residual = node_residuals(verifier, tt, tokens, p, q, weight, end.unsqueeze(-1)).squeeze(1)
     p_end = p.gather(1, end.view(-1, 1, 1).expand(-1, 1, p.shape[-1])).squeeze(1)
     # An empty residual at the end node has probability 0 in exact arithmetic;

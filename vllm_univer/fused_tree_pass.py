@@ -1,5 +1,5 @@
 """``verify`` in a few fused launches (Triton): univer, greedy and target_only
-with one per depth level for the node rules and one for the next token
+with one per depth level for the node rules and one for the rest of the step
 (``kernels/triton_topk1_verify.py``); token and block, on chains, in one launch
 for the whole step (``kernels/triton_chain_verify.py``). Same laws as the
 PyTorch node rules of ``tree_pass`` (tested against them and against
@@ -36,8 +36,9 @@ def fused_allocate(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``tree_pass.allocate`` in one launch per level. tokens [B, N+1] int64; p, q
     [B, N+1, V] (any float dtype) -> weight [B, N+1] and stop [B, N+1] (``dtype``;
-    stop is all zeros for DESCENT rules) and q_bar_scale [B, N+1] float64
-    (1 / q(off T) of nodes with a sampled child, else 0) for ``fused_next_token``."""
+    the rule's h at internal nodes, all zeros for DESCENT rules) and q_bar_scale
+    [B, N+1] float64 (1 / q(off T) of nodes with a sampled child, else 0) for
+    ``fused_finish``."""
     from .kernels.triton_topk1_verify import topk1_level
 
     batch, n1, _ = p.shape
@@ -50,24 +51,27 @@ def fused_allocate(
     return weight, stop, q_bar_scale
 
 
-def fused_next_token(
+def fused_finish(
     verifier: TreeVerifier,
     tt: _TreeTensors,
     tokens: torch.Tensor,
     p: torch.Tensor,
     q: torch.Tensor,
-    end: torch.Tensor,
     weight: torch.Tensor,
+    stop: torch.Tensor,
     q_bar_scale: torch.Tensor,
+    greedy: torch.Tensor | None,
     generator: torch.Generator | None,
-) -> torch.Tensor:
-    """Y [B] drawn from the residual row of each request's end node [B] (p at the
-    end node where that row is empty, as ``verify`` does)."""
-    from .kernels.triton_topk1_verify import residual_draw
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """After ``fused_allocate``, the rest of the step in one launch: the end node,
+    greedy rows' argmax matching, the next token and the output rows ->
+    (output rows [B, D+1], accepted tokens [B], end node [B])."""
+    from .kernels.triton_topk1_verify import finish_step
 
-    uniforms = torch.rand(p.shape[0], generator=generator, device=p.device, dtype=torch.float64)
-    # The kernel reads the end node's weight as its prefix scale for univer only.
-    return residual_draw(verifier.name, p, q, tokens, tt.children, end, weight, q_bar_scale, uniforms)
+    uniforms = torch.rand(
+        tokens.shape[0], tokens.shape[1] + 1, generator=generator, device=p.device, dtype=torch.float64
+    )
+    return finish_step(verifier.name, p, q, tokens, tt, weight, stop, q_bar_scale, uniforms, greedy)
 
 
 def fused_chain_step(

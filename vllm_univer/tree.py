@@ -238,6 +238,20 @@ class _TreeTensors:
             )
 
     @cached_property
+    def postorder(self) -> torch.Tensor:
+        """LongTensor [N+1]: the nodes in post-order (the root last)."""
+        return self._tree.postorder_rank.argsort().to(self._device)
+
+    @cached_property
+    def is_internal_int8(self) -> torch.Tensor:
+        """Int8Tensor [N+1]: 1 where the shape gives the node children (for kernels)."""
+        return (self._tree.num_children > 0).to(torch.int8).to(self._device)
+
+    @property
+    def max_depth(self) -> int:
+        return self._tree.max_depth
+
+    @cached_property
     def kid_sizes(self) -> torch.Tensor:
         """LongTensor [N+1, C]: nodes in each child slot's subtree, 0 where none
         (built on first use: only some verifiers read it)."""

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import block_size, clipped_ratio, continue_prob, draw_residual
+from .triton_rows import block_size, clipped_ratio, continue_prob, draw_residual, first_argmax
 
 TOKEN, BLOCK = 0, 1
 RULES = {"token": TOKEN, "block": BLOCK}
@@ -117,7 +117,7 @@ def _chain_verify_kernel(
             scale = child
         tl.store(weight_ptr + b * stride_wb + i + 1, child, mask=i + 1 < num_nodes)
         if greedy_walking:
-            argmax = _first_argmax(p_row, vocab, BLOCK_V)
+            argmax = first_argmax(p_row, vocab, BLOCK_V)
             match = has_child & (x == argmax)
             greedy_end = tl.where(match, greedy_end, i)
             greedy_next = tl.where(match, greedy_next, argmax)
@@ -138,23 +138,6 @@ def _chain_verify_kernel(
     for j in range(0, num_nodes):
         drafted = tl.load(tokens_ptr + b * stride_tb + j + 1, mask=j + 1 < num_nodes, other=-1)
         tl.store(out_ptr + b * stride_ob + j, tl.where(j < end, drafted, tl.where(j == end, choice, -1)))
-
-
-@triton.jit
-def _first_argmax(p_row, vocab, BLOCK_V: tl.constexpr):
-    # argmax of one row, the first index on ties (torch.argmax's).
-    offs = tl.arange(0, BLOCK_V)
-    best = tl.full((), -1.0, tl.float64)
-    best_index = tl.zeros((), dtype=tl.int64)
-    for start in range(0, vocab, BLOCK_V):
-        idx = start + offs
-        p_blk = tl.load(p_row + idx, mask=idx < vocab, other=-1.0).to(tl.float64)
-        top = tl.max(p_blk, axis=0)
-        first = tl.min(tl.where(p_blk == top, idx, vocab), axis=0).to(tl.int64)
-        better = top > best
-        best_index = tl.where(better, first, best_index)
-        best = tl.where(better, top, best)
-    return best_index
 
 
 def chain_verify(

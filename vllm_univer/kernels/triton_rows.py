@@ -92,6 +92,23 @@ def draw_residual(p_row, q_row, removed, scale, q_scale, uniform, vocab, P_ONLY:
     return tl.where(found == 1, choice, last_positive)
 
 
+@triton.jit
+def first_argmax(p_row, vocab, BLOCK_V: tl.constexpr):
+    # argmax of one row, the first index on ties (torch.argmax's).
+    offs = tl.arange(0, BLOCK_V)
+    best = tl.full((), -1.0, tl.float64)
+    best_index = tl.zeros((), dtype=tl.int64)
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + offs
+        p_blk = tl.load(p_row + idx, mask=idx < vocab, other=-1.0).to(tl.float64)
+        top = tl.max(p_blk, axis=0)
+        first = tl.min(tl.where(p_blk == top, idx, vocab), axis=0).to(tl.int64)
+        better = top > best
+        best_index = tl.where(better, first, best_index)
+        best = tl.where(better, top, best)
+    return best_index
+
+
 def block_size(vocab: int) -> int:
     """Vocabulary block of one program's passes."""
     return min(4096, triton.next_power_of_2(vocab))
