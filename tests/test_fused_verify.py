@@ -37,12 +37,24 @@ import pytest
 
 pytest.importorskip("triton")
 
-# Prepended to each interpreter script.
-LAUNCH_COUNT = textwrap.dedent("""
+# Prepended to each interpreter script: random rows, and the launch count.
+PRELUDE = textwrap.dedent("""
+    import torch
+    from vllm_univer import verify
+    from vllm_univer.op_counter import OpCounter
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(batch, n1, vocab, zeros):
+        x = torch.softmax(torch.randn(batch, n1, vocab, generator=gen, dtype=torch.float64) * 2, -1)
+        if zeros:
+            x[..., : vocab // 3] = 0
+            x[:, 1, :] = 1.0  # ties
+        return x / x.sum(-1, keepdim=True)
+
     # Launch budget (issue 12): besides its Triton launches, the fused path issues
     # these ATen ops per verify call (the interpreter's own tensor plumbing,
     # set_ / copy_ / new_empty, left out; allocations without a fill are no launch).
-    from vllm_univer.op_counter import OpCounter
     INTERPRETER_OPS = {"aten.set_", "aten.copy_", "aten.new_empty"}
     def fused_aten_ops(method, tree, tokens, p, q, greedy):
         with OpCounter() as ops:
@@ -61,15 +73,7 @@ CHECK = textwrap.dedent("""
     )
     from vllm_univer.verifiers import Family, get_verifier
 
-    gen = torch.Generator().manual_seed(0)
     IRREGULAR = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
-
-    def rows(batch, n1, vocab, zeros):
-        x = torch.softmax(torch.randn(batch, n1, vocab, generator=gen, dtype=torch.float64) * 2, -1)
-        if zeros:
-            x[..., : vocab // 3] = 0
-            x[:, 1, :] = 1.0  # ties
-        return x / x.sum(-1, keepdim=True)
 
     def draft_tokens(tree, batch, vocab, distinct=True):
         # topk1 trees have distinct siblings (the sampled token is off the top set);
@@ -216,15 +220,6 @@ CHAIN_CHECK = textwrap.dedent("""
     from vllm_univer.tree_pass import allocate, decide_descent, decide_postorder, end_node_law, finish_stop
     from vllm_univer.verifiers import Family, get_verifier
 
-    gen = torch.Generator().manual_seed(0)
-
-    def rows(batch, n1, vocab, zeros):
-        x = torch.softmax(torch.randn(batch, n1, vocab, generator=gen, dtype=torch.float64) * 2, -1)
-        if zeros:
-            x[..., : vocab // 3] = 0
-            x[:, 1, :] = 1.0  # ties
-        return x / x.sum(-1, keepdim=True)
-
     def check_case(method, depth, vocab, zeros, dtype, samples=120):
         tree = TreeSpec.parse(f"1x{depth}")
         tt = tree.on(torch.device("cpu"))
@@ -315,11 +310,11 @@ def _interpret(script: str, marker: str) -> None:
 
 
 def test_fused_topk1_verify_equals_the_node_rules_in_interpreter():
-    _interpret(LAUNCH_COUNT + CHECK, "FUSED OK")
+    _interpret(PRELUDE + CHECK, "FUSED OK")
 
 
 def test_fused_chain_step_equals_the_node_rules_and_decisions_in_interpreter():
-    _interpret(LAUNCH_COUNT + CHAIN_CHECK, "CHAIN OK")
+    _interpret(PRELUDE + CHAIN_CHECK, "CHAIN OK")
 
 
 def test_fused_path_refuses_methods_without_kernels():

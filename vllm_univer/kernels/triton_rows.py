@@ -45,6 +45,16 @@ def residual_weight(p_blk, q_blk, in_set, scale, q_scale, P_ONLY: tl.constexpr):
 
 
 @triton.jit
+def _residual_block(p_row, q_row, idx, vocab, removed, scale, q_scale, P_ONLY: tl.constexpr):
+    # (r, p) on the vocabulary block ``idx`` (float64; 0 past the end).
+    inside = idx < vocab
+    p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
+    q_blk = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+    in_set = tl.max((idx[:, None] == removed[None, :]).to(tl.int32), axis=1) > 0
+    return residual_weight(p_blk, q_blk, in_set, scale, q_scale, P_ONLY), p_blk
+
+
+@triton.jit
 def draw_residual(p_row, q_row, removed, scale, q_scale, uniform, vocab, P_ONLY: tl.constexpr, BLOCK_V: tl.constexpr):
     """The token at ``uniform`` (float64 in [0, 1)) of the residual row's inverse
     CDF; ``removed`` [SLOTS] the tokens off the row (-1: none). An empty residual
@@ -53,12 +63,8 @@ def draw_residual(p_row, q_row, removed, scale, q_scale, uniform, vocab, P_ONLY:
     res_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
     p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
     for start in range(0, vocab, BLOCK_V):
-        idx = start + offs
-        inside = idx < vocab
-        p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
-        q_blk = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
-        in_set = tl.max((idx[:, None] == removed[None, :]).to(tl.int32), axis=1) > 0
-        res_acc += residual_weight(p_blk, q_blk, in_set, scale, q_scale, P_ONLY)
+        res, p_blk = _residual_block(p_row, q_row, start + offs, vocab, removed, scale, q_scale, P_ONLY)
+        res_acc += res
         p_acc += p_blk
     res_total = tl.sum(res_acc, axis=0)
     use_p = res_total <= 0
@@ -74,11 +80,8 @@ def draw_residual(p_row, q_row, removed, scale, q_scale, uniform, vocab, P_ONLY:
     last_positive = tl.zeros((), dtype=tl.int64)
     for start in range(0, vocab, BLOCK_V):
         idx = start + offs
-        inside = idx < vocab
-        p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
-        q_blk = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
-        in_set = tl.max((idx[:, None] == removed[None, :]).to(tl.int32), axis=1) > 0
-        w = tl.where(use_p, p_blk, residual_weight(p_blk, q_blk, in_set, scale, q_scale, P_ONLY))
+        res, p_blk = _residual_block(p_row, q_row, idx, vocab, removed, scale, q_scale, P_ONLY)
+        w = tl.where(use_p, p_blk, res)
         block_total = tl.sum(w, axis=0)
         crosses = (running + tl.cumsum(w, axis=0) > target) & (w > 0)
         first = tl.min(tl.where(crosses, idx, vocab), axis=0)
