@@ -245,7 +245,7 @@ class _TreeTensors:
     @cached_property
     def is_internal_int8(self) -> torch.Tensor:
         """Int8Tensor [N+1]: 1 where the shape gives the node children (for kernels)."""
-        return (self._tree.num_children > 0).to(torch.int8).to(self._device)
+        return self.is_internal.to(torch.int8)
 
     @property
     def max_depth(self) -> int:

@@ -111,7 +111,7 @@ def end_node_law(
 ) -> torch.Tensor:
     """Exact P(end node = e) [B, N+1] from the per-node weights of ``allocate``."""
     if verifier.family is Family.POSTORDER:
-        order = tt.postorder_rank.argsort()
+        order = tt.postorder
         h = stop[:, order]
         survive = torch.cumprod(1.0 - h, -1)
         before = torch.cat([torch.ones_like(survive[:, :1]), survive[:, :-1]], -1)

@@ -156,8 +156,9 @@ def chain_verify(
     end node [B] int64 (= accepted tokens), weight [B, N+1] float64 (alpha or
     entry P~) and stop [B, N+1] float64 (block's h; zeros for token)."""
     batch, num_nodes, vocab = p.shape
-    weight = torch.zeros(batch, num_nodes, dtype=torch.float64, device=p.device)
-    stop = torch.zeros_like(weight)
+    # The kernel writes every weight, and every stop probability for block: no fill.
+    weight = torch.empty(batch, num_nodes, dtype=torch.float64, device=p.device)
+    stop = torch.empty_like(weight) if rule == "block" else torch.zeros_like(weight)
     end = torch.empty(batch, dtype=torch.long, device=p.device)
     out = torch.empty(batch, num_nodes, dtype=torch.long, device=p.device)
     flags = end if greedy is None else greedy.to(torch.int8)  # not read without greedy rows
