@@ -67,7 +67,7 @@ CHECK = textwrap.dedent("""
     import torch
     from vllm_univer import TreeSpec, outcome_law, verify
     from vllm_univer.fused_tree_pass import fused_allocate
-    from vllm_univer.kernels.triton_topk1_verify import finish_step
+    from vllm_univer.kernels.triton_finish_step import finish_step
     from vllm_univer.tree_pass import (
         allocate, decide_descent, decide_postorder, end_node_law, finish_stop, node_residuals
     )
@@ -76,8 +76,8 @@ CHECK = textwrap.dedent("""
     IRREGULAR = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
 
     def draft_tokens(tree, batch, vocab, distinct=True):
-        # topk1 trees have distinct siblings (the sampled token is off the top set);
-        # target_only takes any scheme, repeats included.
+        # topk1 and wor trees have distinct siblings (the sampled token is off the top
+        # set); target_only takes any scheme and rrs iid trees, repeats included.
         tokens = torch.randint(0, vocab, (batch, tree.num_nodes + 1), generator=gen)
         for parent in range(tree.num_nodes + 1):
             kids = tree.children[parent][tree.children[parent] >= 0]
@@ -97,10 +97,10 @@ CHECK = textwrap.dedent("""
         p, q = rows(batch, n1, vocab, zeros), rows(batch, n1, vocab, not zeros)
         if method != "target_only":
             q[0] = p[0]  # q = p: empty residuals at internal nodes
-        tokens = draft_tokens(tree, batch, vocab, distinct=method != "target_only")
+        tokens = draft_tokens(tree, batch, vocab, distinct=method not in ("target_only", "rrs"))
         w_ref, s_ref = allocate(verifier, tt, tokens, p.to(dtype).double(), q.to(dtype).double())
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        w, s, q_bar_scale = fused_allocate(verifier, tt, tokens, p.to(dtype), q.to(dtype), work)
+        w, s, params = fused_allocate(verifier, tt, tokens, p.to(dtype), q.to(dtype), work)
         tol = 1e-12 if dtype == torch.float64 else 2e-5
         if verifier.family is Family.POSTORDER:
             s = finish_stop(tt, tokens, w, s).double()
@@ -111,7 +111,7 @@ CHECK = textwrap.dedent("""
         assert torch.allclose(law_ref.sum(-1), torch.ones(batch, dtype=torch.float64))
         if dtype != torch.float64:
             return
-        check_decisions(method, tree, tt, tokens, p, q, w, s, q_bar_scale)
+        check_decisions(method, tree, tt, tokens, p, q, w, s, params)
         all_nodes = torch.arange(n1).expand(batch, -1)
         mass = node_residuals(verifier, tt, tokens, p, q, w_ref, all_nodes).sum(-1)  # [B, N+1]
         # Y at every existing node, on a grid of uniforms, against the exact residual law.
@@ -131,18 +131,18 @@ CHECK = textwrap.dedent("""
                 # Rows of request b repeated k times; one uniform each (the generator's draws replaced).
                 end = torch.full((k,), node)
                 sel = [b] * k
-                got = _draw_with(verifier, tt, tokens[sel], p[sel], q[sel], end, w[sel], q_bar_scale[sel], us)
+                got = _draw_with(verifier, tt, tokens[sel], p[sel], q[sel], end, w[sel], params[sel], us)
                 assert torch.equal(got, expected), (method, spec, node, b, got, expected)
 
-    def _draw_with(verifier, tt, tokens, p, q, end, weight, q_bar_scale, uniforms):
+    def _draw_with(verifier, tt, tokens, p, q, end, weight, params, uniforms):
         # finish_step at given end nodes: the next token at Y's uniform.
         u = torch.zeros(len(uniforms), tokens.shape[1] + 1, dtype=torch.float64)
         u[:, -1] = uniforms
-        out, accepted, _ = finish_step(verifier.name, p, q, tokens, tt, weight, torch.zeros_like(weight), q_bar_scale,
+        out, accepted, _ = finish_step(verifier.name, p, q, tokens, tt, weight, torch.zeros_like(weight), params,
                                        u, end=end)
         return out.gather(1, accepted.unsqueeze(1)).squeeze(1)
 
-    def check_decisions(method, tree, tt, tokens, p, q, w, s, q_bar_scale, draws=40):
+    def check_decisions(method, tree, tt, tokens, p, q, w, s, params, draws=40):
         # End node against decide_* for the same uniforms; greedy rows and output rows
         # against verify's PyTorch path.
         verifier = get_verifier(method)
@@ -153,7 +153,7 @@ CHECK = textwrap.dedent("""
         for _ in range(draws):
             u = torch.rand(batch, n1 + 1, generator=gen, dtype=torch.float64)
             greedy = torch.rand(batch, generator=gen) < 0.3
-            out, accepted, end = finish_step(method, p, q, tokens, tt, w, s, q_bar_scale, u, greedy)
+            out, accepted, end = finish_step(method, p, q, tokens, tt, w, s, params, u, greedy)
             eta = u[:, :n1]
             if postorder:
                 want = decide_postorder(tt, threshold, eta)
@@ -178,15 +178,15 @@ CHECK = textwrap.dedent("""
     p = torch.zeros(1, 3, 6, dtype=torch.float64)
     p[..., 2], p[..., 4] = 0.25, 0.75
     tokens = torch.tensor([[-1, 4, 2]])
-    w, _, q_bar_scale = fused_allocate(target_only, tt, tokens, p, p, torch.float64)
+    w, _, params = fused_allocate(target_only, tt, tokens, p, p, torch.float64)
     us = torch.tensor([0.1, 0.3, 0.9], dtype=torch.float64)
     p3 = p.expand(3, -1, -1)
     root = torch.zeros(3, dtype=torch.long)
-    w3, scale3 = w.expand(3, -1), q_bar_scale.expand(3, -1)
+    w3, scale3 = w.expand(3, -1), params.expand(3, -1)
     got = _draw_with(target_only, tt, tokens.expand(3, -1), p3, p3, root, w3, scale3, us)
     assert got.tolist() == [2, 4, 4], got
 
-    for method in ("univer", "greedy", "target_only"):
+    for method in METHODS:
         for spec in ("2x2", "3x2", "1x3", IRREGULAR):
             for zeros in (False, True):
                 check_case(method, spec, 7, zeros, torch.float64)
@@ -200,7 +200,7 @@ CHECK = textwrap.dedent("""
     p, q = rows(8, tree.num_nodes + 1, 50, False), rows(8, tree.num_nodes + 1, 50, False)
     tokens = draft_tokens(tree, 8, 50)
     greedy = torch.arange(8) % 2 == 0
-    for method in ("univer", "greedy", "target_only"):
+    for method in METHODS:
         fused = verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(3), greedy=greedy,
                        fused=True)
         plain = verify(method, tree, tokens, p, q, greedy=greedy, fused=False)
@@ -310,7 +310,11 @@ def _interpret(script: str, marker: str) -> None:
 
 
 def test_fused_topk1_verify_equals_the_node_rules_in_interpreter():
-    _interpret(PRELUDE + CHECK, "FUSED OK")
+    _interpret(PRELUDE + 'METHODS = ("univer", "greedy", "target_only")' + CHECK, "FUSED OK")
+
+
+def test_fused_replay_verify_equals_the_node_rules_in_interpreter():
+    _interpret(PRELUDE + 'METHODS = ("rrs", "rrsw", "traversal")' + CHECK, "FUSED OK")
 
 
 def test_fused_chain_step_equals_the_node_rules_and_decisions_in_interpreter():
@@ -324,5 +328,5 @@ def test_fused_path_refuses_methods_without_kernels():
 
     tree = TreeSpec.parse("2x2")
     p = torch.full((1, 7, 4), 0.25)
-    with pytest.raises(ValueError, match="no fused kernels for 'traversal'"):
-        verify("traversal", tree, torch.zeros(1, 7, dtype=torch.long), p, p, fused=True)
+    with pytest.raises(ValueError, match="no fused kernels for 'univer_wor'"):
+        verify("univer_wor", tree, torch.zeros(1, 7, dtype=torch.long), p, p, fused=True)

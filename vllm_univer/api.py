@@ -62,9 +62,10 @@ def verify(
             Y = argmax p.
         validate: check the inputs (one host sync); engines that already
             guarantee well-formed inputs may skip it.
-        fused: run as Triton kernels (``fused_tree_pass``; the same law):
-            univer / greedy / target_only in one launch per depth level plus
-            one for the rest of the step, token / block in one launch per step.
+        fused: run as Triton kernels (``fused_tree_pass``; the same law): the
+            tree methods in one launch per depth level plus one for the rest
+            of the step, token / block in one launch per step (univer_wor has
+            none: it runs its PyTorch rule).
             None: on CUDA when Triton is there.
 
     The law of (path, Y) is exactly ``outcome_law``; averaged over the draft
@@ -94,8 +95,8 @@ def verify(
         output_token_ids, end = fused_chain_step(verifier, tokens, p, q, greedy, generator)
         return VerifyOutput(output_token_ids, end, end)
     if fused:  # node rules per level, then the rest of the step in one launch
-        weight, stop, q_bar_scale = fused_allocate(verifier, tt, tokens, p, q, dtype)
-        return VerifyOutput(*fused_finish(verifier, tt, tokens, p, q, weight, stop, q_bar_scale, greedy, generator))
+        weight, stop, params = fused_allocate(verifier, tt, tokens, p, q, dtype)
+        return VerifyOutput(*fused_finish(verifier, tt, tokens, p, q, weight, stop, params, greedy, generator))
     end, next_token = _end_and_next_token(verifier, tt, tree, tokens, p, q, generator)
 
     if greedy is not None:

@@ -1,6 +1,8 @@
-"""``verify`` in a few fused launches (Triton): univer, greedy and target_only
-with one per depth level for the node rules and one for the rest of the step
-(``kernels/triton_topk1_verify.py``); token and block, on chains, in one launch
+"""``verify`` in a few fused launches (Triton): the tree methods with one per
+depth level for the node rules (univer, greedy, target_only:
+``kernels/triton_topk1_verify.py``; rrs, rrsw, traversal:
+``kernels/triton_replay_verify.py``) and one for the rest of the step
+(``kernels/triton_finish_step.py``); token and block, on chains, in one launch
 for the whole step (``kernels/triton_chain_verify.py``). Same laws as the
 PyTorch node rules of ``tree_pass`` (tested against them and against
 ``outcome_law`` in Triton's interpreter); ``verify`` takes this path on CUDA.
@@ -13,16 +15,22 @@ import torch
 from .tree import _TreeTensors
 from .verifiers import TreeVerifier
 
+TOPK1_METHODS = ("univer", "greedy", "target_only")
+REPLAY_METHODS = ("rrs", "rrsw", "traversal")
 CHAIN_METHODS = ("token", "block")
-FUSED_METHODS = ("univer", "greedy", "target_only", *CHAIN_METHODS)
+FUSED_METHODS = (*TOPK1_METHODS, *REPLAY_METHODS, *CHAIN_METHODS)
 
 
 def fused_available(method: str, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> bool:
     """The fused path serves ``method`` for these rows: CUDA, Triton importable,
     the vocabulary dimension contiguous."""
-    if method not in FUSED_METHODS or not target_probs.is_cuda:
-        return False
-    if target_probs.stride(-1) != 1 or draft_probs.stride(-1) != 1:
+    return method in FUSED_METHODS and triton_reads(target_probs, draft_probs)
+
+
+def triton_reads(*rows: torch.Tensor) -> bool:
+    """The Triton kernels can read these [..., V] rows: on CUDA, the vocabulary
+    dimension contiguous, Triton importable."""
+    if not all(r.is_cuda and r.stride(-1) == 1 for r in rows):
         return False
     try:
         import triton  # noqa: F401
@@ -36,19 +44,27 @@ def fused_allocate(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``tree_pass.allocate`` in one launch per level. tokens [B, N+1] int64; p, q
     [B, N+1, V] (any float dtype) -> weight [B, N+1] and stop [B, N+1] (``dtype``;
-    the rule's h at internal nodes, all zeros for DESCENT rules) and q_bar_scale
-    [B, N+1] float64 (1 / q(off T) of nodes with a sampled child, else 0) for
-    ``fused_finish``."""
+    the rule's h at internal nodes, all zeros for DESCENT rules) and the float64
+    parameters of the nodes' residual rows for ``fused_finish``: univer /
+    greedy / target_only [B, N+1], 1 / q(off T) of nodes with a sampled child,
+    else 0; rrs / rrsw / traversal [B, N+1, 2C], each internal node's rejection
+    steps a_j, then c_j (leaves' rows are never read)."""
+    from .kernels.triton_replay_verify import replay_level
     from .kernels.triton_topk1_verify import topk1_level
 
     batch, n1, _ = p.shape
     weight = torch.zeros(batch, n1, dtype=dtype, device=p.device)
     weight[:, 0] = 1.0
     stop = torch.zeros_like(weight)
-    q_bar_scale = torch.zeros(batch, n1, dtype=torch.float64, device=p.device)
+    if verifier.name in REPLAY_METHODS:
+        params = torch.empty(batch, n1, 2 * tt.children.shape[1], dtype=torch.float64, device=p.device)
+        level_rule = replay_level
+    else:
+        params = torch.zeros(batch, n1, dtype=torch.float64, device=p.device)
+        level_rule = topk1_level
     for level in tt.levels:  # a level's scales need its parents'
-        topk1_level(verifier.name, p, q, tokens, level.nodes, tt.children, weight, stop, q_bar_scale)
-    return weight, stop, q_bar_scale
+        level_rule(verifier.name, p, q, tokens, level.nodes, tt.children, weight, stop, params)
+    return weight, stop, params
 
 
 def fused_finish(
@@ -59,19 +75,19 @@ def fused_finish(
     q: torch.Tensor,
     weight: torch.Tensor,
     stop: torch.Tensor,
-    q_bar_scale: torch.Tensor,
+    params: torch.Tensor,
     greedy: torch.Tensor | None,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """After ``fused_allocate``, the rest of the step in one launch: the end node,
     greedy rows' argmax matching, the next token and the output rows ->
     (output rows [B, D+1], accepted tokens [B], end node [B])."""
-    from .kernels.triton_topk1_verify import finish_step
+    from .kernels.triton_finish_step import finish_step
 
     uniforms = torch.rand(
         tokens.shape[0], tokens.shape[1] + 1, generator=generator, device=p.device, dtype=torch.float64
     )
-    return finish_step(verifier.name, p, q, tokens, tt, weight, stop, q_bar_scale, uniforms, greedy)
+    return finish_step(verifier.name, p, q, tokens, tt, weight, stop, params, uniforms, greedy)
 
 
 def fused_chain_step(

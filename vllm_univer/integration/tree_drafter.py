@@ -25,6 +25,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from ..drafting import draft_children, top_tokens
+from ..fused_tree_pass import triton_reads
 from ..tree import TreeSpec
 from .step_buffer import StepBuffer
 from .target_probs import softmax_, split_greedy
@@ -249,20 +250,29 @@ class TreeDrafter:
 
     def _draw_children(self, depth, tokens, level_rows, greedy, generators, active) -> None:
         """Children of the depth-``depth`` nodes, drawn from their rows ``level_rows``
-        [R, width, V] (q; or logits when every request is greedy)."""
+        [R, width, V] (q; or logits when every request is greedy): on CUDA one
+        Triton launch per child count (``kernels/triton_draft_children.py``, the
+        same law), else ``drafting.draft_children``."""
         row_of = {int(b): r for r, b in enumerate(active)} if generators else {}
         seeded = [(row_of[b], g) for b, g in generators.items() if b in row_of and not bool(greedy.host[row_of[b]])]
-        for parents, kids, m, in_level in self.child_groups[depth]:
-            rows = level_rows[:, in_level]  # [R, g, V]
-            if greedy.all:
-                drawn = top_tokens(rows, m)
+        fused = triton_reads(level_rows)
+        for parents, kids, m, in_level, in_level_index in self.child_groups[depth]:
+            if fused:
+                from ..kernels.triton_draft_children import draft_children_fused
+
+                some_greedy = greedy.rows if greedy.any and not greedy.all else None
+                drawn = draft_children_fused(self.scheme, level_rows, in_level_index, m, some_greedy, greedy.all)
             else:
-                drawn = draft_children(self.scheme, rows, m)
-                if greedy.any:
-                    drawn = torch.where(greedy.rows.view(-1, 1, 1), top_tokens(rows, m), drawn)
+                rows = level_rows[:, in_level]  # [R, g, V]
+                if greedy.all:
+                    drawn = top_tokens(rows, m)
+                else:
+                    drawn = draft_children(self.scheme, rows, m)
+                    if greedy.any:
+                        drawn = torch.where(greedy.rows.view(-1, 1, 1), top_tokens(rows, m), drawn)
             # Seeded requests draw from their own generator (outputs independent of the batch).
             for row, generator in seeded:
-                drawn[row] = draft_children(self.scheme, rows[row], m, generator=generator)
+                drawn[row] = draft_children(self.scheme, level_rows[row, in_level], m, generator=generator)
             missing_parent = (tokens[:, parents] < 0).unsqueeze(-1)
             tokens[:, kids.flatten()] = drawn.masked_fill(missing_parent, -1).flatten(1)
 
@@ -342,8 +352,9 @@ class _Shape:
         self.level_span = [(int((depth < d).sum()), int((depth <= d).sum()) - 1) for d in range(tree.max_depth + 1)]
         # The drafter runs every node above the deepest level (leaves are never run).
         self.last_run_node = self.level_span[tree.max_depth - 1][1]
-        # Per depth: [(parents [g], kids [g, m], m, where the parents' rows are in the level)];
-        # the last is a slice (a view of q, no copy) when the parents are consecutive.
+        # Per depth: [(parents [g], kids [g, m], m, where the parents' rows are in the level,
+        # the same as an index tensor)]; the first of the two is a slice (a view of q, no
+        # copy) when the parents are consecutive.
         self.groups = []
         num_children = tree.num_children
         for d in range(tree.max_depth):
@@ -352,8 +363,9 @@ class _Shape:
             for m in sorted(set(num_children[first : last + 1].tolist()) - {0}):
                 parents = torch.nonzero(num_children[first : last + 1] == m).flatten() + first
                 lo, hi = int(parents[0]) - first, int(parents[-1]) - first + 1
-                in_level = slice(lo, hi) if hi - lo == len(parents) else (parents - first).to(device)
-                groups.append((parents.to(device), tree.children[parents, :m].to(device), m, in_level))
+                in_level_index = (parents - first).to(device)
+                in_level = slice(lo, hi) if hi - lo == len(parents) else in_level_index
+                groups.append((parents.to(device), tree.children[parents, :m].to(device), m, in_level, in_level_index))
             self.groups.append(groups)
 
 

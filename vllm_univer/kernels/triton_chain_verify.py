@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import block_size, clipped_ratio, continue_prob, draw_residual, first_argmax
+from .triton_rows import RESIDUAL_CLIPPED, block_size, clipped_ratio, continue_prob, draw_residual, first_argmax
 
 TOKEN, BLOCK = 0, 1
 RULES = {"token": TOKEN, "block": BLOCK}
@@ -132,8 +132,12 @@ def _chain_verify_kernel(
         q_row = q_ptr + b * stride_qb + end * stride_qn
         uniform = tl.load(uniform_ptr + b * stride_ub + num_nodes)
         none_removed = tl.full([2], -1, tl.int64)
+        slot = tl.arange(0, 2)
         q_scale = tl.where(end_has_child, 1.0, 0.0).to(tl.float64)
-        choice = draw_residual(p_row, q_row, none_removed, end_scale, q_scale, uniform, vocab, False, BLOCK_V)
+        choice = draw_residual(
+            p_row, q_row, none_removed, slot, end_scale, q_scale, end_scale, q_scale, uniform, vocab,
+            RESIDUAL_CLIPPED, False, BLOCK_V,
+        )  # fmt: skip
     tl.store(end_ptr + b, end)
     for j in range(0, num_nodes):
         drafted = tl.load(tokens_ptr + b * stride_tb + j + 1, mask=j + 1 < num_nodes, other=-1)

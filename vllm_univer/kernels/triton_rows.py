@@ -1,21 +1,33 @@
 """Triton helpers shared by the fused verify kernels: the clipped ratio of the
-PyTorch rules and the draw of the next token from one node's residual row.
+PyTorch rules, the rejection replay of rrs / rrsw / traversal, and the draw of
+the next token from one node's residual row.
 
-A residual row is, per token y of the vocabulary,
+A residual row is, per token y of the vocabulary, by ``kind``:
 
-    r(y) = 0                                  y in the removed set (child tokens)
-    r(y) = p(y)                               P_ONLY (target_only)
-    r(y) = max(scale p(y) - q_scale q(y), 0)  otherwise
+    RESIDUAL_CLIPPED  r(y) = max(scale p(y) - q_scale q(y), 0), 0 at the removed tokens
+                      (univer and block: scale = P~, q_scale = 1 / q(off T) or 1 at a
+                      node with a child, 0 at a leaf; token: scale 1)
+    RESIDUAL_P        r(y) = p(y), 0 at the removed tokens (target_only)
+    RESIDUAL_REPLAY   r(y) = R_k(y) of ``replay_row``: the node's k rejections
+                      replayed from p and q (rrs, rrsw, traversal)
 
-(univer and block: scale = P~, q_scale = 1 / q(off T) or 1 at a node with a
-child, 0 at a leaf; token: scale 1). It is drawn by a float64 inverse CDF in
-two passes over the vocabulary, never writing a [V] row.
+It is drawn by a float64 inverse CDF in two passes over the vocabulary, never
+writing a [V] row.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS: tl.constexpr):
+    # The node's child slots [SLOTS], their node ids (-1: none) and tokens (-1: missing).
+    slot = tl.arange(0, SLOTS)
+    kid = tl.load(children_ptr + node * stride_cn + slot, mask=slot < num_slots, other=-1)
+    tok = tl.load(tokens_ptr + b * stride_tb + tl.maximum(kid, 0), mask=kid >= 0, other=-1)
+    return slot, kid, tok
 
 
 @triton.jit
@@ -34,40 +46,132 @@ def continue_prob(mass, scale):
     return tl.minimum(tl.maximum(stop, 0.0), 1.0)
 
 
-@triton.jit
-def residual_weight(p_blk, q_blk, in_set, scale, q_scale, P_ONLY: tl.constexpr):
-    # r(y) on one block of the vocabulary (see the module docstring).
-    if P_ONLY:
-        res = p_blk
-    else:
-        res = tl.maximum(scale * p_blk - q_blk * q_scale, 0.0)
-    return tl.where(in_set, 0.0, res)
+RESIDUAL_CLIPPED, RESIDUAL_P, RESIDUAL_REPLAY = 0, 1, 2
+
+# safe_ratio's clamp: a coefficient that may multiply zeros is never inf.
+FLOAT64_MAX = 1.7976931348623157e308
 
 
 @triton.jit
-def _residual_block(p_row, q_row, idx, vocab, removed, scale, q_scale, P_ONLY: tl.constexpr):
+def safe_ratio(num, den):
+    # num / den where den > 0, else 0, at most the largest float64 (ops.safe_ratio).
+    ratio = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+    return tl.minimum(ratio, FLOAT64_MAX)
+
+
+@triton.jit
+def replay_row(p_vals, q_vals, idx, tokens, slot, a_vec, c_vec, steps, REMOVES: tl.constexpr):
+    """(R_k, Q_k) at the tokens ``idx`` (a vocabulary block, or a node's child
+    tokens; -1 matches none) from p_vals, q_vals there (float64), after the
+    first k = ``steps`` rejections of ``rejection_replay.RejectionReplay``:
+
+        R_{i+1} = [a_i R_i - c_i Q_i]+,  Q_{i+1} = Q_i with Q(x_i) = 0 (REMOVES) or Q_i,
+
+    where Q_i(x) = 0 makes the step R_{i+1}(x) = a_i R_i(x). Step i's a_i, c_i and
+    x_i are the entries of a_vec, c_vec, tokens [SLOTS] at ``slot`` == i (a = 1,
+    c = 0 leave a row as it is)."""
+    rows = p_vals
+    gone = idx < -1  # all False: no token removed yet
+    for i in range(0, steps):
+        at_step = slot == i
+        a = tl.sum(tl.where(at_step, a_vec, 0.0), axis=0)
+        c = tl.sum(tl.where(at_step, c_vec, 0.0), axis=0)
+        rows = tl.where(gone, rows * a, tl.maximum(rows * a - c * q_vals, 0.0))
+        if REMOVES:
+            x = tl.sum(tl.where(at_step, tokens, 0), axis=0)
+            gone = gone | ((idx == x) & (x >= 0))
+    return rows, tl.where(gone, 0.0, q_vals)
+
+
+@triton.jit
+def _residual_block(
+    p_row, q_row, idx, vocab, tokens, slot, scale, q_scale, a_vec, c_vec, KIND: tl.constexpr, REMOVES: tl.constexpr
+):
     # (r, p) on the vocabulary block ``idx`` (float64; 0 past the end).
     inside = idx < vocab
     p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
     q_blk = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
-    in_set = tl.max((idx[:, None] == removed[None, :]).to(tl.int32), axis=1) > 0
-    return residual_weight(p_blk, q_blk, in_set, scale, q_scale, P_ONLY), p_blk
+    if KIND == RESIDUAL_REPLAY:
+        res, _ = replay_row(p_blk, q_blk, idx, tokens, slot, a_vec, c_vec, tokens.shape[0], REMOVES)
+    else:
+        if KIND == RESIDUAL_P:
+            res = p_blk
+        else:
+            res = tl.maximum(scale * p_blk - q_blk * q_scale, 0.0)
+        in_set = tl.max((idx[:, None] == tokens[None, :]).to(tl.int32), axis=1) > 0
+        res = tl.where(in_set, 0.0, res)
+    return res, p_blk
 
 
 @triton.jit
-def draw_residual(p_row, q_row, removed, scale, q_scale, uniform, vocab, P_ONLY: tl.constexpr, BLOCK_V: tl.constexpr):
+def draw_residual(
+    p_row,
+    q_row,
+    tokens,
+    slot,
+    scale,
+    q_scale,
+    a_vec,
+    c_vec,
+    uniform,
+    vocab,
+    KIND: tl.constexpr,
+    REMOVES: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """The token at ``uniform`` (float64 in [0, 1)) of the residual row's inverse
-    CDF; ``removed`` [SLOTS] the tokens off the row (-1: none). An empty residual
-    (probability 0 in exact arithmetic) draws from p, as ``verify`` does."""
+    CDF (module docstring; ``tokens`` [SLOTS] the removed tokens, or the replay's
+    x_i, -1: none; ``slot`` = arange(SLOTS); scale, q_scale read by
+    RESIDUAL_CLIPPED, a_vec, c_vec [SLOTS] by RESIDUAL_REPLAY). An empty
+    residual (probability 0 in exact arithmetic) draws from p, as ``verify`` does."""
+    choice, _ = _inverse_cdf(
+        p_row, q_row, tokens, slot, scale, q_scale, a_vec, c_vec, uniform, vocab, KIND, REMOVES, True, BLOCK_V
+    )
+    return choice
+
+
+@triton.jit
+def draw_excluding(row, excluded, slot, uniform, vocab, BLOCK_V: tl.constexpr):
+    """The token at ``uniform`` (float64 in [0, 1)) of the inverse CDF of ``row``
+    (a draft row q >= 0) with the tokens ``excluded`` [SLOTS] (-1: none) at 0;
+    -1 where nothing is left (the draft schemes' missing child)."""
+    one = tl.full((), 1.0, tl.float64)
+    choice, total = _inverse_cdf(
+        row, row, excluded, slot, one, one, one, one, uniform, vocab, RESIDUAL_P, False, False, BLOCK_V
+    )
+    return tl.where(total > 0, choice, -1)
+
+
+@triton.jit
+def _inverse_cdf(
+    p_row,
+    q_row,
+    tokens,
+    slot,
+    scale,
+    q_scale,
+    a_vec,
+    c_vec,
+    uniform,
+    vocab,
+    KIND: tl.constexpr,
+    REMOVES: tl.constexpr,
+    FALLBACK_P: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # (token at ``uniform``, the residual's mass): ``draw_residual``'s draw, from p
+    # where the residual is empty and FALLBACK_P (else the token is meaningless).
     offs = tl.arange(0, BLOCK_V)
     res_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
     p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
     for start in range(0, vocab, BLOCK_V):
-        res, p_blk = _residual_block(p_row, q_row, start + offs, vocab, removed, scale, q_scale, P_ONLY)
+        res, p_blk = _residual_block(
+            p_row, q_row, start + offs, vocab, tokens, slot, scale, q_scale, a_vec, c_vec, KIND, REMOVES
+        )
         res_acc += res
         p_acc += p_blk
     res_total = tl.sum(res_acc, axis=0)
-    use_p = res_total <= 0
+    use_p = (res_total <= 0) & FALLBACK_P
     total = tl.where(use_p, tl.sum(p_acc, axis=0), res_total)
     target = uniform * total
 
@@ -80,7 +184,9 @@ def draw_residual(p_row, q_row, removed, scale, q_scale, uniform, vocab, P_ONLY:
     last_positive = tl.zeros((), dtype=tl.int64)
     for start in range(0, vocab, BLOCK_V):
         idx = start + offs
-        res, p_blk = _residual_block(p_row, q_row, idx, vocab, removed, scale, q_scale, P_ONLY)
+        res, p_blk = _residual_block(
+            p_row, q_row, idx, vocab, tokens, slot, scale, q_scale, a_vec, c_vec, KIND, REMOVES
+        )
         w = tl.where(use_p, p_blk, res)
         block_total = tl.sum(w, axis=0)
         crosses = (running + tl.cumsum(w, axis=0) > target) & (w > 0)
@@ -92,21 +198,31 @@ def draw_residual(p_row, q_row, removed, scale, q_scale, uniform, vocab, P_ONLY:
         choice = tl.where(block_holds, pick, choice)
         found = tl.where(block_holds, 1, found)
         running += block_total
-    return tl.where(found == 1, choice, last_positive)
+    return tl.where(found == 1, choice, last_positive), res_total
 
 
 @triton.jit
 def first_argmax(p_row, vocab, BLOCK_V: tl.constexpr):
     # argmax of one row, the first index on ties (torch.argmax's).
+    return top_token(p_row, tl.full([2], -1, tl.int64), vocab, BLOCK_V)
+
+
+@triton.jit
+def top_token(row, excluded, vocab, BLOCK_V: tl.constexpr):
+    """The largest entry of ``row`` (probabilities or logits, -inf allowed) off
+    the tokens ``excluded`` [SLOTS] (-1: none), the first index on ties: called
+    k times with the earlier winners excluded, ``drafting.top_tokens``'s order."""
     offs = tl.arange(0, BLOCK_V)
-    best = tl.full((), -1.0, tl.float64)
-    best_index = tl.zeros((), dtype=tl.int64)
+    best = tl.full((), float("-inf"), tl.float64)
+    best_index = tl.full((), -1, tl.int64)
     for start in range(0, vocab, BLOCK_V):
         idx = start + offs
-        p_blk = tl.load(p_row + idx, mask=idx < vocab, other=-1.0).to(tl.float64)
-        top = tl.max(p_blk, axis=0)
-        first = tl.min(tl.where(p_blk == top, idx, vocab), axis=0).to(tl.int64)
-        better = top > best
+        allowed = (idx < vocab) & (tl.max((idx[:, None] == excluded[None, :]).to(tl.int32), axis=1) == 0)
+        vals = tl.load(row + idx, mask=idx < vocab, other=0.0).to(tl.float64)
+        vals = tl.where(allowed, vals, float("-inf"))
+        top = tl.max(vals, axis=0)
+        first = tl.min(tl.where(allowed & (vals == top), idx, vocab), axis=0).to(tl.int64)
+        better = (first < vocab) & ((top > best) | (best_index < 0))
         best_index = tl.where(better, first, best_index)
         best = tl.where(better, top, best)
     return best_index

@@ -1,6 +1,5 @@
-"""Triton kernels: the node rules of the ``topk1`` verifiers (univer, greedy) and
-of target_only, one launch per depth level, and the rest of the step in one
-launch (the CUDA path of ``verify``).
+"""Triton kernel: the node rules of the ``topk1`` verifiers (univer, greedy) and
+of target_only, one launch per depth level (the CUDA path of ``verify``).
 
 The PyTorch node rules (``verifiers/univer.py``, ``greedy.py``,
 ``target_only.py``) issue ~100 small ATen ops per level, each a kernel launch on
@@ -17,13 +16,7 @@ and writes each child's weight (P~ for univer, alpha for the DESCENT rules),
 the node's stop probability h (univer) and the factor 1 / q(off T) that turns q
 into q_bar (0 when the node has no sampled child) for the residual draw.
 
-The rest of the step, one program per request (``finish_step``): the end node
-from the weights and the uniforms (``tree_pass.decide_postorder`` or
-``decide_descent``, over the tree's index tables); for a greedy row argmax
-matching instead (one pass over p per node on its path); the next token drawn
-from the end node's residual row (``triton_rows.draw_residual``: its mass, then
-an inverse-CDF search in float64 block sums, never writing a [B, V] row); and
-the output row (accepted tokens, the next token, -1 padded).
+The rest of the step is ``triton_finish_step``.
 
 Tensors: p, q [B, N+1, V] (last dim contiguous; float32, bfloat16 or float64);
 tokens [B, N+1] int64 (-1: missing); children [N+1, C] int64 (-1 padded).
@@ -35,19 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import block_size, clipped_ratio, continue_prob, draw_residual, first_argmax
+from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob
 
 UNIVER, GREEDY, TARGET_ONLY = 0, 1, 2
 RULES = {"univer": UNIVER, "greedy": GREEDY, "target_only": TARGET_ONLY}
-
-
-@triton.jit
-def _child_tokens(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS: tl.constexpr):
-    # The node's child slots [SLOTS], their node ids (-1: none) and tokens (-1: missing).
-    slot = tl.arange(0, SLOTS)
-    kid = tl.load(children_ptr + node * stride_cn + slot, mask=slot < num_slots, other=-1)
-    tok = tl.load(tokens_ptr + b * stride_tb + tl.maximum(kid, 0), mask=kid >= 0, other=-1)
-    return slot, kid, tok
 
 
 @triton.jit
@@ -86,7 +70,7 @@ def _topk1_level_kernel(
     p_row = p_ptr + b * stride_pb + node * stride_pn
     q_row = q_ptr + b * stride_qb + node * stride_qn
 
-    slot, kid, tok = _child_tokens(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
+    slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
     has_tok = tok >= 0
     p_tok = tl.load(p_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
 
@@ -147,112 +131,6 @@ def _topk1_level_kernel(
     tl.store(weight_ptr + b * stride_wb + kid, child.to(weight_ptr.dtype.element_ty), mask=kid >= 0)
 
 
-@triton.jit
-def _finish_kernel(
-    p_ptr,
-    q_ptr,
-    tokens_ptr,
-    children_ptr,
-    postorder_ptr,  # [N+1] int64: the nodes in post-order (the root last)
-    is_internal_ptr,  # [N+1] int8: the shape gives the node children
-    ancestors_ptr,  # [N+1, D] int64: the path to each node, root excluded, -1 padded
-    depth_ptr,  # [N+1] int64
-    weight_ptr,  # [B, N+1]: alpha (DESCENT) or entry P~ (univer)
-    stop_ptr,  # [B, N+1]: the rule's h of internal nodes (univer)
-    q_bar_scale_ptr,  # [B, N+1] float64
-    uniform_ptr,  # [B, N+2] float64: eta per node, then Y's
-    greedy_ptr,  # [B] int8 (read if HAS_GREEDY)
-    end_ptr,  # [B] int64: written, or read where the end is given (DECIDE false)
-    accepted_ptr,  # [B] int64, written: depth of the end node
-    out_ptr,  # [B, D+1] int64, written: accepted tokens, the next token, -1 padded
-    stride_pb,
-    stride_pn,
-    stride_qb,
-    stride_qn,
-    stride_tb,
-    stride_cn,
-    stride_an,
-    stride_wb,
-    stride_sb,
-    stride_ub,
-    stride_ob,
-    vocab,
-    num_nodes,
-    num_slots,
-    max_depth,
-    RULE: tl.constexpr,
-    DECIDE: tl.constexpr,
-    HAS_GREEDY: tl.constexpr,
-    SLOTS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    b = tl.program_id(0)
-    greedy = tl.zeros((), dtype=tl.int1)
-    if HAS_GREEDY:
-        greedy = tl.load(greedy_ptr + b) != 0
-    end = tl.zeros((), dtype=tl.int64)
-    if not DECIDE:
-        end = tl.load(end_ptr + b)
-    elif RULE == UNIVER:
-        # POSTORDER (tree_pass.decide_postorder, finish_stop's h): the first node in
-        # post-order with eta < h; the root (last) always qualifies.
-        found = tl.zeros((), dtype=tl.int1)
-        for k in range(0, num_nodes):
-            v = tl.load(postorder_ptr + k)
-            exists = (v == 0) | (tl.load(tokens_ptr + b * stride_tb + v) >= 0)
-            internal = tl.load(is_internal_ptr + v) != 0
-            h = tl.where(internal, tl.load(stop_ptr + b * stride_sb + v), tl.load(weight_ptr + b * stride_wb + v))
-            h = tl.where(v == 0, 1.0, tl.where(exists, h.to(tl.float64), 0.0))
-            hit = (found == 0) & ((tl.load(uniform_ptr + b * stride_ub + v) < h) | (v == 0))
-            end = tl.where(hit, v, end)
-            found = found | hit
-    else:
-        # DESCENT (tree_pass.decide_descent): at each node the first child slot with eta < alpha.
-        walking = tl.full((), 1, tl.int1)
-        for _ in range(0, max_depth):
-            slot, kid, _tok = _child_tokens(children_ptr, tokens_ptr, b, end, stride_tb, stride_cn, num_slots, SLOTS)
-            safe = tl.maximum(kid, 0)
-            alpha = tl.load(weight_ptr + b * stride_wb + safe, mask=kid >= 0, other=0.0).to(tl.float64)
-            eta = tl.load(uniform_ptr + b * stride_ub + safe, mask=kid >= 0, other=1.0)
-            first = tl.min(tl.where((kid >= 0) & (eta < alpha), slot, SLOTS), axis=0)
-            moved = walking & (first < SLOTS)
-            end = tl.where(moved, tl.sum(tl.where(slot == first, kid, 0), axis=0).to(tl.int64), end)
-            walking = moved
-
-    choice = tl.zeros((), dtype=tl.int64)
-    if greedy:
-        # api._argmax_matching: into the first child that is its parent's argmax; Y = the end's argmax.
-        end = tl.zeros((), dtype=tl.int64)
-        walking = tl.full((), 1, tl.int1)
-        for _ in range(0, max_depth + 1):
-            if walking:
-                argmax = first_argmax(p_ptr + b * stride_pb + end * stride_pn, vocab, BLOCK_V)
-                slot, kid, tok = _child_tokens(children_ptr, tokens_ptr, b, end, stride_tb, stride_cn, num_slots, SLOTS)
-                first = tl.min(tl.where((kid >= 0) & (tok == argmax), slot, SLOTS), axis=0)
-                walking = first < SLOTS
-                choice = tl.where(walking, choice, argmax)
-                end = tl.where(walking, tl.sum(tl.where(slot == first, kid, 0), axis=0).to(tl.int64), end)
-    else:
-        slot, _, tok = _child_tokens(children_ptr, tokens_ptr, b, end, stride_tb, stride_cn, num_slots, SLOTS)
-        if RULE != TARGET_ONLY:
-            tok = tl.where(slot >= 1, tok, -1)  # only the top set T is removed; the sampled token stays
-        scale = _entry_scale(weight_ptr, b, stride_wb, end, RULE)
-        q_bar_scale = tl.load(q_bar_scale_ptr + b * stride_wb + end)
-        uniform = tl.load(uniform_ptr + b * stride_ub + num_nodes)
-        p_row = p_ptr + b * stride_pb + end * stride_pn
-        q_row = q_ptr + b * stride_qb + end * stride_qn
-        choice = draw_residual(p_row, q_row, tok, scale, q_bar_scale, uniform, vocab, RULE == TARGET_ONLY, BLOCK_V)
-
-    # The output row (api._assemble): the path's tokens, then Y, then -1.
-    accepted = tl.load(depth_ptr + end)
-    for j in range(0, max_depth + 1):
-        node = tl.load(ancestors_ptr + end * stride_an + j, mask=j < max_depth, other=-1)
-        drafted = tl.load(tokens_ptr + b * stride_tb + tl.maximum(node, 0), mask=node >= 0, other=-1)
-        tl.store(out_ptr + b * stride_ob + j, tl.where(j < accepted, drafted, tl.where(j == accepted, choice, -1)))
-    tl.store(end_ptr + b, end)
-    tl.store(accepted_ptr + b, accepted)
-
-
 def _launch_shape(num_slots: int, vocab: int) -> tuple[int, int]:
     return triton.next_power_of_2(max(num_slots, 2)), block_size(vocab)
 
@@ -279,41 +157,3 @@ def topk1_level(
         vocab, children.shape[1],
         RULE=RULES[rule], SLOTS=slots, BLOCK_V=block_v,
     )  # fmt: skip
-
-
-def finish_step(
-    rule: str,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    tokens: torch.Tensor,
-    tree,
-    weight: torch.Tensor,
-    stop: torch.Tensor,
-    q_bar_scale: torch.Tensor,
-    uniforms: torch.Tensor,
-    greedy: torch.Tensor | None = None,
-    end: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rest of the step after ``topk1_level``, one program per request: the
-    end node (from ``uniforms`` [B, N+2] float64: eta per node, then Y's; or the
-    given ``end`` [B]), greedy rows' argmax matching (``greedy`` [B] bool), the
-    next token drawn from the end node's residual and the output row.
-
-    ``tree``: the ``_TreeTensors`` of the shape. Returns output rows [B, D+1],
-    accepted tokens [B] and the end node [B] (int64)."""
-    batch, num_nodes, vocab = p.shape
-    slots, block_v = _launch_shape(tree.children.shape[1], vocab)
-    decide = end is None
-    end = torch.empty(batch, dtype=torch.long, device=p.device) if decide else end.clone()
-    accepted = torch.empty_like(end)
-    out = torch.empty(batch, tree.max_depth + 1, dtype=torch.long, device=p.device)
-    flags = end if greedy is None else greedy.to(torch.int8)  # not read without greedy rows
-    _finish_kernel[(batch,)](
-        p, q, tokens, tree.children, tree.postorder, tree.is_internal_int8, tree.ancestors, tree.depth,
-        weight, stop, q_bar_scale, uniforms, flags, end, accepted, out,
-        p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), tree.children.stride(0),
-        tree.ancestors.stride(0), weight.stride(0), stop.stride(0), uniforms.stride(0), out.stride(0),
-        vocab, num_nodes, tree.children.shape[1], tree.max_depth,
-        RULE=RULES[rule], DECIDE=decide, HAS_GREEDY=greedy is not None, SLOTS=slots, BLOCK_V=block_v,
-    )  # fmt: skip
-    return out, accepted, end

@@ -1,0 +1,121 @@
+"""Triton kernel: draw the children of one level's nodes by a draft scheme (the
+CUDA path of the engine's drafter), one launch per level and child count.
+
+``drafting.draft_children`` costs 40-110 small ATen ops per call (block sums,
+two-stage searches, top-k with a tie check that reads the device for k >= 2),
+each a kernel launch on CUDA, at every depth of every step. Here one program per
+(request, node) reads its row and writes its m children in slot order:
+
+    chain, iid  m tokens by inverse CDF of q at m uniforms
+    wor         token j by inverse CDF of q with tokens 0..j-1 removed (-1 once
+                nothing is left): sequential sampling without replacement
+    topk1       slots 1..m-1 the top tokens of q (rank order, ties to the lower
+                id: ``drafting.top_tokens``), slot 0 by inverse CDF of q off them
+                (-1 where they hold all of q)
+    greedy row  the m top tokens (``top_tokens(rows, m)``; rows may be logits)
+
+Each draw is two float64 passes over the row (its mass, then the search:
+``triton_rows.draw_excluding``), each top token one pass (``top_token``). The
+uniforms come in as one [R, K, m] float64 tensor: the law is the scheme's for
+every request; only the stream of random numbers differs from the PyTorch path.
+
+Tensors: rows [R, W, V] (last dim contiguous; q, or logits for greedy rows);
+row_index [K] int64 (the nodes' rows among the W); uniforms [R, K, m] float64;
+greedy [R] bool; out [R, K, m] int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_rows import block_size, draw_excluding, top_token
+
+CHAIN, IID, WOR, TOPK1 = 0, 1, 2, 3
+SCHEMES = {"chain": CHAIN, "iid": IID, "wor": WOR, "topk1": TOPK1}
+
+
+@triton.jit
+def _draft_children_kernel(
+    rows_ptr,
+    row_index_ptr,
+    uniform_ptr,
+    greedy_ptr,  # [R] int8 (read if HAS_GREEDY)
+    out_ptr,
+    stride_rr,
+    stride_rw,
+    stride_ur,
+    stride_uk,
+    stride_or,
+    stride_ok,
+    vocab,
+    SCHEME: tl.constexpr,
+    M: tl.constexpr,  # children per node
+    SLOTS: tl.constexpr,  # M rounded up to a power of 2
+    HAS_GREEDY: tl.constexpr,
+    ALL_GREEDY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    r = tl.program_id(0)
+    k = tl.program_id(1)
+    row = rows_ptr + r * stride_rr + tl.load(row_index_ptr + k) * stride_rw
+    uniforms = uniform_ptr + r * stride_ur + k * stride_uk
+    slot = tl.arange(0, SLOTS)
+    kids = tl.full([SLOTS], -1, tl.int64)
+    greedy = tl.full((), ALL_GREEDY, tl.int1)
+    if HAS_GREEDY:
+        greedy = tl.load(greedy_ptr + r) != 0
+    if greedy:
+        for j in tl.static_range(M):
+            kids = tl.where(slot == j, top_token(row, kids, vocab, BLOCK_V), kids)
+    elif SCHEME == TOPK1:
+        for j in tl.static_range(1, M):
+            kids = tl.where(slot == j, top_token(row, kids, vocab, BLOCK_V), kids)
+        sampled = draw_excluding(row, kids, slot, tl.load(uniforms), vocab, BLOCK_V)
+        kids = tl.where(slot == 0, sampled, kids)
+    else:
+        none = tl.full([SLOTS], -1, tl.int64)
+        for j in tl.static_range(M):
+            if SCHEME == WOR:  # off the tokens drawn so far
+                drawn = draw_excluding(row, kids, slot, tl.load(uniforms + j), vocab, BLOCK_V)
+            else:
+                drawn = draw_excluding(row, none, slot, tl.load(uniforms + j), vocab, BLOCK_V)
+            kids = tl.where(slot == j, drawn, kids)
+    tl.store(out_ptr + r * stride_or + k * stride_ok + slot, kids, mask=slot < M)
+
+
+def draft_children_fused(
+    scheme: str,
+    rows: torch.Tensor,
+    row_index: torch.Tensor,
+    num_children: int,
+    greedy: torch.Tensor | None = None,
+    all_greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The children of K nodes of R requests, ``drafting.draft_children``'s law.
+
+    rows [R, W, V] (last dim contiguous; a q buffer's level, or logits where
+    every row is greedy), row_index [K] int64 (which of the W rows are the K
+    nodes), greedy [R] bool (those rows take the top ``num_children`` tokens,
+    ``top_tokens``), all_greedy: every row greedy (greedy then not read).
+    Returns LongTensor [R, K, m], -1 where a child does not exist."""
+    batch, _, vocab = rows.shape
+    if rows.stride(-1) != 1:
+        raise ValueError("draft_children_fused reads rows whose vocabulary dimension is contiguous")
+    m = int(num_children)
+    nodes = row_index.numel()
+    out = torch.empty(batch, nodes, m, dtype=torch.long, device=rows.device)
+    if all_greedy:  # no draws: the uniforms are not read
+        uniforms = out
+    else:
+        uniforms = torch.rand(batch, nodes, m, generator=generator, device=rows.device, dtype=torch.float64)
+    flags = out if greedy is None else greedy.to(torch.int8)  # not read without greedy rows
+    _draft_children_kernel[(batch, nodes)](
+        rows, row_index, uniforms, flags, out,
+        rows.stride(0), rows.stride(1), uniforms.stride(0), uniforms.stride(1), out.stride(0), out.stride(1), vocab,
+        SCHEME=SCHEMES[scheme], M=m, SLOTS=triton.next_power_of_2(max(m, 2)), HAS_GREEDY=greedy is not None,
+        ALL_GREEDY=all_greedy, BLOCK_V=block_size(vocab),
+    )  # fmt: skip
+    return out

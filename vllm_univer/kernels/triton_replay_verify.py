@@ -1,0 +1,147 @@
+"""Triton kernel: the node rules of rrs, rrsw and traversal (a node's run of
+rejections), one launch per depth level (the CUDA path of ``verify``).
+
+The PyTorch rules (``verifiers/rrs.py``, ``traversal.py`` over
+``rejection_replay.RejectionReplay``) issue 1100-2000 small ATen ops for a 2x5
+tree, each a kernel launch on CUDA. Here one program per (request, node of the
+level) runs the node's rejections over its child slots j = 0, 1, ...:
+
+    at the child   R_j(x_j), Q_j(x_j) replayed on the child tokens (O(C^2))
+    rule           rrs / rrsw: alpha_j = min(1, (R_j(x_j) / M) / (Q_j(x_j) / N))
+                   traversal:  P~ of the child = min(1, P~ (R_j(x_j) / M) / (Q_j(x_j) / N))
+    reject x_j     a_j = 1 (rrs, rrsw) or P~ (traversal), c_j = M / N
+    one pass       M, N = sum R_{j+1}, sum Q_{j+1} (the rows replayed per
+                   vocabulary block, float64); traversal: P~ <- h(M' / M, P~)
+
+with M = N = 1 before the first rejection (the rows are distributions), the
+same formulas as the PyTorch rules, and writes each child's weight (alpha, or
+P~ on entry), traversal's h = the final P~, and the steps' a_j, c_j: the end
+node's residual row R_C is replayed from them by ``triton_finish_step``.
+
+Tensors: p, q [B, N+1, V] (last dim contiguous; any float dtype); tokens
+[B, N+1] int64 (-1: missing); children [N+1, C] int64 (-1 padded); steps
+[B, N+1, 2C] float64 (a_0..a_{C-1}, then c_0..c_{C-1}).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob, replay_row, safe_ratio
+
+RRS, RRSW, TRAVERSAL = 0, 1, 2
+RULES = {"rrs": RRS, "rrsw": RRSW, "traversal": TRAVERSAL}
+
+
+@triton.jit
+def _replay_level_kernel(
+    p_ptr,
+    q_ptr,
+    tokens_ptr,
+    nodes_ptr,
+    children_ptr,
+    weight_ptr,  # [B, N+1] work dtype: read (traversal: P~ of the node), written (children)
+    stop_ptr,  # [B, N+1] work dtype, written (traversal): h of the node
+    steps_ptr,  # [B, N+1, 2C] float64, written: a_j, then c_j
+    stride_pb,
+    stride_pn,
+    stride_qb,
+    stride_qn,
+    stride_tb,
+    stride_cn,
+    stride_wb,
+    stride_sb,
+    stride_sn,
+    vocab,
+    num_slots,
+    RULE: tl.constexpr,
+    REMOVES: tl.constexpr,  # a rejected token leaves Q (rrsw, traversal)
+    MASSES_AFTER_LAST: tl.constexpr,  # 1: the masses after the last slot too (traversal's h)
+    SLOTS: tl.constexpr,  # num_slots rounded up to a power of 2
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    node = tl.load(nodes_ptr + tl.program_id(1))
+    p_row = p_ptr + b * stride_pb + node * stride_pn
+    q_row = q_ptr + b * stride_qb + node * stride_qn
+
+    slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
+    has_tok = tok >= 0
+    p_tok = tl.load(p_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
+    q_tok = tl.load(q_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
+
+    scale = tl.full((), 1.0, tl.float64)
+    if RULE == TRAVERSAL:
+        scale = tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
+    p_mass = tl.full((), 1.0, tl.float64)
+    q_mass = tl.full((), 1.0, tl.float64)
+    a_vec = tl.full([SLOTS], 1.0, tl.float64)
+    c_vec = tl.zeros([SLOTS], dtype=tl.float64)
+    child = tl.zeros([SLOTS], dtype=tl.float64)
+    offs = tl.arange(0, BLOCK_V)
+    for j in range(0, num_slots):
+        at_slot = slot == j
+        exists = tl.sum(tl.where(at_slot, tok, 0), axis=0) >= 0
+        r_at, q_at = replay_row(p_tok, q_tok, tok, tok, slot, a_vec, c_vec, j, REMOVES)
+        r_x = tl.sum(tl.where(at_slot, r_at, 0.0), axis=0)
+        q_x = tl.sum(tl.where(at_slot, q_at, 0.0), axis=0)
+        p_safe = tl.where(p_mass > 0, p_mass, 1.0)
+        q_safe = tl.where(q_mass > 0, q_mass, 1.0)
+        weight = clipped_ratio(scale * r_x / p_safe, q_x / q_safe)
+        child = tl.where(at_slot & exists, weight, child)
+        a_vec = tl.where(at_slot & exists, scale, a_vec)
+        c_vec = tl.where(at_slot & exists, safe_ratio(p_mass, q_mass), c_vec)
+        if j + 1 < num_slots + MASSES_AFTER_LAST:  # the masses after rejecting x_j
+            r_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+            q_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+            for start in range(0, vocab, BLOCK_V):
+                idx = start + offs
+                inside = idx < vocab
+                p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
+                q_blk = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+                r_blk, q_kept = replay_row(p_blk, q_blk, idx, tok, slot, a_vec, c_vec, j + 1, REMOVES)
+                r_acc += r_blk
+                q_acc += q_kept
+            new_p_mass = tl.sum(r_acc, axis=0)
+            if RULE == TRAVERSAL:
+                # A missing child was never visited: the node's state stays.
+                scale = tl.where(exists, continue_prob(new_p_mass / p_safe, scale), scale)
+                p_mass = tl.where(exists, new_p_mass, p_mass)
+                q_mass = tl.where(exists, tl.sum(q_acc, axis=0), q_mass)
+            else:
+                p_mass = new_p_mass
+                if REMOVES:
+                    q_mass = tl.sum(q_acc, axis=0)
+    tl.store(weight_ptr + b * stride_wb + kid, child.to(weight_ptr.dtype.element_ty), mask=kid >= 0)
+    if RULE == TRAVERSAL:
+        tl.store(stop_ptr + b * stride_wb + node, scale.to(stop_ptr.dtype.element_ty))
+    steps_row = steps_ptr + b * stride_sb + node * stride_sn
+    tl.store(steps_row + slot, a_vec, mask=slot < num_slots)
+    tl.store(steps_row + num_slots + slot, c_vec, mask=slot < num_slots)
+
+
+def replay_level(
+    rule: str,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    tokens: torch.Tensor,
+    nodes: torch.Tensor,
+    children: torch.Tensor,
+    weight: torch.Tensor,
+    stop: torch.Tensor,
+    steps: torch.Tensor,
+) -> None:
+    """The node rule at ``nodes`` [n] (one depth level) of every request, in place:
+    children's weights into ``weight`` [B, N+1], h into ``stop`` (traversal) and
+    the rejections' a_j, c_j into ``steps`` [B, N+1, 2C] float64."""
+    batch, _, vocab = p.shape
+    num_slots = children.shape[1]
+    _replay_level_kernel[(batch, nodes.numel())](
+        p, q, tokens, nodes, children, weight, stop, steps,
+        p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0), weight.stride(0),
+        steps.stride(0), steps.stride(1), vocab, num_slots,
+        RULE=RULES[rule], REMOVES=rule != "rrs", MASSES_AFTER_LAST=int(rule == "traversal"),
+        SLOTS=triton.next_power_of_2(max(num_slots, 2)), BLOCK_V=block_size(vocab),
+    )  # fmt: skip
