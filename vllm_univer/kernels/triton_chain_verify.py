@@ -134,9 +134,9 @@ def _chain_verify_kernel(
         none_removed = tl.full([2], -1, tl.int64)
         slot = tl.arange(0, 2)
         q_scale = tl.where(end_has_child, 1.0, 0.0).to(tl.float64)
-        choice = draw_residual(
+        choice, _ = draw_residual(
             p_row, q_row, none_removed, slot, end_scale, q_scale, end_scale, q_scale, uniform, vocab,
-            RESIDUAL_CLIPPED, False, BLOCK_V,
+            RESIDUAL_CLIPPED, False, True, BLOCK_V,
         )  # fmt: skip
     tl.store(end_ptr + b, end)
     for j in range(0, num_nodes):

@@ -157,8 +157,8 @@ def _finish_kernel(
         uniform = tl.load(uniform_ptr + b * stride_ub + num_nodes)
         p_row = p_ptr + b * stride_pb + end * stride_pn
         q_row = q_ptr + b * stride_qb + end * stride_qn
-        choice = draw_residual(
-            p_row, q_row, tok, slot, scale, q_scale, a_vec, c_vec, uniform, vocab, RESIDUAL, REMOVES, BLOCK_V
+        choice, _ = draw_residual(
+            p_row, q_row, tok, slot, scale, q_scale, a_vec, c_vec, uniform, vocab, RESIDUAL, REMOVES, True, BLOCK_V
         )
 
     # The output row (api._assemble): the path's tokens, then Y, then -1.

@@ -104,46 +104,19 @@ def _residual_block(
 
 
 @triton.jit
-def draw_residual(
-    p_row,
-    q_row,
-    tokens,
-    slot,
-    scale,
-    q_scale,
-    a_vec,
-    c_vec,
-    uniform,
-    vocab,
-    KIND: tl.constexpr,
-    REMOVES: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    """The token at ``uniform`` (float64 in [0, 1)) of the residual row's inverse
-    CDF (module docstring; ``tokens`` [SLOTS] the removed tokens, or the replay's
-    x_i, -1: none; ``slot`` = arange(SLOTS); scale, q_scale read by
-    RESIDUAL_CLIPPED, a_vec, c_vec [SLOTS] by RESIDUAL_REPLAY). An empty
-    residual (probability 0 in exact arithmetic) draws from p, as ``verify`` does."""
-    choice, _ = _inverse_cdf(
-        p_row, q_row, tokens, slot, scale, q_scale, a_vec, c_vec, uniform, vocab, KIND, REMOVES, True, BLOCK_V
-    )
-    return choice
-
-
-@triton.jit
 def draw_excluding(row, excluded, slot, uniform, vocab, BLOCK_V: tl.constexpr):
     """The token at ``uniform`` (float64 in [0, 1)) of the inverse CDF of ``row``
     (a draft row q >= 0) with the tokens ``excluded`` [SLOTS] (-1: none) at 0;
     -1 where nothing is left (the draft schemes' missing child)."""
     one = tl.full((), 1.0, tl.float64)
-    choice, total = _inverse_cdf(
+    choice, total = draw_residual(
         row, row, excluded, slot, one, one, one, one, uniform, vocab, RESIDUAL_P, False, False, BLOCK_V
     )
     return tl.where(total > 0, choice, -1)
 
 
 @triton.jit
-def _inverse_cdf(
+def draw_residual(
     p_row,
     q_row,
     tokens,
@@ -159,8 +132,12 @@ def _inverse_cdf(
     FALLBACK_P: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # (token at ``uniform``, the residual's mass): ``draw_residual``'s draw, from p
-    # where the residual is empty and FALLBACK_P (else the token is meaningless).
+    """(the token at ``uniform`` (float64 in [0, 1)) of the residual row's inverse
+    CDF, the row's mass): module docstring; ``tokens`` [SLOTS] the removed tokens,
+    or the replay's x_i, -1: none; ``slot`` = arange(SLOTS); scale, q_scale read
+    by RESIDUAL_CLIPPED, a_vec, c_vec [SLOTS] by RESIDUAL_REPLAY. An empty
+    residual (probability 0 in exact arithmetic) draws from p with FALLBACK_P, as
+    ``verify`` does; without it the token is then meaningless."""
     offs = tl.arange(0, BLOCK_V)
     res_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
     p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
