@@ -1,7 +1,7 @@
 """The fused (Triton) path of ``verify`` equals the PyTorch node rules: run by
 Triton's interpreter on CPU, in a subprocess (TRITON_INTERPRET must be set
-before Triton is imported). univer, greedy and target_only (one launch per
-level, one for the next token):
+before Triton is imported). univer, greedy, target_only and rrs, rrsw,
+traversal (one launch per level, one for the rest of the step), in two scripts:
 
 * the law of the end node that the fused node weights and stop probabilities
   give (through the shared ``decide_*``: ``end_node_law``) equals the PyTorch

@@ -107,8 +107,8 @@ def draft_children_fused(
     m = int(num_children)
     nodes = row_index.numel()
     out = torch.empty(batch, nodes, m, dtype=torch.long, device=rows.device)
-    if all_greedy:  # no draws: the uniforms are not read
-        uniforms = out
+    if all_greedy:  # no draws: the uniforms are not read (an allocation, no launch)
+        uniforms = torch.empty(1, 1, 1, dtype=torch.float64, device=rows.device)
     else:
         uniforms = torch.rand(batch, nodes, m, generator=generator, device=rows.device, dtype=torch.float64)
     flags = out if greedy is None else greedy.to(torch.int8)  # not read without greedy rows
