@@ -16,6 +16,7 @@ Run on a CUDA machine from the repository root (about 5 minutes on one H200):
 3. Chains: ``token`` and ``block`` on 1x5 (their fused one-launch step and the
    PyTorch rules) against vLLM's own rejection sampler on the same chains, where
    vLLM is importable (``gpu_engine.sh`` installs it first).
+4. The fused kernels' vocabulary block, swept (univer, traversal, rrsw on 2x5).
 Writes gpu_check.md into DIR (default benchmarks/results).
 """
 
@@ -342,6 +343,37 @@ def chain_timings(device: torch.device, lines: list[str]) -> None:
             print(lines[-1], flush=True)
 
 
+def block_sweep(device: torch.device, lines: list[str]) -> None:
+    """The fused verify kernels' vocabulary block (``triton_rows.MAX_BLOCK_V``),
+    swept on 2x5 at V = 151 936: which block to keep (ms per verify call)."""
+    from vllm_univer.kernels import triton_rows
+
+    blocks = (1024, 2048, 4096)
+    methods = ("univer", "traversal", "rrsw")
+    lines += [
+        "",
+        "## Vocabulary block of the fused verify kernels (2x5, V = 151936, ms, median of 10)",
+        "",
+        "| method | B | " + " | ".join(f"BLOCK_V {b}" for b in blocks) + " |",
+        "|---|---" + "|---" * len(blocks) + "|",
+    ]
+    tree = TreeSpec.parse("2x5")
+    default = triton_rows.MAX_BLOCK_V
+    try:
+        for method in methods:
+            for batch in (1, 16, 64):
+                tokens, p, q = (x.to(device) for x in make_inputs(method, tree, batch, 151936))
+                row = [method, batch]
+                for block in blocks:
+                    triton_rows.MAX_BLOCK_V = block
+                    row.append(f"{cuda_median_ms(lambda: verify(method, tree, tokens, p, q, validate=False)):.3f}")
+                del tokens, p, q
+                lines.append("| " + " | ".join(str(x) for x in row) + " |")
+                print(lines[-1], flush=True)
+    finally:
+        triton_rows.MAX_BLOCK_V = default
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -360,6 +392,7 @@ def main() -> None:
     attention_timings(device, lines)
     timings(device, lines)
     chain_timings(device, lines)
+    block_sweep(device, lines)
     out = Path(args.out) / "gpu_check.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

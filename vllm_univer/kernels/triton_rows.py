@@ -205,6 +205,12 @@ def top_token(row, excluded, vocab, BLOCK_V: tl.constexpr):
     return best_index
 
 
+# The largest vocabulary block of the verify and drafting kernels. Their passes keep
+# a few [BLOCK_V] float64 arrays live per program; which block runs fastest is a
+# GPU measurement (``benchmarks/gpu_check.py`` sweeps this value).
+MAX_BLOCK_V = 4096
+
+
 def block_size(vocab: int) -> int:
     """Vocabulary block of one program's passes."""
-    return min(4096, triton.next_power_of_2(vocab))
+    return min(MAX_BLOCK_V, triton.next_power_of_2(vocab))
