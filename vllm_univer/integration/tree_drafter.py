@@ -27,6 +27,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from ..drafting import draft_children, top_tokens
 from ..fused_tree_pass import triton_reads
 from ..tree import TreeSpec
+from .draft_inputs import LevelInputs, build_draft_step_inputs
+from .host_to_device import upload
 from .step_buffer import StepBuffer
 from .target_probs import softmax_, split_greedy
 from .tree_attention_plan import TreeAttentionPlan
@@ -134,7 +136,7 @@ class TreeDrafter:
         """Rows drafted deeper than their cut (the batch ran to the deepest cut):
         nodes below the cut removed, their q rows zero (the cut's leaves are read, never drawn from)."""
         for d in np.unique(cut)[:-1].tolist():
-            rows = torch.from_numpy(np.nonzero(cut == d)[0]).to(tokens.device)
+            rows = upload(np.nonzero(cut == d)[0], tokens.device)
             first_below = self.level_span[d][1] + 1
             tokens[rows, first_below:] = -1
             if q is not None:
@@ -154,22 +156,17 @@ class TreeDrafter:
         n1 = tree.num_nodes + 1
 
         # Level 0: the tokens whose draft KV is missing, causally, up to the root.
-        lens = root_pos - start + 1
-        query_start = np.concatenate([[0], np.cumsum(lens)])
-        offsets = np.arange(query_start[-1]) - np.repeat(query_start[:-1], lens)
-        flat_row = np.repeat(np.arange(reqs), lens)
-        flat_pos = np.repeat(start, lens) + offsets
-        token_ids = np.fromiter((t for chunk in level0 for t in chunk), dtype=np.int64, count=int(query_start[-1]))
-        hidden = self._forward(
-            token_ids, flat_pos, flat_row, flat_pos, query_start, root_pos + 1, block_rows, block_size, plan=None
-        )
-        root_logits = self._logits(hidden[torch.from_numpy(query_start[1:] - 1)])
+        # Every level's inputs are built and sent to the device here, once per step.
+        step = build_draft_step_inputs(level0, start, root_pos, self.level_span, depth, block_rows, block_size, device)
+        level = step.levels[0]
+        hidden = self._forward(level.token_ids, level, step.block_table, plan=None)
+        root_logits = self._logits(hidden[level.query_start_loc[1:] - 1])
 
         vocab = root_logits.shape[-1]
         tokens = torch.full((reqs, n1), -1, dtype=torch.long, device=device)
-        tokens[:, 0] = torch.from_numpy(token_ids[query_start[1:] - 1].astype(np.int64)).to(device)
+        tokens[:, 0] = step.root_tokens
         # Host-side facts about the rows decided once here: the level loop reads no device value.
-        greedy = GreedyRows(greedy.to(device), greedy, bool(greedy.any()), bool(greedy.all()))
+        greedy = GreedyRows(upload(greedy, device), greedy, bool(greedy.any()), bool(greedy.all()))
         all_greedy = greedy.all
         q = None
         if not all_greedy:
@@ -181,7 +178,7 @@ class TreeDrafter:
             first, last = self.level_span[depth]
             q = self._q_buffer((reqs, last + 1, vocab), {batch_ids[i] for i in active})
             q[:, first:] = 0.0
-        temp = temperature.to(device).view(-1, 1)
+        temp = upload(temperature, device).view(-1, 1)
         self._draw_children(
             0,
             tokens,
@@ -191,34 +188,20 @@ class TreeDrafter:
             active,
         )
 
-        context = torch.from_numpy(root_pos).to(device)
         for d in range(1, depth):
             first, last = self.level_span[d]
             width = last - first + 1
             node_ids = tokens[:, first : last + 1].clamp(min=0).flatten()  # stays on the device
-            rows = np.repeat(np.arange(reqs), width)
-            slot_pos = (root_pos[:, None] + np.arange(first, last + 1)[None]).flatten()
-            rope_pos = np.repeat(root_pos + d, width)
             plan = TreeAttentionPlan(
                 query_rows=torch.arange(reqs * width, device=device).view(reqs, width),
                 row_valid=None,
                 request_index=torch.arange(reqs, device=device),
-                context_lens=context,
-                mask=tree.ancestor_mask[first : last + 1, : last + 1].to(device),
+                context_lens=step.context_lens,
+                mask=self._shapes[tree].level_masks[d],
                 covers_all_rows=True,
                 max_context_len=int(root_pos.max()),
             )
-            hidden = self._forward(
-                node_ids,
-                rope_pos,
-                rows,
-                slot_pos,
-                np.arange(reqs + 1) * width,
-                root_pos + last + 1,
-                block_rows,
-                block_size,
-                plan=plan,
-            )
+            hidden = self._forward(node_ids, step.levels[d], step.block_table, plan=plan)
             logits = self._logits(hidden).view(reqs, width, vocab)
             self._draw_children(
                 d, tokens, self._level_rows(q, d, logits, temp.unsqueeze(-1), banned), greedy, generators, active
@@ -282,45 +265,29 @@ class TreeDrafter:
             return self.proposer.model.compute_logits(hidden)
 
     def _forward(
-        self,
-        token_ids,
-        rope_pos,
-        rows,
-        slot_pos,
-        query_start,
-        seq_lens,
-        block_rows,
-        block_size,
-        plan: TreeAttentionPlan | None,
+        self, token_ids: torch.Tensor, level: LevelInputs, block_table: torch.Tensor, plan: TreeAttentionPlan | None
     ) -> torch.Tensor:
         """One draft-model forward over a flat batch of tokens.
 
-        token_ids: numpy [T] or a LongTensor [T] on the device; rope_pos/rows/slot_pos:
-        numpy [T] (request row of each token and the cache position it is written
-        to); query_start numpy [R+1]; seq_lens numpy [R].
+        token_ids: [T] on the device; level: the forward's positions, slots and
+        query layout (``draft_inputs``); block_table: IntTensor [R, blocks] on the device.
         """
-        device = self.runner.device
         proposer = self.proposer
-        rows_t = torch.from_numpy(np.asarray(rows, dtype=np.int64))
-        slot_pos_t = torch.from_numpy(np.asarray(slot_pos, dtype=np.int64))
-        blocks = block_rows[rows_t, slot_pos_t // block_size].long()
-        slot_mapping = (blocks * block_size + slot_pos_t % block_size).to(device)
         num_tokens = len(token_ids)
         self.forward_tokens.append(num_tokens)
-        query_start_cpu = torch.from_numpy(np.asarray(query_start, dtype=np.int32))
-        seq_lens_cpu = torch.from_numpy(np.asarray(seq_lens, dtype=np.int32))
+        slot_mapping = level.slot_mapping
         common = CommonAttentionMetadata(
-            query_start_loc=query_start_cpu.to(device),
-            query_start_loc_cpu=query_start_cpu,
-            seq_lens=seq_lens_cpu.to(device),
-            num_reqs=len(seq_lens),
+            query_start_loc=level.query_start_loc,
+            query_start_loc_cpu=level.query_start_loc_cpu,
+            seq_lens=level.seq_lens,
+            num_reqs=len(level.seq_lens_cpu),
             num_actual_tokens=num_tokens,
-            max_query_len=int(np.diff(query_start).max()),
-            max_seq_len=int(seq_lens.max()),
-            block_table_tensor=block_rows.to(device),
+            max_query_len=level.max_query_len,
+            max_seq_len=level.max_seq_len,
+            block_table_tensor=block_table,
             slot_mapping=slot_mapping,
             causal=True,
-            seq_lens_cpu_upper_bound=seq_lens_cpu,
+            seq_lens_cpu_upper_bound=level.seq_lens_cpu,
         )
         per_layer = {}
         for group in proposer.draft_attn_groups:
@@ -330,10 +297,8 @@ class TreeDrafter:
             for name in group.layer_names:
                 per_layer[name] = metadata
         slot_mappings = {name: slot_mapping for name in proposer._draft_attn_layer_names}
-        if not torch.is_tensor(token_ids):
-            token_ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
-        input_ids = token_ids.to(device=device, dtype=torch.int32)
-        positions = torch.from_numpy(np.asarray(rope_pos, dtype=np.int64)).to(device)
+        input_ids = token_ids.to(torch.int32)
+        positions = level.positions
         with (
             self.timers.measure("draft_forward"),
             set_forward_context(per_layer, proposer.vllm_config, num_tokens=num_tokens, slot_mapping=slot_mappings),
@@ -367,6 +332,10 @@ class _Shape:
                 in_level = slice(lo, hi) if hi - lo == len(parents) else in_level_index
                 groups.append((parents.to(device), tree.children[parents, :m].to(device), m, in_level, in_level_index))
             self.groups.append(groups)
+        # Per depth d >= 1: which nodes of the tree (up to the level's last) each node of the level sees.
+        self.level_masks = [None] + [
+            tree.ancestor_mask[first : last + 1, : last + 1].to(device) for first, last in self.level_span[1:-1]
+        ]
 
 
 class GreedyRows(NamedTuple):

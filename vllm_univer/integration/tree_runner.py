@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .host_to_device import upload
 from .kv_cache_views import check_cpu_isa, layer_kv_views
 from .timers import StepTimers
 from .tree_attention_plan import TreeAttentionPlan, backend_kind, check_layer_supported
@@ -111,13 +112,13 @@ class TreeRunner:
         row_valid = torch.arange(nodes + 1).unsqueeze(0) <= n.unsqueeze(1)  # [R, nodes+1]
         rows = tree_rows(query_start[tree_reqs], n, nodes)
         positions = computed[tree_reqs].unsqueeze(1) + tree.depth[: nodes + 1].unsqueeze(0)
-        runner.positions[rows[row_valid].to(device)] = positions[row_valid].to(device, runner.positions.dtype)
+        runner.positions[upload(rows[row_valid], device)] = upload(positions[row_valid], device, runner.positions.dtype)
         self._pending_plan = TreeAttentionPlan(
-            query_rows=rows.to(device),
-            row_valid=row_valid.to(device),
-            request_index=tree_reqs.to(device),
-            context_lens=computed[tree_reqs].to(device),
-            mask=tree.ancestor_mask[: nodes + 1, : nodes + 1].to(device),
+            query_rows=upload(rows, device),
+            row_valid=upload(row_valid, device),
+            request_index=upload(tree_reqs, device),
+            context_lens=upload(computed[tree_reqs], device),
+            mask=upload(tree.ancestor_mask[: nodes + 1, : nodes + 1], device),
             # A batch of tree decodes only: vLLM's causal kernel would compute rows we overwrite.
             covers_all_rows=int(query_start[batch]) == int((n + 1).sum()),
             max_context_len=int(computed[tree_reqs].max()),

@@ -20,6 +20,7 @@ from .. import verify, verify_greedy
 from ..kernels.kv_compaction import accepted_path_moves, move_paged_kv
 from ..tree import TreeSpec
 from .bias_and_min_p import RequestBiasAndMinP
+from .host_to_device import upload
 from .path_masks import TreePathMasks
 from .step_buffer import StepBuffer
 from .target_probs import TreePenalties, processed_logits, tree_target_probs
@@ -88,7 +89,7 @@ class TreeVerificationSampler:
         if bool((num_draft == tree.num_nodes).all()) and logits.shape[0] == rows.numel():
             tree_logits = logits.view(batch, n1, -1)  # every tree whole: rows in order, no copy
         else:
-            tree_logits = logits[rows.to(device)]  # [B, n1, V]
+            tree_logits = logits[upload(rows, device)]  # [B, n1, V]
         temperature = sampling_metadata.temperature
         if temperature is None:  # all greedy
             temperature = torch.zeros(batch, device=device)
@@ -96,7 +97,7 @@ class TreeVerificationSampler:
         tokens, q, q_missing = self._trees_for(req_ids, num_draft_list, tree_logits, shape)
         tokens, q = tokens[:, :n1], (q[:, :n1] if q is not None else None)
         exists = tree.depth.unsqueeze(0) <= keep_depth.unsqueeze(1)
-        tokens = tokens.masked_fill(~exists.to(device), -1)
+        tokens = tokens.masked_fill(~upload(exists, device), -1)
         transforms = self._path_transforms(tree, tokens, sampling_metadata, batch)
         if sampling_metadata.all_greedy:
             # Argmax matching needs neither probabilities nor q: the argmax of the
@@ -122,7 +123,7 @@ class TreeVerificationSampler:
         self._update_draft_kv_len(req_ids, num_draft_list, keep_depth, tree.on(device).depth[end], shape)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
-            logprobs = self._logprobs(logits, rows.to(device), path, output, sampling_metadata.max_num_logprobs)
+            logprobs = self._logprobs(logits, upload(rows, device), path, output, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
     def _nodes_through_depth(self, shape: TreeSpec) -> torch.Tensor:
@@ -232,8 +233,8 @@ class TreeVerificationSampler:
         if request.numel() == 0:
             return
         device = path.device
-        block_table = input_batch.block_table[0].get_cpu_tensor()[:batch].to(device)
-        request, src, dst = request.to(device), src.to(device), dst.to(device)
+        block_table = upload(input_batch.block_table[0].get_cpu_tensor()[:batch], device)
+        request, src, dst = (upload(t, device) for t in (request, src, dst))
         move_paged_kv([half for layer in self.kv_layers() for half in layer], block_table, request, src, dst)
 
     def _update_draft_kv_len(

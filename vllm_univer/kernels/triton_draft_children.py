@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import block_size, draw_excluding, top_token
+from .triton_rows import block_size, draw_excluding, slot_block, top_token
 
 CHAIN, IID, WOR, TOPK1 = 0, 1, 2, 3
 SCHEMES = {"chain": CHAIN, "iid": IID, "wor": WOR, "topk1": TOPK1}
@@ -115,7 +115,7 @@ def draft_children_fused(
     _draft_children_kernel[(batch, nodes)](
         rows, row_index, uniforms, flags, out,
         rows.stride(0), rows.stride(1), uniforms.stride(0), uniforms.stride(1), out.stride(0), out.stride(1), vocab,
-        SCHEME=SCHEMES[scheme], M=m, SLOTS=triton.next_power_of_2(max(m, 2)), HAS_GREEDY=greedy is not None,
+        SCHEME=SCHEMES[scheme], M=m, SLOTS=slot_block(m), HAS_GREEDY=greedy is not None,
         ALL_GREEDY=all_greedy, BLOCK_V=block_size(vocab),
     )  # fmt: skip
     return out

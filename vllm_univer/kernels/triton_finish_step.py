@@ -38,6 +38,7 @@ from .triton_rows import (
     child_slots,
     draw_residual,
     first_argmax,
+    slot_block,
 )
 
 # method: (decided in post-order, residual row, rejected tokens leave Q)
@@ -209,6 +210,6 @@ def finish_step(
         tree.ancestors.stride(0), weight.stride(0), stop.stride(0), params.stride(0), params.stride(1),
         uniforms.stride(0), out.stride(0), vocab, num_nodes, num_slots, tree.max_depth,
         POSTORDER=postorder, RESIDUAL=residual, REMOVES=removes, DECIDE=decide, HAS_GREEDY=greedy is not None,
-        SLOTS=triton.next_power_of_2(max(num_slots, 2)), BLOCK_V=block_size(vocab),
+        SLOTS=slot_block(num_slots), BLOCK_V=block_size(vocab),
     )  # fmt: skip
     return out, accepted, end

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob, replay_row, safe_ratio
+from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob, replay_row, safe_ratio, slot_block
 
 RRS, RRSW, TRAVERSAL = 0, 1, 2
 RULES = {"rrs": RRS, "rrsw": RRSW, "traversal": TRAVERSAL}
@@ -143,5 +143,5 @@ def replay_level(
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0), weight.stride(0),
         steps.stride(0), steps.stride(1), vocab, num_slots,
         RULE=RULES[rule], REMOVES=rule != "rrs", MASSES_AFTER_LAST=int(rule == "traversal"),
-        SLOTS=triton.next_power_of_2(max(num_slots, 2)), BLOCK_V=block_size(vocab),
+        SLOTS=slot_block(num_slots), BLOCK_V=block_size(vocab),
     )  # fmt: skip

@@ -214,3 +214,9 @@ MAX_BLOCK_V = 4096
 def block_size(vocab: int) -> int:
     """Vocabulary block of one program's passes."""
     return min(MAX_BLOCK_V, triton.next_power_of_2(vocab))
+
+
+def slot_block(num_slots: int) -> int:
+    """Child slots held in one program's registers: a power of two (Triton's
+    ``tl.arange``), at least 2 (a one-child node still reads a [2] block)."""
+    return triton.next_power_of_2(max(num_slots, 2))

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob
+from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob, slot_block
 
 UNIVER, GREEDY, TARGET_ONLY = 0, 1, 2
 RULES = {"univer": UNIVER, "greedy": GREEDY, "target_only": TARGET_ONLY}
@@ -132,7 +132,7 @@ def _topk1_level_kernel(
 
 
 def _launch_shape(num_slots: int, vocab: int) -> tuple[int, int]:
-    return triton.next_power_of_2(max(num_slots, 2)), block_size(vocab)
+    return slot_block(num_slots), block_size(vocab)
 
 
 def topk1_level(

@@ -1,0 +1,29 @@
+"""Host-built step inputs copied to the device without a host sync.
+
+``tensor.to("cuda")`` from host memory is a synchronous copy: PyTorch waits for
+the stream to drain, so the host cannot build the next forward's inputs while
+the GPU runs this one. ``upload`` stages the data in fresh pinned memory and
+copies it ``non_blocking``, like vLLM's ``async_tensor_h2d``, but always into a
+fresh staging buffer: vLLM's own pinned buffers (block tables, token tables)
+change at the next step while a queued copy from them may not have run yet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.utils.platform_utils import is_pin_memory_available
+
+
+def upload(host: torch.Tensor | np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``host`` (a CPU tensor or numpy array) on ``device``, as ``dtype``, with no host sync.
+
+    On a CPU device the result may share memory with ``host`` (as ``.to`` does).
+    """
+    if isinstance(host, np.ndarray):
+        host = torch.from_numpy(host)
+    dtype = dtype or host.dtype
+    if torch.device(device).type == "cpu":
+        return host.to(dtype)
+    staged = torch.empty(host.shape, dtype=dtype, pin_memory=is_pin_memory_available()).copy_(host)
+    return staged.to(device, non_blocking=True)
