@@ -75,3 +75,28 @@ def test_mixed_greedy_and_sampled_rows(method):
     rows = torch.nonzero(~greedy).flatten()
     y = out.output_token_ids[rows, out.num_accepted[rows]]
     assert (law[rows, out.end_node[rows], y] > 0).all()
+
+
+IRREGULAR = [(0,), (1,), (2,), (0, 0), (0, 1), (2, 0), (0, 0, 0), (0, 1, 0), (0, 1, 1), (2, 0, 0), (0, 1, 1, 0)]
+
+
+@pytest.mark.parametrize("shape", ["3x3", "1x4", "2x4", IRREGULAR])
+def test_argmax_matching_walks_the_first_matching_child_at_every_depth(shape):
+    """``verify_greedy`` against the walk itself on deeper and irregular trees, with
+    duplicate siblings (a 3-token vocabulary: several children often hold the argmax;
+    the walk takes the first), missing subtrees and ends at every depth."""
+    tree = TreeSpec.parse(shape)
+    gen = torch.Generator().manual_seed(1)
+    batch, n1 = 600, tree.num_nodes + 1
+    tokens = torch.randint(0, 3, (batch, n1), generator=gen)
+    tokens[torch.rand(batch, n1, generator=gen) < 0.1] = -1
+    for node, parent in enumerate(tree.parent.tolist()):  # a missing node's subtree is missing
+        if parent >= 0:
+            tokens[:, node] = tokens[:, node].masked_fill(tokens[:, parent] < 0, -1)
+    tokens[:, 0] = 0
+    argmax = torch.randint(0, 3, (batch, n1), generator=gen)
+    out = verify_greedy(tree, tokens, argmax)
+    expected = _argmax_walk(tree, tokens, torch.nn.functional.one_hot(argmax, 3).float())
+    assert torch.equal(out.output_token_ids, expected)
+    assert torch.equal(out.num_accepted, (expected >= 0).sum(1) - 1)
+    assert set(out.num_accepted.tolist()) == set(range(tree.max_depth + 1))  # every depth reached

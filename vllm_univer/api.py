@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .fused_tree_pass import FUSED_METHODS, fused_allocate, fused_available, fused_chain_step, fused_finish
 from .inverse_cdf import sample_from_weights
@@ -100,7 +101,7 @@ def verify(
     end, next_token = _end_and_next_token(verifier, tt, tree, tokens, p, q, generator)
 
     if greedy is not None:
-        greedy_end, greedy_next = _argmax_matching(tt, tokens, p.argmax(-1), tree.max_depth)
+        greedy_end, greedy_next = _argmax_matching(tt, tokens, p.argmax(-1))
         end = torch.where(greedy, greedy_end, end)
         next_token = torch.where(greedy, greedy_next, next_token)
 
@@ -136,17 +137,24 @@ def verify_greedy(tree: TreeSpec, draft_token_ids: torch.Tensor, target_argmax: 
     """
     tt = tree.on(target_argmax.device)
     tokens = draft_token_ids.long()
-    end, next_token = _argmax_matching(tt, tokens, target_argmax, tree.max_depth)
+    end, next_token = _argmax_matching(tt, tokens, target_argmax)
     return _assemble(tt, tokens, end, next_token, tree.max_depth)
 
 
-def _argmax_matching(tt, tokens: torch.Tensor, argmax_rows: torch.Tensor, max_depth: int):
-    """(end node [B], next token [B]) of argmax matching; argmax_rows [B, N+1]."""
+def _argmax_matching(tt, tokens: torch.Tensor, argmax_rows: torch.Tensor):
+    """(end node [B], next token [B]) of argmax matching; argmax_rows [B, N+1].
+
+    The walk descends into the first child (slot order) holding its parent's
+    argmax. A node is on it iff it and each of its ancestors is its parent's first
+    matching child; those nodes form one chain from the root, and the end is its
+    deepest node. Found for all depths at once (no loop over levels).
+    """
     parent_argmax = argmax_rows[:, tt.parent.clamp(min=0)]
     match = (tokens == parent_argmax) & (tokens >= 0)
     match[:, 0] = False
-    # 0/1 weights: any uniform in [0, 1) takes the first matching child.
-    end = decide_descent(tt, match.float(), torch.zeros_like(match, dtype=torch.float32), max_depth)
+    first = match & ~F.pad(match, (0, 1))[:, tt.earlier_siblings].any(-1)
+    on_walk = F.pad(first, (0, 1), value=True)[:, tt.path_nodes].all(-1)  # the root: an empty path
+    end = torch.where(on_walk, tt.depth, -1).argmax(-1)
     return end, argmax_rows.gather(1, end.unsqueeze(-1)).squeeze(-1)
 
 

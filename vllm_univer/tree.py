@@ -243,6 +243,25 @@ class _TreeTensors:
         return self._tree.postorder_rank.argsort().to(self._device)
 
     @cached_property
+    def earlier_siblings(self) -> torch.Tensor:
+        """LongTensor [N+1, max(C-1, 1)]: each node's siblings in earlier child slots,
+        padded with N+1 (an index past the nodes: callers append a column there)."""
+        tree = self._tree
+        n1, children = tree.num_nodes + 1, tree.children.tolist()
+        out = torch.full((n1, max(tree.max_children - 1, 1)), n1, dtype=torch.long)
+        for kids in children:
+            for slot, kid in enumerate(kids):
+                if kid >= 0 and slot > 0:
+                    out[kid, :slot] = torch.tensor(kids[:slot])
+        return out.to(self._device)
+
+    @cached_property
+    def path_nodes(self) -> torch.Tensor:
+        """LongTensor [N+1, D]: ``ancestors`` (the nodes at depth 1 .. D on the path
+        to each node, itself included) with N+1 past the node instead of -1."""
+        return torch.where(self.ancestors >= 0, self.ancestors, self._tree.num_nodes + 1)
+
+    @cached_property
     def is_internal_int8(self) -> torch.Tensor:
         """Int8Tensor [N+1]: 1 where the shape gives the node children (for kernels)."""
         return self.is_internal.to(torch.int8)
