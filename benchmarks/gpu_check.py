@@ -374,6 +374,57 @@ def block_sweep(device: torch.device, lines: list[str]) -> None:
         triton_rows.MAX_BLOCK_V = default
 
 
+def kv_move_timings(device: torch.device, lines: list[str]) -> None:
+    """The accepted paths' KV moves per step, every layer's K and V (28 layers, bf16,
+    Hkv 4, Dh 128, block 16, 2x5 paths): the one-launch kernel against the
+    per-cache gather + scatter after reading the paths on the host (the CPU
+    engine's path); both checked equal, bit for bit."""
+    from vllm_univer.integration.kv_cache_views import standard_kv_views
+    from vllm_univer.kernels.kv_compaction import accepted_path_moves, move_paged_kv
+    from vllm_univer.kernels.triton_kv_moves import fused_kv_moves_apply, move_accepted_kv
+
+    lines += [
+        "",
+        "## KV moves of the accepted paths per step (28 layers, K and V, bf16, Hkv 4, Dh 128; ms, median of 10)",
+        "",
+        "| B | one launch (triton_kv_moves) | per cache gather + scatter, paths read on the host | ratio | equal |",
+        "|---|---|---|---|---|",
+    ]
+    tree = TreeSpec.parse("2x5")
+    gen = torch.Generator().manual_seed(3)
+    for batch in (1, 32):
+        blocks_per_req, block_size = 64, 16
+        layers = [
+            torch.randn(batch * blocks_per_req, 4, block_size, 256, generator=gen).to(device, torch.bfloat16)
+            for _ in range(28)
+        ]
+        caches = [h for c in layers for h in standard_kv_views(c, 128)]
+        assert fused_kv_moves_apply(caches)
+        table = torch.randperm(batch * blocks_per_req, generator=gen).view(batch, -1).to(device, torch.int32)
+        context = torch.randint(100, 900, (batch,), generator=gen).to(device)
+        ends = torch.randint(0, tree.num_nodes + 1, (batch,), generator=gen)
+        path = tree.ancestors[ends].to(device)
+
+        def fused():
+            move_accepted_kv(caches, table, context, path)
+
+        def per_cache():
+            request, src, dst = accepted_path_moves(context.cpu(), path.cpu())
+            move_paged_kv(caches, table, request.to(device), src.to(device), dst.to(device))
+
+        before = [c.clone() for c in layers[:2]]
+        fused()
+        after_fused = [c.clone() for c in layers[:2]]
+        for c, b in zip(layers[:2], before):
+            c.copy_(b)
+        per_cache()
+        equal = all(torch.equal(a, c) for a, c in zip(after_fused, layers[:2]))
+        t_fused, t_torch = cuda_median_ms(fused), cuda_median_ms(per_cache)
+        lines.append(f"| {batch} | {t_fused:.3f} | {t_torch:.3f} | {t_torch / t_fused:.1f}x | {equal} |")
+        print(lines[-1], flush=True)
+        del layers, caches
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -393,6 +444,7 @@ def main() -> None:
     timings(device, lines)
     chain_timings(device, lines)
     block_sweep(device, lines)
+    kv_move_timings(device, lines)
     out = Path(args.out) / "gpu_check.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

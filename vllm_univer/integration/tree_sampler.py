@@ -229,13 +229,19 @@ class TreeVerificationSampler:
         """Move each accepted path ([B, D] nodes) to consecutive slots in every layer's cache."""
         input_batch = self.runner.input_batch
         context_lens = torch.from_numpy(input_batch.num_computed_tokens_cpu[:batch].astype(np.int64))
+        caches = [half for layer in self.kv_layers() for half in layer]
+        device = path.device
+        fused = _fused_kv_moves(caches)
+        if fused is not None:  # CUDA: one launch for every cache, the paths never read on the host
+            block_table = upload(input_batch.block_table[0].get_cpu_tensor()[:batch], device)
+            fused.move_accepted_kv(caches, block_table, upload(context_lens, device), path)
+            return
         request, src, dst = accepted_path_moves(context_lens, path.cpu())
         if request.numel() == 0:
             return
-        device = path.device
         block_table = upload(input_batch.block_table[0].get_cpu_tensor()[:batch], device)
         request, src, dst = (upload(t, device) for t in (request, src, dst))
-        move_paged_kv([half for layer in self.kv_layers() for half in layer], block_table, request, src, dst)
+        move_paged_kv(caches, block_table, request, src, dst)
 
     def _update_draft_kv_len(
         self, req_ids, num_draft, keep_depth: torch.Tensor, accepted: torch.Tensor, shape: TreeSpec
@@ -260,3 +266,14 @@ class TreeVerificationSampler:
         for i, (req_id, n) in enumerate(zip(req_ids, num_draft)):
             if n == 0 and query_start[i + 1] - query_start[i] > 1:
                 self.state.draft_kv_len[req_id] = 0
+
+
+def _fused_kv_moves(caches: list[torch.Tensor]):
+    """``kernels.triton_kv_moves`` where it can move these caches (CUDA, Triton), else None."""
+    if not caches or not caches[0].is_cuda:
+        return None
+    try:
+        from ..kernels import triton_kv_moves
+    except ImportError:
+        return None
+    return triton_kv_moves if triton_kv_moves.fused_kv_moves_apply(caches) else None
