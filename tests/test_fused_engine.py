@@ -1,0 +1,72 @@
+"""The engine on its CUDA code paths, run on CPU by Triton's interpreter: the
+fused drafting (``draft_children_fused``), the fused verify (``fused_allocate`` /
+``fused_finish``) and the CPU paths give a mixed batch's greedy requests the
+same tokens (argmax matching in the finish kernel, top tokens in the drafting
+kernel), and the sampled requests run through the fused kernels in the engine
+(their laws are the kernels' tests' and gpu_check's). The CUDA-only switches
+(``triton_reads``) are forced on in a subprocess; the KV moves stay on the CPU
+path (the CPU attention's key layout is transposed; test_fused_kv_moves.py
+checks the kernel on the CUDA layouts).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("vllm")
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    from vllm import LLM, SamplingParams
+    from vllm_univer import api, fused_tree_pass
+    from vllm_univer.integration import tree_drafter
+    from vllm_univer.kernels import triton_draft_children
+
+    target, draft = sys.argv[1:3]
+    llm = LLM(model=target, max_model_len=256, dtype="float32", enforce_eager=True, block_size=32, seed=0,
+              speculative_config={"method": "univer", "model": draft, "tree": "2x3"})
+    prompts = ["the tree draft token", "red blue green", "one two three four five", "a cat and a dog run"]
+    temperatures = [0.0, 1.0, 0.0, 0.7]
+    params = [SamplingParams(temperature=t, max_tokens=12, ignore_eos=True) for t in temperatures]
+
+    def run():
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    cpu_paths = run()
+    launches = {"draft": 0, "verify": 0}
+    draft_fused, allocate = triton_draft_children.draft_children_fused, api.fused_allocate
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            launches[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    fused_tree_pass.triton_reads = lambda *rows: all(r.stride(-1) == 1 for r in rows)
+    tree_drafter.triton_reads = fused_tree_pass.triton_reads
+    triton_draft_children.draft_children_fused = counting("draft", draft_fused)
+    api.fused_allocate = counting("verify", allocate)
+    fused_paths = run()
+    assert launches["draft"] > 0 and launches["verify"] > 0, launches
+    for t, a, b in zip(temperatures, cpu_paths, fused_paths):
+        assert len(b) == 12
+        if t == 0.0:
+            assert a == b, (a, b)
+    print("FUSED ENGINE OK", launches)
+""")
+
+
+def test_engine_on_the_fused_paths_keeps_greedy_outputs(tiny_pair):
+    from engine_job import ENV
+
+    env = {**os.environ, **ENV, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, *tiny_pair], capture_output=True, text=True, env=env, timeout=1500
+    )
+    assert proc.returncode == 0 and "FUSED ENGINE OK" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-5000:])
