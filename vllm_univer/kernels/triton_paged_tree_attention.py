@@ -194,8 +194,9 @@ def paged_tree_attention_triton(
     block_table [R, max_blocks] (int): the tree requests' rows of the block table.
     context_lens [R] (int): L per request; tree key j is cached at position L + j.
     query_rows [R, Tq] (long): flat row of tree query t of request r.
-    ancestor_mask [Tq, Tk] bool: query t sees tree key j.
-    row_valid [R, Tq] bool or None: rows to compute (others are left untouched).
+    ancestor_mask [Tq, Tk] bool (or int8): query t sees tree key j.
+    row_valid [R, Tq] bool (or int8) or None: rows to compute (others are left
+        untouched). Int8 contiguous masks are read as they are (no conversion launch).
     max_context_len: a Python bound on context_lens (no host sync); with it, few
         requests over long contexts split their keys across programs (``num_splits``,
         default chosen from the device's multiprocessor count), each writing a
@@ -269,12 +270,73 @@ def paged_tree_attention_triton(
         BLOCK_D=block_d,
     )
     if num_splits > 1:
-        merged = _merge_splits(part_out, part_lse)  # [R, Tq, Hq, Dh]
-        if row_valid is None:
-            keep, merged = rows.flatten(), merged.flatten(0, 1)
-        else:
-            keep, merged = rows[row_valid], merged[row_valid]
-        output[keep] = merged.to(output.dtype)
+        _merge_splits_kernel[(num_reqs, num_queries, heads)](
+            part_out,
+            part_lse,
+            output,
+            rows,
+            valid,
+            *part_out.stride()[:4],
+            *part_lse.stride()[:3],
+            output.stride(0),
+            output.stride(1),
+            rows.stride(0),
+            valid.stride(0),
+            head_size,
+            HAS_ROW_VALID=row_valid is not None,
+            NUM_SPLITS=num_splits,
+            BLOCK_D=block_d,
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    query_rows_ptr,
+    row_valid_ptr,
+    stride_pr,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_lr,
+    stride_ls,
+    stride_lt,
+    stride_ot,
+    stride_oh,
+    stride_qr,
+    stride_rv,
+    head_size,
+    HAS_ROW_VALID: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One (request, tree query, head): the splits' partial results merged by
+    log-sum-exp, out = sum_s exp(lse_s - lse) out_s, written at the query's row;
+    rows that are not valid are left untouched (no host-side compaction)."""
+    req = tl.program_id(0)
+    t = tl.program_id(1)
+    head = tl.program_id(2)
+    d = tl.arange(0, BLOCK_D)
+    keep = d < head_size
+    if HAS_ROW_VALID:
+        keep = keep & (tl.load(row_valid_ptr + req * stride_rv + t + d * 0) != 0)
+    lse_base = part_lse_ptr + req * stride_lr + t * stride_lt + head
+    out_base = part_out_ptr + req * stride_pr + t * stride_pt + head * stride_ph + d
+    top = tl.load(lse_base)
+    for split in tl.static_range(1, NUM_SPLITS):
+        top = tl.maximum(top, tl.load(lse_base + split * stride_ls))
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    weight_sum = 0.0
+    for split in tl.static_range(NUM_SPLITS):
+        lse = tl.load(lse_base + split * stride_ls)
+        weight = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)  # a split that saw no key: 0
+        total += weight * tl.load(out_base + split * stride_ps, mask=keep, other=0.0)
+        weight_sum += weight
+    row = tl.load(query_rows_ptr + req * stride_qr + t)
+    out = total / weight_sum  # every row sees a key in some split: weight_sum >= 1
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=keep)
 
 
 def _num_splits(device: torch.device, programs: int, max_context_len: int | None) -> int:
@@ -285,11 +347,3 @@ def _num_splits(device: torch.device, programs: int, max_context_len: int | None
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = triton.cdiv(2 * sms, max(programs, 1))
     return int(max(1, min(16, wanted, max_context_len // 256)))
-
-
-def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
-    """part_out [R, S, Tq, Hq, Dh], part_lse [R, S, Tq, Hq] (-inf: split saw no key)
-    -> the attention over all keys, [R, Tq, Hq, Dh] float32."""
-    lse = torch.logsumexp(part_lse, dim=1, keepdim=True)  # every row sees a key: finite
-    weights = torch.exp(part_lse - lse).nan_to_num_(0.0)
-    return (part_out * weights.unsqueeze(-1)).sum(1)
