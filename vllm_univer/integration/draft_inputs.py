@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .host_to_device import upload
+from .host_to_device import upload_packed
 
 
 class LevelInputs(NamedTuple):
@@ -98,11 +98,9 @@ def build_draft_step_inputs(
         )
 
     wide = [root_pos, token_ids[query_start0[1:] - 1]] + [a for pos, slot, _, _ in levels for a in (pos, slot)]
-    narrow = [token_ids] + [a for _, _, qs, sl in levels for a in (qs, sl)] + [table.ravel()]
-    wide_dev = _split(upload(np.concatenate(wide).astype(np.int64), device), wide)
-    narrow_host = torch.from_numpy(np.concatenate(narrow).astype(np.int32))
-    narrow_dev = _split(upload(narrow_host, device), narrow)
-    narrow_cpu = _split(narrow_host, narrow)
+    narrow = [token_ids, table] + [a for _, _, qs, sl in levels for a in (qs, sl)]
+    wide_dev = upload_packed(wide, device, torch.int64)
+    narrow_dev = upload_packed(narrow, device, torch.int32)
 
     inputs = []
     for d, (_, _, qs, sl) in enumerate(levels):
@@ -111,17 +109,12 @@ def build_draft_step_inputs(
                 token_ids=narrow_dev[0] if d == 0 else None,
                 positions=wide_dev[2 + 2 * d],
                 slot_mapping=wide_dev[3 + 2 * d],
-                query_start_loc=narrow_dev[1 + 2 * d],
-                query_start_loc_cpu=narrow_cpu[1 + 2 * d],
-                seq_lens=narrow_dev[2 + 2 * d],
-                seq_lens_cpu=narrow_cpu[2 + 2 * d],
+                query_start_loc=narrow_dev[2 + 2 * d],
+                query_start_loc_cpu=torch.from_numpy(qs.astype(np.int32)),
+                seq_lens=narrow_dev[3 + 2 * d],
+                seq_lens_cpu=torch.from_numpy(sl.astype(np.int32)),
                 max_query_len=int(np.diff(qs).max()),
                 max_seq_len=int(sl.max()),
             )
         )
-    return DraftStepInputs(inputs, wide_dev[1], wide_dev[0], narrow_dev[-1].view(table.shape))
-
-
-def _split(packed: torch.Tensor, parts: list[np.ndarray]) -> list[torch.Tensor]:
-    """Views of ``packed`` with the lengths of ``parts``."""
-    return list(torch.split(packed, [a.size for a in parts]))
+    return DraftStepInputs(inputs, wide_dev[1], wide_dev[0], narrow_dev[1])

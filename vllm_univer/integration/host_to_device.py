@@ -27,3 +27,18 @@ def upload(host: torch.Tensor | np.ndarray, device: torch.device, dtype: torch.d
         return host.to(dtype)
     staged = torch.empty(host.shape, dtype=dtype, pin_memory=is_pin_memory_available()).copy_(host)
     return staged.to(device, non_blocking=True)
+
+
+def upload_packed(
+    parts: list[torch.Tensor | np.ndarray], device: torch.device, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """Several host arrays (CPU tensors or numpy) on ``device`` in one copy:
+    packed as ``dtype`` by numpy (no tensor ops on the host), sent with
+    ``upload``, returned as views with the parts' shapes."""
+    arrays = [part.numpy() if torch.is_tensor(part) else np.asarray(part) for part in parts]
+    packed = np.concatenate([a.reshape(-1).astype(_NUMPY[dtype], copy=False) for a in arrays])
+    views = upload(packed, device).split([a.size for a in arrays])
+    return [view.view(a.shape) for view, a in zip(views, arrays)]
+
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}

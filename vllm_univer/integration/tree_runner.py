@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .host_to_device import upload
+from .host_to_device import upload_packed
 from .kv_cache_views import check_cpu_isa, layer_kv_views
 from .timers import StepTimers
 from .tree_attention_plan import TreeAttentionPlan, backend_kind, check_layer_supported
@@ -112,13 +112,19 @@ class TreeRunner:
         row_valid = torch.arange(nodes + 1).unsqueeze(0) <= n.unsqueeze(1)  # [R, nodes+1]
         rows = tree_rows(query_start[tree_reqs], n, nodes)
         positions = computed[tree_reqs].unsqueeze(1) + tree.depth[: nodes + 1].unsqueeze(0)
-        runner.positions[upload(rows[row_valid], device)] = upload(positions[row_valid], device, runner.positions.dtype)
+        # The plan's index tensors reach the device in one copy (two with the masks).
+        query_rows, valid_rows, valid_positions, request_index, context_lens = upload_packed(
+            [rows, rows[row_valid], positions[row_valid], tree_reqs, computed[tree_reqs]], device, torch.int64
+        )
+        mask = tree.ancestor_mask[: nodes + 1, : nodes + 1]
+        row_valid_dev, mask = upload_packed([row_valid, mask], device, torch.bool)
+        runner.positions[valid_rows] = valid_positions.to(runner.positions.dtype)
         self._pending_plan = TreeAttentionPlan(
-            query_rows=upload(rows, device),
-            row_valid=upload(row_valid, device),
-            request_index=upload(tree_reqs, device),
-            context_lens=upload(computed[tree_reqs], device),
-            mask=upload(tree.ancestor_mask[: nodes + 1, : nodes + 1], device),
+            query_rows=query_rows,
+            row_valid=row_valid_dev,
+            request_index=request_index,
+            context_lens=context_lens,
+            mask=mask,
             # A batch of tree decodes only: vLLM's causal kernel would compute rows we overwrite.
             covers_all_rows=int(query_start[batch]) == int((n + 1).sum()),
             max_context_len=int(computed[tree_reqs].max()),
