@@ -3,7 +3,8 @@ fused drafting (``draft_children_fused``), the fused verify (``fused_allocate`` 
 ``fused_finish``) and the CPU paths give a mixed batch's greedy requests the
 same tokens (argmax matching in the finish kernel, top tokens in the drafting
 kernel), and the sampled requests run through the fused kernels in the engine
-(their laws are the kernels' tests' and gpu_check's). The CUDA-only switches
+(their laws are the kernels' tests' and gpu_check's); and the launches per
+step on those paths (ATen ops + Triton launches) stay within a budget. The CUDA-only switches
 (``triton_reads``) are forced on in a subprocess; the KV moves stay on the CPU
 path (the CPU attention's key layout is transposed; test_fused_kv_moves.py
 checks the kernel on the CUDA layouts).
@@ -21,6 +22,11 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("vllm")
 
+# Kernel launches per engine step on the CUDA code paths (ATen ops + Triton launches,
+# KV moves aside), mixed batch of 4, tree 2x3, tiny models: the package's share of
+# a GPU step that test_op_budgets.py guards for the CPU paths.
+CUDA_STEP_BUDGET = 143  # 2026-12-02: 130 (verify 47, draft 72, target_probs 3, verifier 3, Triton 4.8)
+
 SCRIPT = textwrap.dedent("""
     import sys
     from vllm import LLM, SamplingParams
@@ -28,7 +34,7 @@ SCRIPT = textwrap.dedent("""
     from vllm_univer.integration import tree_drafter
     from vllm_univer.kernels import triton_draft_children
 
-    target, draft = sys.argv[1:3]
+    target, draft, CUDA_STEP_BUDGET = sys.argv[1], sys.argv[2], float(sys.argv[3])
     llm = LLM(model=target, max_model_len=256, dtype="float32", enforce_eager=True, block_size=32, seed=0,
               speculative_config={"method": "univer", "model": draft, "tree": "2x3"})
     prompts = ["the tree draft token", "red blue green", "one two three four five", "a cat and a dog run"]
@@ -48,6 +54,29 @@ SCRIPT = textwrap.dedent("""
             return fn(*args, **kwargs)
         return wrapped
 
+    # What CUDA would launch: the package's ATen ops (the engine's op counter) plus
+    # the Triton launches, the interpreter's own tensor work hidden from the counter.
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime.interpreter import InterpretedFunction
+
+    interpreted_run = InterpretedFunction.run
+    triton_launches = []
+
+    def launch(self, *args, **kwargs):
+        triton_launches.append(self.__name__)
+        with _disable_current_modes():
+            return interpreted_run(self, *args, **kwargs)
+
+    InterpretedFunction.run = launch
+
+    def op_counts(worker):
+        timers = worker.model_runner.univer.timers
+        counts = timers.op_counts()
+        timers.ops.sections.clear()
+        timers.calls.clear()
+        return counts
+
+    llm.collective_rpc(op_counts)
     fused_tree_pass.triton_reads = lambda *rows: all(r.stride(-1) == 1 for r in rows)
     tree_drafter.triton_reads = fused_tree_pass.triton_reads
     triton_draft_children.draft_children_fused = counting("draft", draft_fused)
@@ -58,6 +87,15 @@ SCRIPT = textwrap.dedent("""
         assert len(b) == 12
         if t == 0.0:
             assert a == b, (a, b)
+    counts = llm.collective_rpc(op_counts)[0]
+    steps = counts["verify"]["calls"]
+    # KV moves take the CPU path here (the CPU cache layout); on CUDA one launch.
+    own = {s: c["kernels"] / steps for s, c in counts.items() if s not in ("draft_forward", "kv_moves")}
+    per_step = sum(own.values()) + len(triton_launches) / steps
+    syncs = sum(c["syncs"] for s, c in counts.items() if s not in ("draft_forward", "kv_moves")) / steps
+    print({s: round(v) for s, v in own.items()}, "triton launches per step", len(triton_launches) / steps)
+    print(f"per step {per_step:.0f} launches, {syncs:.1f} host syncs")
+    assert per_step <= CUDA_STEP_BUDGET, per_step
     print("FUSED ENGINE OK", launches)
 """)
 
@@ -67,6 +105,11 @@ def test_engine_on_the_fused_paths_keeps_greedy_outputs(tiny_pair):
 
     env = {**os.environ, **ENV, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, *tiny_pair], capture_output=True, text=True, env=env, timeout=1500
+        [sys.executable, "-c", SCRIPT, *tiny_pair, str(CUDA_STEP_BUDGET)],
+        capture_output=True,
+        text=True,
+        env={**env, "VLLM_UNIVER_OP_COUNTS": "1"},
+        timeout=1500,
     )
+    print(proc.stdout[-600:])
     assert proc.returncode == 0 and "FUSED ENGINE OK" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-5000:])
