@@ -74,6 +74,10 @@ CHECK = textwrap.dedent("""
 
     tree_sampler._fused_kv_moves = lambda caches: triton_kv_moves  # CUDA only otherwise
     got = layers()
+    # The draft's layers: another shape in the same call (a second launch).
+    draft_want = [torch.randn(batch * max_blocks, 1, block_size, 6, generator=gen) for _ in range(2)]
+    draft_got = [c.clone() for c in draft_want]
+    move_paged_kv([h for c in draft_want for h in standard_kv_views(c, 3)], block_table, request, src, dst)
     sampler = object.__new__(tree_sampler.TreeVerificationSampler)
     sampler.runner = SimpleNamespace(
         input_batch=SimpleNamespace(
@@ -81,9 +85,11 @@ CHECK = textwrap.dedent("""
             block_table=[SimpleNamespace(get_cpu_tensor=lambda: torch.cat([block_table, block_table[:1]]))],
         )
     )
-    sampler.kv_layers = lambda: [standard_kv_views(c, head_dim) for c in got]
+    sampler.kv_layers = lambda: [standard_kv_views(c, head_dim) for c in got] + [
+        standard_kv_views(c, 3) for c in draft_got
+    ]
     sampler._keep_accepted_kv(batch, path)
-    for a, b in zip(want, got):
+    for a, b in zip(want + draft_want, got + draft_got):
         assert torch.equal(a, b)
     print("KV MOVES OK")
 """)

@@ -1,4 +1,5 @@
-"""The accepted paths' keys/values moved in every layer's cache in one launch.
+"""The accepted paths' keys/values moved in every layer's cache in one launch
+(one per cache shape: the target's layers, the draft's).
 
 ``kv_compaction.move_paged_kv`` moves them with one gather and one scatter per
 cache: two launches per K and per V of every layer (112 for a 28-layer model),
@@ -25,19 +26,9 @@ _TABLES: dict[tuple, torch.Tensor] = {}  # base addresses per set of caches (all
 
 
 def fused_kv_moves_apply(caches: list[torch.Tensor]) -> bool:
-    """The kernel can move these caches: on CUDA, Triton importable, one shape,
-    one set of strides and one element size for all, each row [H, Dh] with Dh contiguous."""
-    first = caches[0]
-    return (
-        first.is_cuda
-        and first.dim() == 4
-        and first.stride(-1) == 1
-        and first.element_size() in _ELEMENT
-        and all(
-            c.shape == first.shape and c.stride() == first.stride() and c.element_size() == first.element_size()
-            for c in caches
-        )
-    )
+    """The kernel can move these caches: on CUDA, each a [blocks, block_size, H, Dh]
+    view with Dh contiguous and a 1, 2, 4 or 8-byte element."""
+    return all(c.is_cuda and c.dim() == 4 and c.stride(-1) == 1 and c.element_size() in _ELEMENT for c in caches)
 
 
 def move_accepted_kv(
@@ -45,41 +36,46 @@ def move_accepted_kv(
 ) -> None:
     """Move each accepted path's keys/values to consecutive slots, in every cache.
 
-    caches: views [num_blocks, block_size, H, Dh] (every layer's K and V), one
-    shape and stride set; block_table: int [B, max_blocks]; context_lens: [B]
+    caches: views [num_blocks, block_size, H, Dh] (every layer's K and V; the
+    target's and the draft's may differ in shape: one launch per distinct shape,
+    strides and element size); block_table: int [B, max_blocks]; context_lens: [B]
     (L per request, device); path_nodes: LongTensor [B, D] (the node at depth
     j+1 of the accepted path, -1 past its end). Node a_j's entry moves from
-    position L + a_j to L + j. No host sync; one launch.
+    position L + a_j to L + j. No host sync.
     """
-    first = caches[0]
-    _, block_size, heads, head_dim = first.shape
     batch, depth = path_nodes.shape
-    if batch == 0 or depth == 0:
+    if batch == 0 or depth == 0 or not caches:
         return
-    key = tuple(c.data_ptr() for c in caches)
-    table = _TABLES.get(key)
-    if table is None:
-        table = torch.tensor(key, dtype=torch.int64, device=first.device)
-        _TABLES[key] = table
     path_nodes = path_nodes.contiguous()
-    _move_rows[(batch, len(caches))](
-        table,
-        path_nodes,
-        context_lens,
-        block_table,
-        path_nodes.stride(0),
-        block_table.stride(0),
-        first.stride(0),
-        first.stride(1),
-        first.stride(2),
-        heads,
-        head_dim,
-        ELEMENT=_ELEMENT[first.element_size()],
-        DEPTH=depth,
-        BLOCK_SIZE=block_size,
-        HEADS_BLOCK=triton.next_power_of_2(heads),
-        DIM_BLOCK=triton.next_power_of_2(head_dim),
-    )
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for cache in caches:
+        groups.setdefault((tuple(cache.shape), cache.stride(), cache.element_size()), []).append(cache)
+    for group in groups.values():
+        first = group[0]
+        _, block_size, heads, head_dim = first.shape
+        key = tuple(c.data_ptr() for c in group)
+        table = _TABLES.get(key)
+        if table is None:
+            table = torch.tensor(key, dtype=torch.int64, device=first.device)
+            _TABLES[key] = table
+        _move_rows[(batch, len(group))](
+            table,
+            path_nodes,
+            context_lens,
+            block_table,
+            path_nodes.stride(0),
+            block_table.stride(0),
+            first.stride(0),
+            first.stride(1),
+            first.stride(2),
+            heads,
+            head_dim,
+            ELEMENT=_ELEMENT[first.element_size()],
+            DEPTH=depth,
+            BLOCK_SIZE=block_size,
+            HEADS_BLOCK=triton.next_power_of_2(heads),
+            DIM_BLOCK=triton.next_power_of_2(head_dim),
+        )
 
 
 @triton.jit
