@@ -213,11 +213,15 @@ class TreeDrafter:
         their q rows (softmax(logits / T) over the allowed tokens, written into ``q``),
         or, when every request is greedy (``q`` None), the masked logits themselves
         (the top tokens are the same; no softmax, no q kept)."""
-        banned = None if banned is None else banned.unsqueeze(1)
         if q is None:
-            return _masked(logits, banned)
+            return _masked(logits, None if banned is None else banned.unsqueeze(1))
         first, last = self.level_span[depth]
         rows = q[:, first : last + 1]
+        if triton_reads(rows, logits):  # CUDA: one launch, three passes over the rows
+            from ..kernels.triton_temperature_softmax import temperature_softmax
+
+            return temperature_softmax(logits, temp.view(-1), banned, rows)
+        banned = None if banned is None else banned.unsqueeze(1)
         return softmax_(_masked(rows.copy_(logits).div_(temp), banned))
 
     def _q_buffer(self, shape: tuple[int, int, int], replaced: set[str]) -> torch.Tensor:
