@@ -425,6 +425,38 @@ def kv_move_timings(device: torch.device, lines: list[str]) -> None:
         del layers, caches
 
 
+def draft_softmax_timings(device: torch.device, lines: list[str]) -> None:
+    """A draft level's q rows, softmax(logits / T) into the q buffer (V = 151 936,
+    bf16 logits): the one-launch kernel against the PyTorch steps off CUDA."""
+    from vllm_univer.integration.target_probs import softmax_
+    from vllm_univer.kernels.triton_temperature_softmax import temperature_softmax
+
+    lines += [
+        "",
+        "## Draft q rows per level (softmax(logits / T), V = 151936, bf16 logits; ms, median of 10)",
+        "",
+        "| requests x width | one launch | PyTorch copy / div / softmax | ratio | max abs difference |",
+        "|---|---|---|---|---|",
+    ]
+    gen = torch.Generator().manual_seed(4)
+    for reqs, width in ((1, 2), (32, 2), (32, 16)):
+        logits = (torch.randn(reqs, width, 151936, generator=gen) * 4).to(device, torch.bfloat16)
+        temperature = torch.rand(reqs, generator=gen).add(0.3).to(device)
+        q = torch.empty(reqs, width, 151936, device=device)
+        ref = torch.empty_like(q)
+
+        def fused():
+            temperature_softmax(logits, temperature, None, q)
+
+        def steps():
+            softmax_(ref.copy_(logits).div_(temperature.view(-1, 1, 1)))
+
+        t_fused, t_torch = cuda_median_ms(fused), cuda_median_ms(steps)
+        diff = (q - ref).abs().max().item()
+        lines.append(f"| {reqs} x {width} | {t_fused:.3f} | {t_torch:.3f} | {t_torch / t_fused:.1f}x | {diff:.2e} |")
+        print(lines[-1], flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -445,6 +477,7 @@ def main() -> None:
     chain_timings(device, lines)
     block_sweep(device, lines)
     kv_move_timings(device, lines)
+    draft_softmax_timings(device, lines)
     out = Path(args.out) / "gpu_check.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
