@@ -232,7 +232,7 @@ class TreeVerificationSampler:
         caches = [half for layer in self.kv_layers() for half in layer]
         device = path.device
         fused = _fused_kv_moves(caches)
-        if fused is not None:  # CUDA: one launch for every cache, the paths never read on the host
+        if fused is not None:  # CUDA: one launch per cache shape, the paths never read on the host
             block_table = upload(input_batch.block_table[0].get_cpu_tensor()[:batch], device)
             fused.move_accepted_kv(caches, block_table, upload(context_lens, device), path)
             return
