@@ -395,7 +395,7 @@ def kv_move_timings(device: torch.device, lines: list[str]) -> None:
     for batch in (1, 32):
         blocks_per_req, block_size = 64, 16
         layers = [
-            torch.randn(batch * blocks_per_req, 4, block_size, 256, generator=gen).to(device, torch.bfloat16)
+            torch.randn(batch * blocks_per_req, 4, block_size, 256, device=device, dtype=torch.bfloat16)
             for _ in range(28)
         ]
         caches = [h for c in layers for h in standard_kv_views(c, 128)]
@@ -440,7 +440,7 @@ def draft_softmax_timings(device: torch.device, lines: list[str]) -> None:
     ]
     gen = torch.Generator().manual_seed(4)
     for reqs, width in ((1, 2), (32, 2), (32, 16)):
-        logits = (torch.randn(reqs, width, 151936, generator=gen) * 4).to(device, torch.bfloat16)
+        logits = (torch.randn(reqs, width, 151936, device=device) * 4).to(torch.bfloat16)
         temperature = torch.rand(reqs, generator=gen).add(0.3).to(device)
         q = torch.empty(reqs, width, 151936, device=device)
         ref = torch.empty_like(q)
@@ -470,17 +470,28 @@ def main() -> None:
         f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}. Command: `python benchmarks/gpu_check.py`",
         "",
     ]
-    ok = correctness(device, lines)
-    print("\n".join(lines), flush=True)
-    attention_timings(device, lines)
-    timings(device, lines)
-    chain_timings(device, lines)
-    block_sweep(device, lines)
-    kv_move_timings(device, lines)
-    draft_softmax_timings(device, lines)
     out = Path(args.out) / "gpu_check.md"
     out.parent.mkdir(parents=True, exist_ok=True)
+    ok = correctness(device, lines)
+    print("\n".join(lines), flush=True)
     out.write_text("\n".join(lines) + "\n")
+    # Cheapest first; the file is rewritten after each section, so a timeout or a
+    # failing section keeps what came before, and a failure does not stop the rest.
+    for section in (
+        attention_timings,
+        timings,
+        kv_move_timings,
+        draft_softmax_timings,
+        chain_timings,
+        block_sweep,
+    ):
+        try:
+            section(device, lines)
+        except Exception as exc:  # noqa: BLE001 - reported in the results, the next section runs
+            ok = False
+            lines += ["", f"**{section.__name__} failed**: `{type(exc).__name__}: {exc}`"]
+            print(lines[-1], flush=True)
+        out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}; correctness {'ok' if ok else 'FAILED'}")
     sys.exit(0 if ok else 1)
 
