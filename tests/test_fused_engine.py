@@ -39,7 +39,9 @@ SCRIPT = textwrap.dedent("""
               speculative_config={"method": "univer", "model": draft, "tree": "2x3"})
     prompts = ["the tree draft token", "red blue green", "one two three four five", "a cat and a dog run"]
     temperatures = [0.0, 1.0, 0.0, 0.7]
+    allowed = list(range(10, 300, 3))  # the last request drafts and samples inside this set
     params = [SamplingParams(temperature=t, max_tokens=12, ignore_eos=True) for t in temperatures]
+    params[3] = SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
 
     def run():
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -83,6 +85,7 @@ SCRIPT = textwrap.dedent("""
     api.fused_allocate = counting("verify", allocate)
     fused_paths = run()
     assert launches["draft"] > 0 and launches["verify"] > 0, launches
+    assert set(fused_paths[3]) <= set(allowed), fused_paths[3]
     for t, a, b in zip(temperatures, cpu_paths, fused_paths):
         assert len(b) == 12
         if t == 0.0:

@@ -109,7 +109,7 @@ class TreeDrafter:
 
         banned = sampling_metadata.allowed_token_ids_mask
         if banned is not None:  # draft inside the allowed set: other drafts would always be rejected
-            banned = banned[torch.from_numpy(active).to(banned.device)]
+            banned = banned[upload(active, banned.device)]
         tokens, q = self._draft_levels(
             active,
             root_pos,
