@@ -72,7 +72,10 @@ class TreeRunner:
                 check_cpu_isa(getattr(layer, "isa", None))
 
     def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(keys, values) views of every attention layer's cache, target and draft."""
+        """(keys, values) views of every attention layer's cache, target and draft;
+        none before vLLM allocates the caches (its profile run samples too)."""
+        if not hasattr(self.runner, "kv_cache_config"):
+            return []
         if self._kv_views is None:
             views = []
             for layer in self.attention_layers():  # already checked by ``check_layers`` at start-up

@@ -230,6 +230,8 @@ class TreeVerificationSampler:
         input_batch = self.runner.input_batch
         context_lens = torch.from_numpy(input_batch.num_computed_tokens_cpu[:batch].astype(np.int64))
         caches = [half for layer in self.kv_layers() for half in layer]
+        if not caches:  # vLLM's profile run: no cache allocated yet, nothing to keep
+            return
         device = path.device
         fused = _fused_kv_moves(caches)
         if fused is not None:  # CUDA: one launch per cache shape, the paths never read on the host
