@@ -41,6 +41,16 @@ replacement from the stage's draft law q':
   drawn history H: its draft law is q restricted off H and renormalised, its
   demand the density R / Zbar (Zbar = 1 - the pair's mean acceptance, the
   chance that this stage is reached), which gives back exactly R on average.
+* **Three children** (m = 3, subtrees of one size): pairs alone stay below the
+  one-step optimum (6 % on smooth laws: ``benchmarks/wor_stage_bound.py`` bounds
+  every rule that settles the pair before looking at x3), because x3 may have the
+  best ratio of the three. So x3 goes first when its class is above both others',
+  with probability e = (1 - q1 - q2) / ((1 - q1)(1 - q2)), the largest factor that
+  keeps its marginal a product of one-token sums (``_FirstOfThree``); then the
+  pair by ratio as above, on what x3 left and with the chance that it was taken
+  first in its marginals; then x3 again if it was not tried first
+  (``_LastOfThree``, its law given the pair). 98-99 % of the LP optimum on the
+  3x1 cases of ``lp_optimum.md``, where pairs reach 94 %.
 * A lone slot (odd m, or a single child) is Block Verification's step:
   min(1, D(x) / q'(x)), R = [D - q']+.
 
@@ -187,6 +197,103 @@ class _LaterInputs:
         return _safe_div(left, self.reached), law.masked_fill(drawn, 0.0) / self.norm
 
 
+class _FirstOfThree:
+    """Three children (x1, x2, x3) drawn without replacement: x3 is tried first when its
+    ratio class is above both others', but only with probability
+        e(x1, x2) = (1 - q1 - q2) / ((1 - q1)(1 - q2))      (<= 1)
+    which cancels the 1 / (1 - q1 - q2) of x3's law given the pair and keeps every
+    marginal a product of one-token factors (an exact rank of all three draws, the
+    one-step optimum's order, needs sums over pairs of tokens: O(V^2)):
+        E_A(y) = P(x3 = y tried first) = q'(y) sum_{a != b below y} w_a u_b,  w = u / (1 - q').
+    y is accepted (its subtree entered) with t = min(1, D / E_A); the pair stage then
+    runs on D_A = D - min(E_A, D), reached unless x3 went first and was taken: averaged
+    over x3, with probability 1 - G(k) / ((1 - q1)(1 - q2)), k the pair's higher class,
+    G(k) = sum_{c above k} q'(c) t(c). Ratio classes are those of D / q' (exact rank on
+    small vocabularies) for all three stages."""
+
+    def __init__(self, nodes: NodeBatch, parts: list[_Columns], inputs: _NodeInputs):
+        self.inputs = inputs
+        self.rank = None
+        if nodes.vocab_size <= EXACT_RANK_VOCAB:
+            self.rank = rank_ratio_classes(*inputs.demand_law(parts[0]))
+        num_classes = nodes.vocab_size if self.rank is not None else _LOG_CLASSES
+        # Pass 1: sums of u, w and w u per class -> sum_{a != b below k} w_a u_b.
+        sums = nodes.p.new_zeros(*nodes.p.shape[:-1], 3, num_classes)
+        sigma = 0.0
+        for cols in _walk(parts):
+            demand, law = inputs.demand_law(cols)
+            sigma = sigma + demand.sum(-1, keepdim=True)
+            u = _safe_div(law, 1.0 - law)
+            w = _safe_div(u, 1.0 - law)
+            index = self.classes(cols).unsqueeze(-2).expand(*law.shape[:-1], 3, law.shape[-1])
+            sums.scatter_add_(-1, index, torch.stack([u, w, w * u], -2))
+        below = sums.cumsum(-1).sub_(sums)
+        self.pairs_below = (below[..., 0, :] * below[..., 1, :] - below[..., 2, :]).clamp_(min=0)
+        self.sigma = sigma
+        # Pass 2: G(k), the mass of the classes above k taken first.
+        taken = nodes.p.new_zeros(*nodes.p.shape[:-1], num_classes)
+        for cols in _walk(parts):
+            law = inputs.demand_law(cols)[1]
+            taken.scatter_add_(-1, self.classes(cols), law * self.take(cols)[0])
+        self.taken_above_class = taken.sum(-1, keepdim=True) - taken.cumsum(-1)
+
+    def classes(self, cols: _Columns) -> torch.Tensor:
+        def compute():
+            demand, law = self.inputs.demand_law(cols)
+            if self.rank is None:
+                return log_ratio_classes(demand, law)
+            return self.rank.gather(-1, cols.ids.clamp(min=0).expand_as(demand))
+
+        return cols.cached(self, "classes", compute)
+
+    def take(self, cols: _Columns):
+        """t = min(1, D / E_A) and D_A = D - min(E_A, D) [.., k]."""
+
+        def compute():
+            demand, law = self.inputs.demand_law(cols)
+            first = law * self.pairs_below.gather(-1, self.classes(cols))
+            return clipped_ratio(demand, first), demand - torch.minimum(first, demand)
+
+        return cols.cached(self, "take", compute)
+
+    def taken_above(self, cols: _Columns) -> torch.Tensor:
+        """G at the columns' classes [.., k]."""
+        return cols.cached(self, "taken_above", lambda: self.taken_above_class.gather(-1, self.classes(cols)))
+
+    def demand_law(self, cols: _Columns):
+        """The pair stage's inputs: (D_A, q')."""
+        return self.take(cols)[1], self.inputs.demand_law(cols)[1]
+
+
+class _LastOfThree:
+    """x3's second chance, after the pair (x1, x2) rejected: x3 not tried first. Given
+    the pair and the stage reached, x3 = y (not x1, x2) with probability
+        q'(y) [(1 - q1)(1 - q2) / (1 - q1 - q2) - [y above both]] / ((1 - q1)(1 - q2) - G(k))
+    (the rest: x3 was tried first and rejected, nothing to try); the demand is the
+    pair stage's leftover R as a density given the stage is reached."""
+
+    def __init__(self, first: _FirstOfThree, pair: _Stage, xa: torch.Tensor, xb: torch.Tensor):
+        self.first, self.pair = first, pair
+        self.drawn = torch.cat([xa, xb], -1)
+        cols = _Columns.at(pair.nodes, self.drawn)
+        law = first.inputs.demand_law(cols)[1] * (self.drawn >= 0)
+        keep = (1.0 - law[..., :1]) * (1.0 - law[..., 1:])
+        self.spread = _safe_div(keep, 1.0 - law.sum(-1, keepdim=True))
+        self.top_class = first.classes(cols).max(-1, keepdim=True).values
+        self.norm = keep - first.taken_above_class.gather(-1, self.top_class)
+        self.reached = (1.0 - (first.sigma - pair.rho)).clamp(min=0)
+
+    def demand_law(self, cols: _Columns):
+        return cols.cached(self, "demand_law", lambda: self._demand_law(cols))
+
+    def _demand_law(self, cols: _Columns):
+        law = self.first.inputs.demand_law(cols)[1]
+        above = self.first.classes(cols) > self.top_class
+        drawn = (cols.ids.unsqueeze(-1) == self.drawn.unsqueeze(-2)).any(-1)
+        law = _safe_div((law * (self.spread - above.to(law.dtype))).masked_fill(drawn, 0.0).clamp(min=0), self.norm)
+        return _safe_div(self.pair.evaluate(cols)[2], self.reached), law
+
+
 class _Stage:
     """One stage: children in slots (a, b) drawn without replacement from the
     stage's law q' against its demand D (b = -1: a lone slot; a = -1: none).
@@ -195,21 +302,30 @@ class _Stage:
     (sum of q') [.., 1], and the acceptances of a and b [.., 1]."""
 
     def __init__(
-        self, nodes: NodeBatch, parts: list[_Columns], inputs, xa: torch.Tensor, xb: torch.Tensor | None, even
+        self,
+        nodes: NodeBatch,
+        parts: list[_Columns],
+        inputs,
+        xa: torch.Tensor,
+        xb: torch.Tensor | None,
+        even,
+        first: _FirstOfThree | None = None,
     ):
-        self.nodes, self.inputs = nodes, inputs
+        self.nodes, self.inputs, self.first = nodes, inputs, first
         self.paired = xb is not None  # a second slot in the tree's shape (a drawn token or -1)
         xb = torch.full_like(xa, -1) if xb is None else xb
         self.has_a, self.has_b = xa >= 0, xb >= 0
         self.xb = xb
         self.rank = None
-        if self.paired and nodes.vocab_size <= EXACT_RANK_VOCAB:  # one part: the whole row
+        if first is not None:
+            self.rank = first.rank
+        elif self.paired and nodes.vocab_size <= EXACT_RANK_VOCAB:  # one part: the whole row
             self.rank = rank_ratio_classes(*inputs.demand_law(parts[0]))
         num_classes = nodes.vocab_size if self.rank is not None else _LOG_CLASSES
 
         # Pass 1: masses per class; the sums the lone and slot-order steps need.
         if self.paired:
-            self.pair_lower = nodes.p.new_zeros(*nodes.p.shape[:-1], 2, num_classes)
+            self.pair_lower = nodes.p.new_zeros(*nodes.p.shape[:-1], 2 if first is None else 4, num_classes)
         sigma = law_mass = rho_lone = slot_missed = 0.0
         for cols in _walk(parts):
             demand, law = inputs.demand_law(cols)
@@ -235,9 +351,8 @@ class _Stage:
         self.missed_lower = torch.zeros_like(self.pair_lower)
         rho_slot = 0.0
         for cols in _walk(parts):
-            pair, index = self._pair_mass(cols)
-            take, _ = self._selected(cols)
-            self.missed_lower.scatter_add_(-1, index, pair * (1.0 - take).unsqueeze(-2))
+            _, index = self._pair_mass(cols)
+            self.missed_lower.scatter_add_(-1, index, self._missed(cols))
             rho_slot = rho_slot + self._slot_order(cols)[1].sum(-1, keepdim=True)
         self.missed_own = self.missed_lower.clone()
         self.missed_total = self.missed_own.sum(-1, keepdim=True)
@@ -248,6 +363,8 @@ class _Stage:
         for cols in _walk(parts):
             rho_ratio = rho_ratio + self._by_ratio(cols)[2].sum(-1, keepdim=True)
         self.by_ratio = (rho_ratio <= rho_slot) & even
+        if self.first is not None:  # the slot order's marginals would need the third draw
+            self.by_ratio = torch.ones_like(self.by_ratio)
         self.rho = torch.where(self.has_b, torch.where(self.by_ratio, rho_ratio, rho_slot), self.rho)
 
     # ------------------------------------------------------------ formulas
@@ -261,29 +378,61 @@ class _Stage:
         return cols.cached(self, "lone_left", compute)
 
     def _classes(self, cols: _Columns) -> torch.Tensor:
+        if self.first is not None:
+            return self.first.classes(cols)
         demand, law = self.inputs.demand_law(cols)
         if self.rank is None:
             return log_ratio_classes(demand, law)
         return self.rank.gather(-1, cols.ids.clamp(min=0).expand_as(demand))
 
     def _pair_mass(self, cols: _Columns):
-        """(q', u) [.., 2, k], u = q' / (1 - q'), and their classes [.., 2, k]."""
+        """The partner z's factors of P(pair {y, z} drawn) [.., 2, k]: (q', u), u = q' / (1 - q');
+        after a first-of-three stage (q, u, u, w), w = u / (1 - q); their classes [.., r, k]."""
 
         def compute():
             law = self.inputs.demand_law(cols)[1]
-            pair = torch.stack([law, _safe_div(law, 1.0 - law)], -2)
+            u = _safe_div(law, 1.0 - law)
+            rows = [law, u] if self.first is None else [law, u, u, _safe_div(u, 1.0 - law)]
+            pair = torch.stack(rows, -2)
             return pair, self._classes(cols).unsqueeze(-2).expand_as(pair)
 
         return cols.cached(self, "pair_mass", compute)
+
+    def _own_factors(self, cols: _Columns, partner_above: bool) -> torch.Tensor:
+        """y's factors [.., r, k] against ``_pair_mass``: P({y, z}) = u_y q_z + q_y u_z, less,
+        after a first-of-three stage, the chance G(k) / ((1 - q_y)(1 - q_z)) that the third
+        child was taken first (k: the higher class of y, z; its G on y's side unless
+        ``partner_above``, where _missed carries it)."""
+        pair, _ = self._pair_mass(cols)
+        law, u = pair[..., 0, :], pair[..., 1, :]
+        if self.first is None:
+            return torch.stack([u, law], -2)
+        w = pair[..., 3, :]
+        taken = 1.0 if partner_above else self.first.taken_above(cols)
+        return torch.stack([u, law, -taken * w, -taken * u], -2)
+
+    def _missed(self, cols: _Columns) -> torch.Tensor:
+        """(1 - s) times the partner factors [.., r, k] (and G on the G rows) of a selected z."""
+        pair, _ = self._pair_mass(cols)
+        missed = pair * (1.0 - self._selected(cols)[0]).unsqueeze(-2)
+        if self.first is not None:
+            missed = missed * torch.cat(
+                [
+                    torch.ones_like(pair[..., :2, :]),
+                    self.first.taken_above(cols).unsqueeze(-2).expand_as(pair[..., 2:, :]),
+                ],
+                -2,
+            )
+        return missed
 
     def _selected(self, cols: _Columns):
         """s = min(1, D / Q_sel) and D2 = D - min(Q_sel, D) [.., k]."""
 
         def compute():
-            demand, law = self.inputs.demand_law(cols)
+            demand = self.inputs.demand_law(cols)[0]
             pair, index = self._pair_mass(cols)
             after = self.pair_lower.gather(-1, index) + 0.5 * (self.pair_own.gather(-1, index) - pair)
-            selected = (pair[..., 1, :] * after[..., 0, :] + law * after[..., 1, :]).clamp(min=0)  # Q_sel
+            selected = (self._own_factors(cols, False) * after).sum(-2).clamp(min=0)  # Q_sel
             return clipped_ratio(demand, selected), demand - torch.minimum(selected, demand)
 
         return cols.cached(self, "selected", compute)
@@ -292,13 +441,12 @@ class _Stage:
         """Selection by ratio class: (s, t, leftover) [.., k], t = min(1, D2 / E2)."""
 
         def compute():
-            law = self.inputs.demand_law(cols)[1]
-            pair, index = self._pair_mass(cols)
+            _, index = self._pair_mass(cols)
             take, left = self._selected(cols)
-            missed = pair * (1.0 - take).unsqueeze(-2)
+            missed = self._missed(cols)
             own = self.missed_own.gather(-1, index)
             before = self.missed_total - self.missed_lower.gather(-1, index) - 0.5 * (own + missed)
-            second = (pair[..., 1, :] * before[..., 0, :] + law * before[..., 1, :]).clamp(min=0)  # E2
+            second = (self._own_factors(cols, True) * before).sum(-2).clamp(min=0)  # E2
             return take, clipped_ratio(left, second), left - torch.minimum(second, left)
 
         return cols.cached(self, "by_ratio", compute)
@@ -361,10 +509,38 @@ class UniVerWorVerifier(TreeVerifier):
     uses_kid_sizes = True
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
+        parts = _Columns.chunks(nodes)
+        weights, last = self._in_pairs(nodes, parts)
+        if nodes.tokens.shape[-1] == 3:
+            # Three children with subtrees of one size: the stage that may try x3 first.
+            triple, triple_last = self._three(nodes, parts)
+            sizes = nodes.kid_sizes
+            even = (sizes == sizes[..., :1]).all(-1, keepdim=True) & (sizes[..., :1] > 0)  # (leaves: none)
+            weights = torch.where(even, triple, weights)
+            last = (triple_last, last, even)
+        stop = self._select(last, lambda stage: continue_prob(stage.rho, stage.sigma)).squeeze(-1)
+        residual = None
+        if want_residual:
+            residual = torch.cat(
+                [self._select(last, lambda stage, c=cols: stage.evaluate(c)[2]) for cols in _walk(parts)], -1
+            )
+        return NodeOutput(weights, stop, residual)
+
+    @staticmethod
+    def _select(last, value):
+        """``value`` of the last stage; where both constructions ran, per node."""
+        if isinstance(last, tuple):
+            triple, pairs, even = last
+            return torch.where(even, value(triple), value(pairs))
+        return value(last)
+
+    @staticmethod
+    def _in_pairs(nodes: NodeBatch, parts: list[_Columns]):
+        """Children in pairs of slots: child weights [.., C] (P(the child ends the step) given
+        that no earlier one did) and the last stage."""
         tokens = nodes.tokens
         slots = tokens.shape[-1]
         inputs = _NodeInputs(nodes)
-        parts = _Columns.chunks(nodes)
         weights = []
         for start in range(0, slots, 2):  # stages; nodes and requests stay batched
             xa = tokens[..., start : start + 1]
@@ -381,8 +557,25 @@ class UniVerWorVerifier(TreeVerifier):
             # the leftover as a density given that the stage is reached.
             if start + 2 < slots:
                 inputs = _LaterInputs(stage, torch.cat([xa, stage.xb], -1))
-        stop = continue_prob(stage.rho, stage.sigma).squeeze(-1)
-        residual = None
-        if want_residual:
-            residual = torch.cat([stage.evaluate(cols)[2] for cols in _walk(parts)], -1)
-        return NodeOutput(torch.cat(weights, -1), stop, residual)
+        return torch.cat(weights, -1), stage
+
+    @staticmethod
+    def _three(nodes: NodeBatch, parts: list[_Columns]):
+        """Three children: x3 first (sometimes, see _FirstOfThree), the pair, x3 again.
+        Child weights [.., 3] and the last stage."""
+        x1, x2, x3 = nodes.tokens.split(1, -1)
+        first = _FirstOfThree(nodes, parts, _NodeInputs(nodes))
+        pair = _Stage(nodes, parts, first, x1, x2, torch.ones_like(x1, dtype=torch.bool), first)
+        last = _Stage(nodes, parts, _LastOfThree(first, pair, x1, x2), x3, None, None)
+        cols = _Columns.at(nodes, nodes.tokens)
+        law = first.inputs.demand_law(cols)[1]
+        classes = first.classes(cols)
+        above = (classes[..., 2:] > classes[..., :2].max(-1, keepdim=True).values) & (nodes.tokens >= 0).all(-1, True)
+        keep = (1.0 - law[..., :1]) * (1.0 - law[..., 1:2])
+        tried = above * _safe_div((1.0 - law[..., :2].sum(-1, keepdim=True)).clamp(min=0), keep)
+        first_taken = tried * first.take(cols)[0][..., 2:]
+        pair_taken = pair.accept_a + pair.accept_b
+        third = first_taken + (1.0 - tried) * (1.0 - pair_taken) * last.accept_a
+        ends = torch.cat([(1.0 - first_taken) * pair.accept_a, (1.0 - first_taken) * pair.accept_b, third], -1)
+        before = torch.cat([torch.zeros_like(third), ends[..., :2].cumsum(-1)], -1)
+        return clipped_ratio(ends, 1.0 - before), last
