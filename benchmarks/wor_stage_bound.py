@@ -1,16 +1,18 @@
 """Why ``univer_wor`` stays below the one-step optimum with three children drawn
 without replacement: a bound on every verifier that takes the children in stages.
 
-``univer_wor`` verifies a node's children in stages: the pair in slots 1-2 with
+``univer_wor`` used to verify three children in stages: the pair in slots 1-2 with
 its one-step coupling (optimal for two children: the 2x1 rows of
 ``lp_optimum.md`` are at 100 %), then slot 3 alone against what is left. At
 depth 1 (tree 3x1) this script keeps the pair stage exactly as ``univer_wor``
-runs it (its exact law on the 2x1 tree) and lets a linear program choose the best
+runs it on two children (its exact law on the 2x1 tree) and lets a linear program choose the best
 possible rule for slot 3 given the drawn tokens (any dependence on x1, x2, x3
 allowed, any leftover law per pair). The other order too: slot 1 alone first (the
 block step ``univer_wor`` uses for a lone slot), then the best possible rule for
 slots 2-3 together. Both are upper bounds for their structure; ``LP`` is the
-optimum over all lossless verifiers (``lp_optimum.py``).
+optimum over all lossless verifiers (``lp_optimum.py``). Both stay near 93 % on
+smooth laws: that is why ``univer_wor`` now lets x3 go first when its ratio is the
+best of the three (``_FirstOfThree``); its column shows what that reaches.
 
     python benchmarks/wor_stage_bound.py    # writes benchmarks/results/wor_stage_bound.md
 """
@@ -93,9 +95,11 @@ def main() -> None:
         "",
         "Tree 3x1 (depth 1), E[accepted] as a share of the LP optimum over all lossless verifiers, "
         f"mean over {len(seeds)} random target/draft pairs (worst pair in brackets); models as in "
-        "`lp_optimum.md`. `pair, then best` keeps univer_wor's pair stage and gives slot 3 the best "
+        "`lp_optimum.md`. `pair, then best` keeps univer_wor's two-child stage and gives slot 3 the best "
         "possible rule (a linear program over every rule that sees x1, x2, x3); `lone, then best` "
-        "verifies slot 1 alone first, then the best possible rule for slots 2-3.",
+        "verifies slot 1 alone first, then the best possible rule for slots 2-3. `univer_wor` tries "
+        "x3 first when its ratio class is above both others' (with probability (1 - q1 - q2) / "
+        "((1 - q1)(1 - q2))), then the pair, then x3 again: above both staged bounds.",
         "",
         "| models | V | LP | univer_wor | pair, then best | lone, then best | traversal |",
         "|---|---|---|---|---|---|---|",
@@ -111,7 +115,6 @@ def main() -> None:
                 values["traversal"].append(expected_accepted("traversal", "wor", tree, target, draft))
                 values["pair"].append(pair_then_best(target, draft))
                 values["lone"].append(lone_then_best(target, draft))
-                assert values["univer_wor"][-1] <= values["pair"][-1] + 1e-9  # the bound holds for univer_wor
             cells = []
             for v in values.values():
                 shares = np.array(v) / np.array(optimum)

@@ -514,8 +514,11 @@ class UniVerWorVerifier(TreeVerifier):
         if nodes.tokens.shape[-1] == 3:
             # Three children with subtrees of one size: the stage that may try x3 first.
             triple, triple_last = self._three(nodes, parts)
+            # All three drawn: a child is missing only where the step cut the tree (the pair
+            # rule is exact there, the triple's marginals are not) or where q holds fewer
+            # than three tokens (the pair rule serves it): never by chance.
             sizes = nodes.kid_sizes
-            even = (sizes == sizes[..., :1]).all(-1, keepdim=True) & (sizes[..., :1] > 0)  # (leaves: none)
+            even = (sizes == sizes[..., :1]).all(-1, keepdim=True) & (nodes.tokens >= 0).all(-1, keepdim=True)
             weights = torch.where(even, triple, weights)
             last = (triple_last, last, even)
         stop = self._select(last, lambda stage: continue_prob(stage.rho, stage.sigma)).squeeze(-1)
@@ -561,7 +564,7 @@ class UniVerWorVerifier(TreeVerifier):
 
     @staticmethod
     def _three(nodes: NodeBatch, parts: list[_Columns]):
-        """Three children: x3 first (sometimes, see _FirstOfThree), the pair, x3 again.
+        """Three children drawn: x3 first (sometimes, see _FirstOfThree), the pair, x3 again.
         Child weights [.., 3] and the last stage."""
         x1, x2, x3 = nodes.tokens.split(1, -1)
         first = _FirstOfThree(nodes, parts, _NodeInputs(nodes))
