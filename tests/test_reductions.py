@@ -70,6 +70,15 @@ def test_univer_wor_beats_traversal_on_average():
     assert np.mean(gains) > 0.03, gains
 
 
+def _smooth_or_mixed(vocab: int, target_seed: int, draft_seed: int, mixed: bool):
+    """A target and a draft: smooth and independent, or with zeros and ties, the
+    draft mixed with the target."""
+    target = PathModel(vocab, target_seed, zeros=mixed, ties=mixed)
+    if mixed:
+        return target, PathModel(vocab, draft_seed, base=target)
+    return target, PathModel(vocab, draft_seed, zeros=False, ties=False)
+
+
 def test_univer_wor_three_children_reach_the_one_step_optimum_closely():
     """Depth 1, three wor children: x3 may go first (``_FirstOfThree``). Exact, V = 5,
     smooth and mixed drafts: per model at least traversal (= RRSw here), and in
@@ -79,10 +88,7 @@ def test_univer_wor_three_children_reach_the_one_step_optimum_closely():
     new_total = old_total = 0.0
     for seed in range(6):
         for mixed in (False, True):
-            target = PathModel(5, 300 + seed, zeros=mixed, ties=mixed)
-            draft = (
-                PathModel(5, 350 + seed, base=target) if mixed else PathModel(5, 350 + seed, zeros=False, ties=False)
-            )
+            target, draft = _smooth_or_mixed(5, 300 + seed, 350 + seed, mixed)
             new = expected_accepted("univer_wor", "wor", tree, target, draft)
             old = expected_accepted("traversal", "wor", tree, target, draft)
             assert new >= old - 1e-12, (seed, mixed)
@@ -131,10 +137,7 @@ def test_univer_wor_keeps_up_with_traversal_on_irregular_trees(paths):
     tree = TreeSpec.from_paths(paths)
     for seed in range(4):
         for mixed in (False, True):
-            target = PathModel(4, 1000 + seed, zeros=mixed, ties=mixed)
-            draft = (
-                PathModel(4, 2000 + seed, base=target) if mixed else PathModel(4, 2000 + seed, zeros=False, ties=False)
-            )
+            target, draft = _smooth_or_mixed(4, 1000 + seed, 2000 + seed, mixed)
             new = expected_accepted("univer_wor", "wor", tree, target, draft)
             assert new >= expected_accepted("rrsw", "wor", tree, target, draft) - 1e-12
             assert new >= expected_accepted("traversal", "wor", tree, target, draft) - 2e-3, (seed, mixed)
