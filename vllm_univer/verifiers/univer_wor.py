@@ -45,7 +45,7 @@ replacement from the stage's draft law q':
   one-step optimum (6 % on smooth laws: ``benchmarks/wor_stage_bound.py`` bounds
   every rule that settles the pair before looking at x3), because x3 may have the
   best ratio of the three. So x3 goes first when its class is above both others',
-  with probability e = (1 - q1 - q2) / ((1 - q1)(1 - q2)), the largest factor that
+  with probability e = (1 - q1 - q2) / ((1 - q1)(1 - q2)) <= 1, a factor that
   keeps its marginal a product of one-token sums (``_FirstOfThree``); then the
   pair by ratio as above, on what x3 left and with the chance that it was taken
   first in its marginals; then x3 again if it was not tried first
