@@ -41,7 +41,7 @@ replacement from the stage's draft law q':
   drawn history H: its draft law is q restricted off H and renormalised, its
   demand the density R / Zbar (Zbar = 1 - the pair's mean acceptance, the
   chance that this stage is reached), which gives back exactly R on average.
-* **Three children** (m = 3, subtrees of one size): pairs alone stay below the
+* **Three children above leaves** (m = 3, the last level): pairs alone stay below the
   one-step optimum (6 % on smooth laws: ``benchmarks/wor_stage_bound.py`` bounds
   every rule that settles the pair before looking at x3), because x3 may have the
   best ratio of the three. So x3 goes first when its class is above both others',
@@ -50,7 +50,9 @@ replacement from the stage's draft law q':
   pair by ratio as above, on what x3 left and with the chance that it was taken
   first in its marginals; then x3 again if it was not tried first
   (``_LastOfThree``, its law given the pair). 98-99 % of the LP optimum on the
-  3x1 cases of ``lp_optimum.md``, where pairs reach 94 %.
+  3x1 cases of ``lp_optimum.md``, where pairs reach 94 %. Above subtrees the pairs
+  stay: the one-step gain moves scale away from x1, whose subtree the draft
+  usually predicts best (on the real pair's 3x3 trees the triple everywhere lost).
 * A lone slot (odd m, or a single child) is Block Verification's step:
   min(1, D(x) / q'(x)), R = [D - q']+.
 
@@ -514,11 +516,16 @@ class UniVerWorVerifier(TreeVerifier):
         if nodes.tokens.shape[-1] == 3:
             # Three children with subtrees of one size: the stage that may try x3 first.
             triple, triple_last = self._three(nodes, parts)
-            # All three drawn: a child is missing only where the step cut the tree (the pair
-            # rule is exact there, the triple's marginals are not) or where q holds fewer
-            # than three tokens (the pair rule serves it): never by chance.
+            # Only above leaves, with all three drawn. Leaves: there a node's value is its
+            # one-step acceptance, which the triple raises; above subtrees it moves scale
+            # to the best-ratio child, rarely the likely x1 whose subtree the draft
+            # predicts best (the real pair's 3x3 trees lost 3-8 % on HumanEval).
+            # Drawn: a child is missing only where the step cut the tree (the pair rule is
+            # exact there, the triple's marginals are not) or where q holds fewer than three
+            # tokens (the pair rule serves it): never by chance.
             sizes = nodes.kid_sizes
-            even = (sizes == sizes[..., :1]).all(-1, keepdim=True) & (nodes.tokens >= 0).all(-1, keepdim=True)
+            above_leaves = (sizes == 1).all(-1, keepdim=True)
+            even = above_leaves & (nodes.tokens >= 0).all(-1, keepdim=True)
             weights = torch.where(even, triple, weights)
             last = (triple_last, last, even)
         stop = self._select(last, lambda stage: continue_prob(stage.rho, stage.sigma)).squeeze(-1)
