@@ -111,6 +111,14 @@ def rank_ratio_classes(demand: torch.Tensor, law: torch.Tensor) -> torch.Tensor:
     return (ratio.unsqueeze(-2) < ratio.unsqueeze(-1)).sum(-1)
 
 
+def _ratio_classes(rank: torch.Tensor | None, cols: _Columns, demand: torch.Tensor, law: torch.Tensor):
+    """Classes of D / q' at the columns [.., k]: the exact rank (``rank`` [.., V], small
+    vocabularies) or the log-scale class."""
+    if rank is None:
+        return log_ratio_classes(demand, law)
+    return rank.gather(-1, cols.ids.clamp(min=0).expand_as(demand))
+
+
 @dataclass
 class _Columns:
     """Some vocabulary columns of a node batch: p, q [.., k] and their token ids
@@ -241,13 +249,7 @@ class _FirstOfThree:
         self.taken_above_class = taken.sum(-1, keepdim=True) - taken.cumsum(-1)
 
     def classes(self, cols: _Columns) -> torch.Tensor:
-        def compute():
-            demand, law = self.inputs.demand_law(cols)
-            if self.rank is None:
-                return log_ratio_classes(demand, law)
-            return self.rank.gather(-1, cols.ids.clamp(min=0).expand_as(demand))
-
-        return cols.cached(self, "classes", compute)
+        return cols.cached(self, "classes", lambda: _ratio_classes(self.rank, cols, *self.inputs.demand_law(cols)))
 
     def take(self, cols: _Columns):
         """t = min(1, D / E_A) and D_A = D - min(E_A, D) [.., k]."""
@@ -383,10 +385,7 @@ class _Stage:
     def _classes(self, cols: _Columns) -> torch.Tensor:
         if self.first is not None:
             return self.first.classes(cols)
-        demand, law = self.inputs.demand_law(cols)
-        if self.rank is None:
-            return log_ratio_classes(demand, law)
-        return self.rank.gather(-1, cols.ids.clamp(min=0).expand_as(demand))
+        return _ratio_classes(self.rank, cols, *self.inputs.demand_law(cols))
 
     def _pair_mass(self, cols: _Columns):
         """The partner z's factors of P(pair {y, z} drawn) [.., 2, k]: (q', u), u = q' / (1 - q');
@@ -515,7 +514,7 @@ class UniVerWorVerifier(TreeVerifier):
         parts = _Columns.chunks(nodes)
         weights, last = self._in_pairs(nodes, parts)
         if nodes.tokens.shape[-1] == 3:
-            # Three children with subtrees of one size: the stage that may try x3 first.
+            # Three children: the stage that may try x3 first.
             triple, triple_last = self._three(nodes, parts)
             # Only above leaves, with all three drawn. Leaves: there a node's value is its
             # one-step acceptance, which the triple raises; above subtrees it moves scale
@@ -527,9 +526,9 @@ class UniVerWorVerifier(TreeVerifier):
             # tokens (the pair rule serves it): never by chance.
             sizes = nodes.kid_sizes
             above_leaves = (sizes == 1).all(-1, keepdim=True)
-            even = above_leaves & (nodes.tokens >= 0).all(-1, keepdim=True)
-            weights = torch.where(even, triple, weights)
-            last = (triple_last, last, even)
+            use_triple = above_leaves & (nodes.tokens >= 0).all(-1, keepdim=True)
+            weights = torch.where(use_triple, triple, weights)
+            last = (triple_last, last, use_triple)
         stop = self._select(last, lambda stage: continue_prob(stage.rho, stage.sigma)).squeeze(-1)
         residual = None
         if want_residual:
@@ -542,8 +541,8 @@ class UniVerWorVerifier(TreeVerifier):
     def _select(last, value):
         """``value`` of the last stage; where both constructions ran, per node."""
         if isinstance(last, tuple):
-            triple, pairs, even = last
-            return torch.where(even, value(triple), value(pairs))
+            triple, pairs, use_triple = last
+            return torch.where(use_triple, value(triple), value(pairs))
         return value(last)
 
     @staticmethod
