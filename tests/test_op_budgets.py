@@ -23,17 +23,20 @@ from vllm_univer.op_counter import OpCounter
 # 2026-12-02: argmax matching for the greedy rows without a loop over depths
 # (``api._argmax_matching``: 79 -> 27 ops on 2x5) took 26-74 off every method.
 VERIFY_KERNEL_BUDGET = {
-    "token": 327,
-    "block": 394,
-    "rrs": 769,
-    "rrsw": 1073,
-    "traversal": 1529,
-    "greedy": 662,
-    "target_only": 392,
-    "univer": 709,
+    "token": 303,
+    "block": 350,
+    "rrs": 688,
+    "rrsw": 993,
+    "traversal": 1410,
+    "greedy": 619,
+    "target_only": 368,
+    "univer": 646,
     # univer_wor: 1954 since its ratio order became classes (sums per class, three
     # passes over V, no sort): O(V) per node instead of O(V log V), more launches.
-    "univer_wor": 1997,
+    # 2026-12-03: clipped_ratio / continue_prob / safe_ratio with one comparison and no
+    # guard tensor (9 -> 6, 10 -> 7 and 8 -> 5 ops a call), tree_pass's masks by
+    # masked_fill: 18-150 off every method (univer 675 -> 615, univer_wor 1902 -> 1752).
+    "univer_wor": 1840,
 }
 # Per engine step on the tiny models (tree 2x3): the package's own ops outside the
 # model forwards (target probabilities, verification, KV moves, drafting).
@@ -44,7 +47,8 @@ VERIFY_KERNEL_BUDGET = {
 # 2026-12-02: the drafter's level inputs built once per step (draft_inputs.py) and
 # argmax matching without a loop over depths: 235 -> 175 (greedy) and 917 -> 858
 # (sampled) ops per step.
-STEP_KERNEL_BUDGET = {"greedy_requests": 184, "sampled_requests": 901}
+# 2026-12-03: the verifiers' ratio helpers with fewer ops: sampled 858 -> 817.
+STEP_KERNEL_BUDGET = {"greedy_requests": 184, "sampled_requests": 858}
 STEP_SYNC_BUDGET = {"greedy_requests": 10.6, "sampled_requests": 10.5}
 
 

@@ -35,9 +35,8 @@ def normalize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def clipped_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """min(1, num / den) for num, den >= 0, with x/0 = 1 for x > 0 and 0/0 = 0."""
-    safe = torch.where(den > 0, den, torch.ones_like(den))
-    ratio = torch.where(den > 0, num / safe, (num > 0).to(num.dtype))
-    return ratio.clamp(max=1.0)
+    # x / 0 (inf or NaN) only in the branch where() drops: one division, no guard tensor.
+    return torch.where(den > 0, num / den, (num > 0).to(num.dtype)).clamp_(max=1.0)
 
 
 def continue_prob(mass: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -45,8 +44,7 @@ def continue_prob(mass: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     residual carries ``mass`` and whose prefix scale is ``scale``; 1 where the
     denominator is 0 (Block Verification's convention)."""
     den = mass + (1.0 - scale)
-    safe = torch.where(den > 0, den, torch.ones_like(den))
-    return torch.where(den > 0, mass / safe, torch.ones_like(den)).clamp(0.0, 1.0)
+    return torch.where(den > 0, mass / den, 1.0).clamp_(0.0, 1.0)
 
 
 # Elements of one chunk's temporaries on CPU (1 MB of float32): small enough to be
@@ -82,8 +80,8 @@ def sum_of_min(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch
 def safe_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """num / den where den > 0, else 0, clamped to the dtype's largest finite value
     (a coefficient that may multiply zeros: never inf, never NaN)."""
-    ratio = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
-    return ratio.clamp(max=torch.finfo(ratio.dtype).max)
+    ratio = torch.where(den > 0, num / den, 0.0)
+    return ratio.clamp_(max=torch.finfo(ratio.dtype).max)
 
 
 def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:

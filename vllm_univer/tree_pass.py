@@ -66,7 +66,7 @@ def allocate(
             want_residual=False,
         )
         # where(), not a product: rows of missing nodes are never read, even if they hold NaN.
-        child_w = torch.where(kid_tokens >= 0, out.child_weights, torch.zeros_like(out.child_weights))
+        child_w = out.child_weights.masked_fill(kid_tokens < 0, 0.0)
         weight[:, level.kid_ids] = child_w.flatten(1)[:, level.kid_pos]
         if postorder:
             stop[:, nodes] = out.stop_prob
@@ -77,7 +77,7 @@ def finish_stop(tt: _TreeTensors, tokens: torch.Tensor, weight: torch.Tensor, st
     """POSTORDER stop probabilities of every node from those of the internal nodes
     [B, N+1]: a leaf stops with its entry scale, a missing node never, the root always."""
     stop = torch.where(tt.is_internal, stop, weight)
-    stop = torch.where(tokens >= 0, stop, torch.zeros_like(stop))
+    stop = stop.masked_fill(tokens < 0, 0.0)
     stop[:, 0] = 1.0  # the root always qualifies once reached
     return stop
 
@@ -124,7 +124,7 @@ def end_node_law(
     law = torch.zeros_like(weight)
     for level in tt.levels:
         kids = level.kids
-        alpha = torch.where(kids >= 0, weight[:, kids.clamp(min=0)], torch.zeros_like(weight[:, kids.clamp(min=0)]))
+        alpha = weight[:, kids.clamp(min=0)].masked_fill(kids < 0, 0.0)
         keep = torch.cumprod(1.0 - alpha, -1)  # no child among slots 0..j taken
         before = torch.cat([torch.ones_like(keep[..., :1]), keep[..., :-1]], -1)
         parent_reach = reach[:, level.nodes].unsqueeze(-1)
