@@ -542,11 +542,34 @@ def report(jsonl: Path, command: str) -> Path:
                     cells.append(f"{best[0]} ({best[2]} nodes): {best[1]:.3f}" if best else "")
                 if any(cells):
                     lines.append(f"| {t} | {m} | " + " | ".join(cells) + " |")
+        lines += ["", *_context_sets(records)]
         lines.append("")
     md = jsonl.with_suffix(".md")
     md.write_text("\n".join(lines) + "\n")
     _plots(groups, temps, depth_rows, jsonl.stem)
     return md
+
+
+def _context_sets(records) -> list[str]:
+    """Which runs each method was recorded in: a table over all runs compares methods
+    recorded in different runs on different contexts (only the paired differences
+    are like for like)."""
+    runs = defaultdict(set)
+    contexts = defaultdict(set)
+    for r in records:
+        runs[r["method"]].add(r["run"])
+        contexts[r["method"]].add((r["run"], r["prompt"], r["temperature"], r["step"]))
+    groups = defaultdict(list)
+    for m in METHOD_ORDER:
+        if m in runs:
+            groups[tuple(sorted(runs[m]))].append(m)
+    if len(groups) < 2:
+        return []
+    lines = ["Contexts behind each row (runs differ in prompts and draws: rows from different runs are not paired):"]
+    lines.append("")
+    for run_set, methods in groups.items():
+        lines.append(f"- {', '.join(methods)}: {len(contexts[methods[0]])} contexts, runs {', '.join(run_set)}")
+    return lines
 
 
 def _plots(groups, temps, depth_rows, stem) -> None:
