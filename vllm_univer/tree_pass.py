@@ -65,7 +65,7 @@ def allocate(
             ),
             want_residual=False,
         )
-        # where(), not a product: rows of missing nodes are never read, even if they hold NaN.
+        # A mask, not a product: rows of missing nodes are never read, even if they hold NaN.
         child_w = out.child_weights.masked_fill(kid_tokens < 0, 0.0)
         weight[:, level.kid_ids] = child_w.flatten(1)[:, level.kid_pos]
         if postorder:
