@@ -233,14 +233,16 @@ class TreeVerificationSampler:
         if not caches:  # vLLM's profile run: no cache allocated yet, nothing to keep
             return
         device = path.device
-        block_table = upload(input_batch.block_table[0].get_cpu_tensor()[:batch], device)
         fused = _fused_kv_moves(caches)
         if fused is not None:  # CUDA: one launch per cache shape, the paths never read on the host
+            block_table = upload(input_batch.block_table[0].get_cpu_tensor()[:batch], device)
             fused.move_accepted_kv(caches, block_table, upload(context_lens, device), path)
             return
         request, src, dst = accepted_path_moves(context_lens, path.cpu())
         if request.numel() == 0:
             return
+        # Uploaded after the early return, not above the branch: no copy in a step with no moves.
+        block_table = upload(input_batch.block_table[0].get_cpu_tensor()[:batch], device)
         request, src, dst = (upload(t, device) for t in (request, src, dst))
         move_paged_kv(caches, block_table, request, src, dst)
 
