@@ -527,27 +527,61 @@ def report(jsonl: Path, command: str) -> Path:
             "Every drafted tree truncated at each depth is a tree of its scheme, so shapes "
             "1x1..1x5, 2x1..2x5, 3x1..3x3 and the irregular tree's depth truncations are all measured.",
             "",
-            "| T | method | budget 16 | budget 32 | budget 64 |",
-            "|---|---|---|---|---|",
+            *_best_shape_table(groups, temps, nodes),
+            "",
+            *_context_sets(records),
         ]
-        for t in temps:
-            for m in METHOD_ORDER:
-                cells = []
-                for budget in (16, 32, 64):
-                    best = None
-                    for label, n in nodes.items():
-                        vals = groups.get(("overall", t, label, m))
-                        if n <= budget and vals and (best is None or mean_and_se(vals)[0] > best[1]):
-                            best = (label, mean_and_se(vals)[0], n)
-                    cells.append(f"{best[0]} ({best[2]} nodes): {best[1]:.3f}" if best else "")
-                if any(cells):
-                    lines.append(f"| {t} | {m} | " + " | ".join(cells) + " |")
-        lines += ["", *_context_sets(records)]
+        shared = _shared_contexts(records)
+        if shared and len({r["run"] for r in records}) > 1:
+            shared_groups = defaultdict(list)
+            for r in records:
+                if (r["run"], r["prompt"], r["temperature"], r["step"]) in shared:
+                    shared_groups[("overall", r["temperature"], r["tree"], r["method"])].append(r["accepted"] + 1.0)
+            counts = ", ".join(
+                f"{sum(1 for c in shared if c[2] == t)} at T={t}" for t in temps if any(c[2] == t for c in shared)
+            )
+            lines += [
+                "",
+                "## Best tree shape per node budget, on the contexts every tree method shares",
+                "",
+                f"Like for like: only the contexts at which every tree method was recorded ({counts}; "
+                "only the shapes drafted there).",
+                "",
+                *_best_shape_table(shared_groups, temps, nodes),
+            ]
         lines.append("")
     md = jsonl.with_suffix(".md")
     md.write_text("\n".join(lines) + "\n")
     _plots(groups, temps, depth_rows, jsonl.stem)
     return md
+
+
+def _best_shape_table(groups, temps, nodes) -> list[str]:
+    """Per temperature and method, the best measured shape within 16, 32 and 64 nodes."""
+    lines = ["| T | method | budget 16 | budget 32 | budget 64 |", "|---|---|---|---|---|"]
+    for t in temps:
+        for m in METHOD_ORDER:
+            cells = []
+            for budget in (16, 32, 64):
+                best = None
+                for label, n in nodes.items():
+                    vals = groups.get(("overall", t, label, m))
+                    if n <= budget and vals and (best is None or mean_and_se(vals)[0] > best[1]):
+                        best = (label, mean_and_se(vals)[0], n)
+                cells.append(f"{best[0]} ({best[2]} nodes): {best[1]:.3f}" if best else "")
+            if any(cells):
+                lines.append(f"| {t} | {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _shared_contexts(records) -> set:
+    """(run, prompt, temperature, step) at which every tree method of the records
+    (all but the chain methods token and block) was recorded."""
+    contexts = defaultdict(set)
+    for r in records:
+        if r["method"] not in ("token", "block"):
+            contexts[r["method"]].add((r["run"], r["prompt"], r["temperature"], r["step"]))
+    return set.intersection(*contexts.values()) if contexts else set()
 
 
 def _context_sets(records) -> list[str]:
