@@ -30,12 +30,16 @@ replacement from the stage's draft law q':
   which passes on at least as much as RRSw's second step (its per-pair
   ratios, summed, are bounded by this marginal one). On laws with zeros and
   ties it can beat the selection by ratio.
-  Each node takes whichever of the two leaves less demand over: a choice made
-  from p, q' and P~ alone, never from the drawn pair, so both stay lossless.
-  Where the pair's two slots carry subtrees of different sizes (irregular,
-  EAGLE-like trees), slot order always: the one-step comparison does not see
-  that the first slot's larger subtree is worth more once entered (it fell
-  1-21 % below traversal there; now within 2e-3 of it, tests/test_reductions.py).
+  Each node takes whichever passes on more demand, each slot's share weighed
+  by w = sqrt(nodes in that slot's subtree): a choice made from p, q', P~ and
+  the tree's shape alone, never from the drawn pair, so both stay lossless.
+  With equal subtrees that is the coupling that leaves less over. Where they
+  differ (irregular, EAGLE-like trees) the plain comparison does not see that
+  the larger subtree is worth more once entered: it fell 1-21 % below
+  traversal there. The first slot's share is one more sum in the third pass:
+      by ratio:   sum_y s(y) u(y) A_q(y) + t(y) u(y) B_q(y)
+      slot order: sum_y min(q'(y), D(y))
+  (A_q, B_q: the partner-law sums of Q_sel and E2 with y drawn first).
 * What is left, R = D2 - min(E2, D2), is marginal over the pair: it does not
   depend on which pair was drawn. A later stage (slots 3-4, ...) sees the
   drawn history H: its draft law is q restricted off H and renormalised, its
@@ -93,14 +97,14 @@ _LOG_CLASSES = _CLASSES_PER_OCTAVE * _OCTAVES + 2
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """num / den where den > 0, else 0."""
-    return torch.where(den > 0, num / den, 0.0)  # where() drops the x/0 entries
+    return (num / den).masked_fill_(den <= 0, 0.0)  # x/0 (inf or NaN) overwritten
 
 
 def log_ratio_classes(demand: torch.Tensor, law: torch.Tensor) -> torch.Tensor:
     """[.., k] -> class of D/q' in 0 .. _LOG_CLASSES - 1 (int64), non-decreasing in the ratio."""
     positive = (demand > 0) & (law > 0)
-    ratio = torch.where(positive, demand, 1.0) / torch.where(positive, law, 1.0)
-    octave = ratio.log2().add_(_OCTAVES / 2).mul_(_CLASSES_PER_OCTAVE)
+    # Where D or q' is 0 the ratio (0, inf or NaN) and its class are overwritten below.
+    octave = (demand / law).log2_().add_(_OCTAVES / 2).mul_(_CLASSES_PER_OCTAVE)
     classes = octave.clamp_(0, _LOG_CLASSES - 3).long().add_(1)
     return classes.masked_fill_(~positive, 0).masked_fill_(law <= 0, _LOG_CLASSES - 1)
 
@@ -313,7 +317,7 @@ class _Stage:
         inputs,
         xa: torch.Tensor,
         xb: torch.Tensor | None,
-        even,
+        slot_weights: torch.Tensor | None,
         first: _FirstOfThree | None = None,
     ):
         self.nodes, self.inputs, self.first = nodes, inputs, first
@@ -345,10 +349,10 @@ class _Stage:
         self.by_ratio = torch.zeros_like(self.has_a)
         self.rho = torch.where(self.has_a, rho_lone, sigma)
         if self.paired:
-            self._pair_passes(parts, even)
+            self._pair_passes(parts, slot_weights, first_by_slot=sigma - rho_lone)
         self._accept(xa, xb)
 
-    def _pair_passes(self, parts: list[_Columns], even: torch.Tensor) -> None:
+    def _pair_passes(self, parts: list[_Columns], slot_weights, first_by_slot: torch.Tensor) -> None:
         self.pair_own = self.pair_lower.clone()
         self.pair_lower.copy_(self.pair_own.cumsum(-1)).sub_(self.pair_own)
 
@@ -363,11 +367,18 @@ class _Stage:
         self.missed_total = self.missed_own.sum(-1, keepdim=True)
         self.missed_lower.copy_(self.missed_own.cumsum(-1)).sub_(self.missed_own)
 
-        # Pass 3: the selection's leftover; then the coupling that leaves less over.
-        rho_ratio = 0.0
+        # Pass 3: the selection's leftover and what it passes to the first slot; then the
+        # coupling worth more: demand passed on, each slot's share weighed by its subtree.
+        rho_ratio = first_by_ratio = 0.0
         for cols in _walk(parts):
-            rho_ratio = rho_ratio + self._by_ratio(cols)[2].sum(-1, keepdim=True)
-        self.by_ratio = (rho_ratio <= rho_slot) & even
+            by_ratio = self._by_ratio(cols)
+            rho_ratio = rho_ratio + by_ratio[2].sum(-1, keepdim=True)
+            first_by_ratio = first_by_ratio + by_ratio[3].sum(-1, keepdim=True)
+        gain = rho_slot - rho_ratio  # equal weights: the coupling that leaves less over
+        if slot_weights is not None:
+            w_a, w_b = slot_weights[..., :1], slot_weights[..., 1:]
+            gain = gain * w_b + (w_a - w_b) * (first_by_ratio - first_by_slot)
+        self.by_ratio = gain >= 0
         if self.first is not None:  # the slot order's marginals would need the third draw
             self.by_ratio = torch.ones_like(self.by_ratio)
         self.rho = torch.where(self.has_b, torch.where(self.by_ratio, rho_ratio, rho_slot), self.rho)
@@ -428,28 +439,35 @@ class _Stage:
         return missed
 
     def _selected(self, cols: _Columns):
-        """s = min(1, D / Q_sel) and D2 = D - min(Q_sel, D) [.., k]."""
+        """s = min(1, D / Q_sel), D2 = D - min(Q_sel, D) and the part of Q_sel with y in the
+        first slot [.., k]."""
 
         def compute():
             demand = self.inputs.demand_law(cols)[0]
             pair, index = self._pair_mass(cols)
             after = self.pair_lower.gather(-1, index) + 0.5 * (self.pair_own.gather(-1, index) - pair)
-            selected = (self._own_factors(cols, False) * after).sum(-2).clamp(min=0)  # Q_sel
-            return clipped_ratio(demand, selected), demand - torch.minimum(selected, demand)
+            terms = self._own_factors(cols, False) * after  # row 0: y drawn first, z second
+            selected = terms.sum(-2).clamp(min=0)  # Q_sel
+            take = clipped_ratio(demand, selected)
+            return take, demand - torch.minimum(selected, demand), terms[..., 0, :]
 
         return cols.cached(self, "selected", compute)
 
     def _by_ratio(self, cols: _Columns):
-        """Selection by ratio class: (s, t, leftover) [.., k], t = min(1, D2 / E2)."""
+        """Selection by ratio class: (s, t, leftover, passed to the first slot) [.., k],
+        t = min(1, D2 / E2)."""
 
         def compute():
             _, index = self._pair_mass(cols)
-            take, left = self._selected(cols)
+            take, left, first_terms = self._selected(cols)
             missed = self._missed(cols)
             own = self.missed_own.gather(-1, index)
             before = self.missed_total - self.missed_lower.gather(-1, index) - 0.5 * (own + missed)
-            second = (self._own_factors(cols, True) * before).sum(-2).clamp(min=0)  # E2
-            return take, clipped_ratio(left, second), left - torch.minimum(second, left)
+            terms = self._own_factors(cols, True) * before  # row 0: y drawn first
+            second = terms.sum(-2).clamp(min=0)  # E2
+            second_take = clipped_ratio(left, second)
+            to_first = take * first_terms + second_take * terms[..., 0, :]
+            return take, second_take, left - torch.minimum(second, left), to_first
 
         return cols.cached(self, "by_ratio", compute)
 
@@ -491,11 +509,12 @@ class _Stage:
         self.accept_a, self.accept_b = lone_a * self.has_a, torch.zeros_like(lone_a)
         if not self.paired:
             return
-        take, second_take, _ = self._by_ratio(cols)
+        take, second_take = self._by_ratio(cols)[:2]
         classes = self._classes(cols)
         a_wins = 0.5 + 0.5 * (classes[..., :1] - classes[..., 1:]).sign().to(law.dtype)  # c(a | b)
-        ratio_a = a_wins * take[..., :1] + (1.0 - a_wins) * (1.0 - take[..., 1:]) * second_take[..., :1]
-        ratio_b = (1.0 - a_wins) * take[..., 1:] + a_wins * (1.0 - take[..., :1]) * second_take[..., 1:]
+        b_wins, rejected = 1.0 - a_wins, 1.0 - take
+        ratio_a = a_wins * take[..., :1] + b_wins * rejected[..., 1:] * second_take[..., :1]
+        ratio_b = b_wins * take[..., 1:] + a_wins * rejected[..., :1] * second_take[..., 1:]
         second = self._slot_order(cols)[0]
         slot_b = (1.0 - lone_a) * clipped_ratio(self._lone_left(cols)[..., 1:], second[..., 1:])
         accept_a = torch.where(self.has_b, torch.where(self.by_ratio, ratio_a, lone_a), lone_a)
@@ -556,11 +575,10 @@ class UniVerWorVerifier(TreeVerifier):
         for start in range(0, slots, 2):  # stages; nodes and requests stay batched
             xa = tokens[..., start : start + 1]
             xb = tokens[..., start + 1 : start + 2] if start + 1 < slots else None
-            even = torch.ones_like(xa, dtype=torch.bool)
+            slot_weights = None
             if nodes.kid_sizes is not None and start + 1 < slots:
-                sizes = nodes.kid_sizes
-                even = (sizes[..., start : start + 1] == sizes[..., start + 1 : start + 2]).expand_as(xa)
-            stage = _Stage(nodes, parts, inputs, xa, xb, even)
+                slot_weights = nodes.kid_sizes[..., start : start + 2].to(nodes.p.dtype).sqrt()
+            stage = _Stage(nodes, parts, inputs, xa, xb, slot_weights)
             weights.append(stage.accept_a)
             if start + 1 < slots:
                 weights.append(clipped_ratio(stage.accept_b, 1.0 - stage.accept_a))
@@ -576,7 +594,7 @@ class UniVerWorVerifier(TreeVerifier):
         Child weights [.., 3] and the last stage."""
         x1, x2, x3 = nodes.tokens.split(1, -1)
         first = _FirstOfThree(nodes, parts, _NodeInputs(nodes))
-        pair = _Stage(nodes, parts, first, x1, x2, torch.ones_like(x1, dtype=torch.bool), first)
+        pair = _Stage(nodes, parts, first, x1, x2, None, first)
         last = _Stage(nodes, parts, _LastOfThree(first, pair, x1, x2), x3, None, None)
         cols = _Columns.at(nodes, nodes.tokens)
         law = first.inputs.demand_law(cols)[1]
