@@ -339,6 +339,11 @@ def mean_and_se(values):
     return mean, math.sqrt(var / n) if n > 1 else float("nan")
 
 
+def _context(record) -> tuple:
+    """The context a record was measured at: (run, prompt, temperature, step)."""
+    return record["run"], record["prompt"], record["temperature"], record["step"]
+
+
 def study_records(jsonl: Path) -> tuple[list[Path], list[dict]]:
     """The study's record files (the run and its supplements) and their records,
     each tagged with its run (a run's contexts are not the other runs' contexts)."""
@@ -360,7 +365,7 @@ def report(jsonl: Path, command: str) -> Path:
     trees = [t for t in ("1x5", "2x5", "3x3", "eagle61", "eagle61t") if any(r["tree"] == t for r in records)]
     datasets = sorted({r["dataset"] for r in records}) + ["overall"]
     categories = sorted({f"mtbench/{r['category']}" for r in records if r["dataset"] == "mtbench"})
-    contexts = len({(r["run"], r["prompt"], r["temperature"], r["step"]) for r in records})
+    contexts = len({_context(r) for r in records})
 
     runs = [
         line.strip()
@@ -470,9 +475,7 @@ def report(jsonl: Path, command: str) -> Path:
         lines.append("")
     # Paired by context: both verifiers at the same context; same-scheme pairs
     # (univer/greedy, traversal/rrsw, block/token) even judged the very same tree.
-    by_key = {
-        (r["run"], r["prompt"], r["temperature"], r["step"], r["tree"], r["method"]): r["accepted"] for r in records
-    }
+    by_key = {(*_context(r), r["tree"], r["method"]): r["accepted"] for r in records}
     pairs = (
         ("univer", "greedy"),
         ("traversal", "rrsw"),
@@ -535,7 +538,7 @@ def report(jsonl: Path, command: str) -> Path:
         if shared and len({r["run"] for r in records}) > 1:
             shared_groups = defaultdict(list)
             for r in records:
-                if (r["run"], r["prompt"], r["temperature"], r["step"]) in shared:
+                if _context(r) in shared:
                     shared_groups[("overall", r["temperature"], r["tree"], r["method"])].append(r["accepted"] + 1.0)
             counts = ", ".join(
                 f"{sum(1 for c in shared if c[2] == t)} at T={t}" for t in temps if any(c[2] == t for c in shared)
@@ -580,7 +583,7 @@ def _shared_contexts(records) -> set:
     contexts = defaultdict(set)
     for r in records:
         if r["method"] not in ("token", "block"):
-            contexts[r["method"]].add((r["run"], r["prompt"], r["temperature"], r["step"]))
+            contexts[r["method"]].add(_context(r))
     return set.intersection(*contexts.values()) if contexts else set()
 
 
@@ -592,7 +595,7 @@ def _context_sets(records) -> list[str]:
     contexts = defaultdict(set)
     for r in records:
         runs[r["method"]].add(r["run"])
-        contexts[r["method"]].add((r["run"], r["prompt"], r["temperature"], r["step"]))
+        contexts[r["method"]].add(_context(r))
     groups = defaultdict(list)
     for m in METHOD_ORDER:
         if m in runs:
