@@ -27,6 +27,20 @@ def test_numbering_is_breadth_first():
     assert t.ancestor_mask[5].tolist() == [True, True, False, True, False, True]
 
 
+def test_even_pairs_reads_sibling_subtree_sizes():
+    assert TreeSpec.parse("2x5").even_pairs and TreeSpec.parse("3x3").even_pairs
+    # Slot 2 pairs with no one: 3x3 stays even; a lone child is no pair.
+    assert TreeSpec.from_paths([(0,), (0, 0)]).even_pairs
+    # The root's pair carries subtrees of 2 and 1 nodes.
+    assert not TreeSpec.from_paths([(0,), (1,), (0, 0)]).even_pairs
+    # Even at the root (4 and 4 nodes), uneven below: node (0,)'s slots hold 2 and 1 nodes.
+    uneven_below = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (1, 0), (1, 1), (1, 1, 0)]
+    assert not TreeSpec.from_paths(uneven_below).even_pairs
+    assert TreeSpec.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)]).even_pairs
+    # Slots (2, 3) uneven while (0, 1) are even.
+    assert not TreeSpec.from_paths([(0,), (1,), (2,), (3,), (2, 0)]).even_pairs
+
+
 def test_parse_accepts_paths_and_trees():
     paths = [[0], [1], [0, 0]]
     assert TreeSpec.parse(paths) == TreeSpec.from_paths(paths)

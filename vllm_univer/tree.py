@@ -146,6 +146,19 @@ class TreeSpec:
         return torch.tensor(sizes, dtype=torch.long)
 
     @cached_property
+    def even_pairs(self) -> bool:
+        """Whether child slots 2j and 2j+1 carry subtrees of equal size at every node
+        where both exist (regular trees): verifiers that pair siblings then skip the
+        work only uneven pairs need."""
+        kids = self.children
+        sizes = self.subtree_sizes[kids.clamp(min=0)]
+        for start in range(0, kids.shape[-1] - 1, 2):
+            both = (kids[:, start] >= 0) & (kids[:, start + 1] >= 0)
+            if bool((both & (sizes[:, start] != sizes[:, start + 1])).any()):
+                return False
+        return True
+
+    @cached_property
     def postorder_rank(self) -> torch.Tensor:
         """LongTensor [N+1]: rank of each node in post-order (children in slot order, then the node)."""
         order: list[int] = []
@@ -269,6 +282,10 @@ class _TreeTensors:
     @property
     def max_depth(self) -> int:
         return self._tree.max_depth
+
+    @property
+    def even_pairs(self) -> bool:
+        return self._tree.even_pairs
 
     @cached_property
     def kid_sizes(self) -> torch.Tensor:

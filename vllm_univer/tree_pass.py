@@ -24,10 +24,13 @@ def child_tokens(tt: _TreeTensors, tokens: torch.Tensor, nodes: torch.Tensor) ->
     return picked.masked_fill(kids < 0, -1)
 
 
-def child_subtree_sizes(verifier: TreeVerifier, tt: _TreeTensors, nodes: torch.Tensor) -> torch.Tensor | None:
-    """nodes [n] or [B, n] -> [n, C] or [B, n, C]: nodes in each child's subtree (0
-    where none), for the verifiers that read them (``uses_kid_sizes``), else None."""
-    return tt.kid_sizes[nodes] if verifier.uses_kid_sizes else None
+def node_batch(
+    verifier: TreeVerifier, tt: _TreeTensors, p, q, tokens, nodes: torch.Tensor, scale: torch.Tensor
+) -> NodeBatch:
+    """The NodeBatch of ``nodes`` [n] or [B, n] (p, q [B, n, V], scale [B, n]); the child
+    subtree sizes only for the verifiers that read them (``uses_kid_sizes``)."""
+    sizes = tt.kid_sizes[nodes] if verifier.uses_kid_sizes else None
+    return NodeBatch(p, q, child_tokens(tt, tokens, nodes), scale, sizes, tt.even_pairs)
 
 
 def allocate(
@@ -53,18 +56,10 @@ def allocate(
     stop = target_probs.new_zeros(batch, n1) if postorder else None
     for level in tt.levels:  # depth by depth: a level's scales need its parents'
         nodes = level.nodes
-        kid_tokens = child_tokens(tt, tokens, nodes)
         scale = weight[:, nodes] if postorder else torch.ones_like(weight[:, nodes])
-        out = verifier.node_rule(
-            NodeBatch(
-                level.rows(target_probs),
-                level.rows(draft_probs),
-                kid_tokens,
-                scale,
-                child_subtree_sizes(verifier, tt, nodes),
-            ),
-            want_residual=False,
-        )
+        batch = node_batch(verifier, tt, level.rows(target_probs), level.rows(draft_probs), tokens, nodes, scale)
+        kid_tokens = batch.tokens
+        out = verifier.node_rule(batch, want_residual=False)
         # A mask, not a product: rows of missing nodes are never read, even if they hold NaN.
         child_w = out.child_weights.masked_fill(kid_tokens < 0, 0.0)
         weight[:, level.kid_ids] = child_w.flatten(1)[:, level.kid_pos]
@@ -152,6 +147,5 @@ def node_residuals(
     p = target_probs.gather(1, rows)
     q = draft_probs.gather(1, rows)
     scale = weight.gather(1, nodes) if verifier.family is Family.POSTORDER else torch.ones_like(weight.gather(1, nodes))
-    batch = NodeBatch(p, q, child_tokens(tt, tokens, nodes), scale, child_subtree_sizes(verifier, tt, nodes))
-    out = verifier.node_rule(batch, want_residual=True)
+    out = verifier.node_rule(node_batch(verifier, tt, p, q, tokens, nodes, scale), want_residual=True)
     return out.residual

@@ -48,6 +48,8 @@ class NodeBatch:
     scale:  [B, n]     prefix scale P~_v (POSTORDER rules; ones for DESCENT rules)
     kid_sizes: [n, C] or [B, n, C]  nodes in each child slot's subtree, 0 where the
             slot does not exist (the tree's shape, the same for every request)
+    even_pairs: whether slots 2j and 2j+1 carry subtrees of equal size wherever both
+            exist (host-known from the shape; TreeSpec.even_pairs)
     """
 
     p: torch.Tensor
@@ -55,6 +57,7 @@ class NodeBatch:
     tokens: torch.Tensor
     scale: torch.Tensor
     kid_sizes: torch.Tensor | None = None
+    even_pairs: bool = False
 
     @property
     def vocab_size(self) -> int:

@@ -321,6 +321,7 @@ class _Stage:
         first: _FirstOfThree | None = None,
     ):
         self.nodes, self.inputs, self.first = nodes, inputs, first
+        self.slot_weights = slot_weights  # [.., 2] or None: weigh the pair's slots equally
         self.paired = xb is not None  # a second slot in the tree's shape (a drawn token or -1)
         xb = torch.full_like(xa, -1) if xb is None else xb
         self.has_a, self.has_b = xa >= 0, xb >= 0
@@ -349,10 +350,10 @@ class _Stage:
         self.by_ratio = torch.zeros_like(self.has_a)
         self.rho = torch.where(self.has_a, rho_lone, sigma)
         if self.paired:
-            self._pair_passes(parts, slot_weights, first_by_slot=sigma - rho_lone)
+            self._pair_passes(parts, sigma, rho_lone)
         self._accept(xa, xb)
 
-    def _pair_passes(self, parts: list[_Columns], slot_weights, first_by_slot: torch.Tensor) -> None:
+    def _pair_passes(self, parts: list[_Columns], sigma: torch.Tensor, rho_lone: torch.Tensor) -> None:
         self.pair_own = self.pair_lower.clone()
         self.pair_lower.copy_(self.pair_own.cumsum(-1)).sub_(self.pair_own)
 
@@ -369,15 +370,17 @@ class _Stage:
 
         # Pass 3: the selection's leftover and what it passes to the first slot; then the
         # coupling worth more: demand passed on, each slot's share weighed by its subtree.
+        weighted = self.slot_weights is not None
         rho_ratio = first_by_ratio = 0.0
         for cols in _walk(parts):
             by_ratio = self._by_ratio(cols)
             rho_ratio = rho_ratio + by_ratio[2].sum(-1, keepdim=True)
-            first_by_ratio = first_by_ratio + by_ratio[3].sum(-1, keepdim=True)
+            if weighted:
+                first_by_ratio = first_by_ratio + by_ratio[3].sum(-1, keepdim=True)
         gain = rho_slot - rho_ratio  # equal weights: the coupling that leaves less over
-        if slot_weights is not None:
-            w_a, w_b = slot_weights[..., :1], slot_weights[..., 1:]
-            gain = gain * w_b + (w_a - w_b) * (first_by_ratio - first_by_slot)
+        if weighted:  # slot order passes sum_y min(q', D) = sigma - rho_lone to the first slot
+            w_a, w_b = self.slot_weights[..., :1], self.slot_weights[..., 1:]
+            gain = gain * w_b + (w_a - w_b) * (first_by_ratio - (sigma - rho_lone))
         self.by_ratio = gain >= 0
         if self.first is not None:  # the slot order's marginals would need the third draw
             self.by_ratio = torch.ones_like(self.by_ratio)
@@ -439,8 +442,8 @@ class _Stage:
         return missed
 
     def _selected(self, cols: _Columns):
-        """s = min(1, D / Q_sel), D2 = D - min(Q_sel, D) and the part of Q_sel with y in the
-        first slot [.., k]."""
+        """s = min(1, D / Q_sel), D2 = D - min(Q_sel, D) [.., k] and the terms of Q_sel
+        [.., r, k] (row 0: y drawn first)."""
 
         def compute():
             demand = self.inputs.demand_law(cols)[0]
@@ -449,24 +452,26 @@ class _Stage:
             terms = self._own_factors(cols, False) * after  # row 0: y drawn first, z second
             selected = terms.sum(-2).clamp(min=0)  # Q_sel
             take = clipped_ratio(demand, selected)
-            return take, demand - torch.minimum(selected, demand), terms[..., 0, :]
+            return take, demand - torch.minimum(selected, demand), terms
 
         return cols.cached(self, "selected", compute)
 
     def _by_ratio(self, cols: _Columns):
         """Selection by ratio class: (s, t, leftover, passed to the first slot) [.., k],
-        t = min(1, D2 / E2)."""
+        t = min(1, D2 / E2); the last only for weighted slots (else None)."""
 
         def compute():
             _, index = self._pair_mass(cols)
-            take, left, first_terms = self._selected(cols)
+            take, left, selected_terms = self._selected(cols)
             missed = self._missed(cols)
             own = self.missed_own.gather(-1, index)
             before = self.missed_total - self.missed_lower.gather(-1, index) - 0.5 * (own + missed)
             terms = self._own_factors(cols, True) * before  # row 0: y drawn first
             second = terms.sum(-2).clamp(min=0)  # E2
             second_take = clipped_ratio(left, second)
-            to_first = take * first_terms + second_take * terms[..., 0, :]
+            to_first = None
+            if self.slot_weights is not None:
+                to_first = take * selected_terms[..., 0, :] + second_take * terms[..., 0, :]
             return take, second_take, left - torch.minimum(second, left), to_first
 
         return cols.cached(self, "by_ratio", compute)
@@ -575,8 +580,8 @@ class UniVerWorVerifier(TreeVerifier):
         for start in range(0, slots, 2):  # stages; nodes and requests stay batched
             xa = tokens[..., start : start + 1]
             xb = tokens[..., start + 1 : start + 2] if start + 1 < slots else None
-            slot_weights = None
-            if nodes.kid_sizes is not None and start + 1 < slots:
+            slot_weights = None  # equal subtrees: the unweighted choice, no need to weigh
+            if nodes.kid_sizes is not None and start + 1 < slots and not nodes.even_pairs:
                 slot_weights = nodes.kid_sizes[..., start : start + 2].to(nodes.p.dtype).sqrt()
             stage = _Stage(nodes, parts, inputs, xa, xb, slot_weights)
             weights.append(stage.accept_a)
