@@ -102,6 +102,17 @@ def test_safe_ratio_is_finite():
     assert ratio[3] == torch.finfo(torch.float32).max and ratio[4] == torch.finfo(torch.float32).max
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clipped_ratio_edge_cases(dtype):
+    # x/0 = 1 and 0/0 = 0, also for a zero of either sign or a den rounded below 0;
+    # ratios above 1 clip; tiny dens do not overflow into anything but 1.
+    num = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 3.0, 1.0, 0.5, 1e-30], dtype=dtype)
+    den = torch.tensor([0.0, 0.0, -0.0, -0.0, -1e-17, -1e-17, 2.0, 1e-45, 1.0, 1.0], dtype=dtype)
+    ratio = ops.clipped_ratio(num, den)
+    expected = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.5, 1e-30], dtype=dtype)
+    assert torch.equal(ratio, expected)
+
+
 def test_verifiers_leave_their_inputs_untouched():
     """Node rules work on copies: p and q are the caller's (in the engine, vLLM's rows)."""
     from vllm_univer import METHODS, scheme_for, verify

@@ -35,8 +35,10 @@ def normalize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def clipped_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """min(1, num / den) for num, den >= 0, with x/0 = 1 for x > 0 and 0/0 = 0."""
-    # x / 0 (inf or NaN) only in the branch where() drops: one division, no guard tensor.
-    return torch.where(den > 0, num / den, (num > 0).to(num.dtype)).clamp_(max=1.0)
+    # Four launches, no comparison or where(). A den rounded below 0 counts as 0; x/0 is
+    # +-inf (the sign of the zero) -> 1, 0/0 is NaN -> 0.
+    ratio = num / den.clamp(min=0.0)
+    return ratio.nan_to_num_(nan=0.0, posinf=1.0, neginf=1.0).clamp_(max=1.0)
 
 
 def continue_prob(mass: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
