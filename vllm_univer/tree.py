@@ -146,17 +146,18 @@ class TreeSpec:
         return torch.tensor(sizes, dtype=torch.long)
 
     @cached_property
+    def kid_sizes(self) -> torch.Tensor:
+        """LongTensor [N+1, C]: nodes in each child slot's subtree, 0 where none."""
+        sizes = self.subtree_sizes[self.children.clamp(min=0)]
+        return sizes.masked_fill(self.children < 0, 0)
+
+    @cached_property
     def even_pairs(self) -> bool:
         """Whether child slots 2j and 2j+1 carry subtrees of equal size at every node
         where both exist (regular trees): verifiers that pair siblings then skip the
         work only uneven pairs need."""
-        kids = self.children
-        sizes = self.subtree_sizes[kids.clamp(min=0)]
-        for start in range(0, kids.shape[-1] - 1, 2):
-            both = (kids[:, start] >= 0) & (kids[:, start + 1] >= 0)
-            if bool((both & (sizes[:, start] != sizes[:, start + 1])).any()):
-                return False
-        return True
+        first, second = self.kid_sizes[:, 0:-1:2], self.kid_sizes[:, 1::2]
+        return not bool(((first > 0) & (second > 0) & (first != second)).any())
 
     @cached_property
     def postorder_rank(self) -> torch.Tensor:
@@ -289,11 +290,8 @@ class _TreeTensors:
 
     @cached_property
     def kid_sizes(self) -> torch.Tensor:
-        """LongTensor [N+1, C]: nodes in each child slot's subtree, 0 where none
-        (built on first use: only some verifiers read it)."""
-        tree = self._tree
-        sizes = tree.subtree_sizes[tree.children.clamp(min=0)]
-        return torch.where(tree.children >= 0, sizes, torch.zeros_like(sizes)).to(self._device)
+        """TreeSpec.kid_sizes on the device (built on first use: only some verifiers read it)."""
+        return self._tree.kid_sizes.to(self._device)
 
 
 class _Level:
