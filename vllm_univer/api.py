@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .compiled_rules import COMPILABLE_METHODS, compile_by_default, compiled_node_rule
 from .fused_tree_pass import FUSED_METHODS, fused_allocate, fused_available, fused_chain_step, fused_finish
 from .inverse_cdf import sample_from_weights
 from .ops import normalize
@@ -45,6 +46,7 @@ def verify(
     greedy: torch.Tensor | None = None,
     validate: bool = True,
     fused: bool | None = None,
+    compiled: bool | None = None,
 ) -> VerifyOutput:
     """Verify a batch of draft trees: sample the accepted path and the next token.
 
@@ -68,6 +70,9 @@ def verify(
             of the step, token / block in one launch per step (univer_wor has
             none: it runs its PyTorch rule).
             None: on CUDA when Triton is there.
+        compiled: run the PyTorch node rule compiled by torch.compile
+            (``compiled_rules``; univer_wor only, the same formulas fused).
+            None: where ``VLLM_UNIVER_COMPILE_RULES=1``.
 
     The law of (path, Y) is exactly ``outcome_law``; averaged over the draft
     scheme's trees it is the target's law (lossless). Runs on the inputs' device
@@ -84,6 +89,12 @@ def verify(
         fused = fused_available(method, target_probs, draft_probs)
     elif fused and method not in FUSED_METHODS:
         raise ValueError(f"no fused kernels for {method!r}; they exist for {', '.join(FUSED_METHODS)}")
+    if compiled is None:
+        compiled = not fused and compile_by_default(method)
+    elif compiled and fused:
+        raise ValueError("compiled=True compiles the PyTorch node rule: pass fused=False with it")
+    elif compiled and method not in COMPILABLE_METHODS:
+        raise ValueError(f"no compiled rule for {method!r}; it exists for {', '.join(COMPILABLE_METHODS)}")
     device = target_probs.device
     tt = tree.on(device)
     dtype = _work_dtype(target_probs)
@@ -98,7 +109,8 @@ def verify(
     if fused:  # node rules per level, then the rest of the step in one launch
         weight, stop, params = fused_allocate(verifier, tt, tokens, p, q, dtype)
         return VerifyOutput(*fused_finish(verifier, tt, tokens, p, q, weight, stop, params, greedy, generator))
-    end, next_token = _end_and_next_token(verifier, tt, tree, tokens, p, q, generator)
+    rule = compiled_node_rule(method) if compiled else None
+    end, next_token = _end_and_next_token(verifier, tt, tree, tokens, p, q, generator, rule)
 
     if greedy is not None:
         greedy_end, greedy_next = _argmax_matching(tt, tokens, p.argmax(-1))
@@ -108,16 +120,17 @@ def verify(
     return _assemble(tt, tokens, end, next_token, tree.max_depth)
 
 
-def _end_and_next_token(verifier, tt, tree: TreeSpec, tokens, p, q, generator):
-    """(end node [B], next token [B]) by the PyTorch node rules: weights level by
-    level, the decision, then the draw from the end node's residual."""
-    weight, stop = allocate(verifier, tt, tokens, p, q)
+def _end_and_next_token(verifier, tt, tree: TreeSpec, tokens, p, q, generator, node_rule=None):
+    """(end node [B], next token [B]) by the PyTorch node rules (``node_rule``: compiled,
+    else the verifier's own): weights level by level, the decision, then the draw from
+    the end node's residual."""
+    weight, stop = allocate(verifier, tt, tokens, p, q, node_rule)
     uniforms = torch.rand(tokens.shape[0], tree.num_nodes + 1, generator=generator, device=p.device, dtype=p.dtype)
     if verifier.family is Family.POSTORDER:
         end = decide_postorder(tt, stop, uniforms)
     else:
         end = decide_descent(tt, weight, uniforms, tree.max_depth)
-    residual = node_residuals(verifier, tt, tokens, p, q, weight, end.unsqueeze(-1)).squeeze(1)
+    residual = node_residuals(verifier, tt, tokens, p, q, weight, end.unsqueeze(-1), node_rule).squeeze(1)
     p_end = p.gather(1, end.view(-1, 1, 1).expand(-1, 1, p.shape[-1])).squeeze(1)
     # An empty residual at the end node has probability 0 in exact arithmetic;
     # fall back to p_end so rounding can never produce an arbitrary token.
@@ -173,12 +186,14 @@ def outcome_law(
     draft_token_ids: torch.Tensor,
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Exact law of one verification step for these fixed trees.
 
     Same inputs as ``verify``. Returns DoubleTensor [B, N+1, V]:
     P(end node = i, next token = y), computed in float64 in closed form from
-    the same node rules that ``verify`` samples with.
+    the same node rules that ``verify`` samples with (``compiled``: their
+    compiled form, as ``verify(compiled=True)`` runs them).
     """
     verifier = get_verifier(method)
     check_inputs(verifier, tree, draft_token_ids, target_probs, draft_probs)
@@ -186,10 +201,13 @@ def outcome_law(
     tokens = draft_token_ids.long()
     p = target_probs.double()
     q = draft_probs.double()
-    weight, stop = allocate(verifier, tt, tokens, p, q)
+    if compiled and method not in COMPILABLE_METHODS:
+        raise ValueError(f"no compiled rule for {method!r}; it exists for {', '.join(COMPILABLE_METHODS)}")
+    rule = compiled_node_rule(method) if compiled else None
+    weight, stop = allocate(verifier, tt, tokens, p, q, rule)
     end_law = end_node_law(verifier, tt, weight, stop)
     all_nodes = torch.arange(tree.num_nodes + 1, device=p.device).expand(tokens.shape[0], -1)
-    residual = node_residuals(verifier, tt, tokens, p, q, weight, all_nodes)
+    residual = node_residuals(verifier, tt, tokens, p, q, weight, all_nodes, rule)
     y_law, mass = normalize(residual)
     # The same fallback as verify: an empty residual draws from p (zero-probability case).
     y_law = torch.where((mass > 0).unsqueeze(-1), y_law, p)

@@ -58,9 +58,10 @@ _CPU_CHUNK_ELEMENTS = 1 << 18
 
 def vocab_slices(rows: torch.Tensor) -> list[slice]:
     """The vocabulary chunks a pass over ``rows`` [..., V] walks: about 1 MB of
-    float32 each on CPU, the whole row elsewhere (one pass per step)."""
+    float32 each on CPU, the whole row elsewhere (one pass per step) and while
+    ``torch.compile`` traces (its fused loops keep no [.., V] temporaries to chunk)."""
     vocab = rows.shape[-1]
-    if rows.device.type != "cpu":
+    if rows.device.type != "cpu" or torch.compiler.is_compiling():
         return [slice(0, vocab)]
     chunk = max(1024, _CPU_CHUNK_ELEMENTS // max(1, rows.numel() // max(vocab, 1)))
     return [slice(start, min(start + chunk, vocab)) for start in range(0, vocab, chunk)]

@@ -39,11 +39,13 @@ def allocate(
     tokens: torch.Tensor,
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
+    node_rule=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-node weights of a batch of trees.
 
     Args:
         tokens: LongTensor [B, N+1] (-1: missing node); target_probs, draft_probs [B, N+1, V].
+        node_rule: the verifier's rule in another form (``compiled_rules``); default its own.
 
     Returns:
         weight [B, N+1]: alpha_c (DESCENT) or the entry scale P~_c (POSTORDER); 1 at the root.
@@ -59,7 +61,7 @@ def allocate(
         scale = weight[:, nodes] if postorder else torch.ones_like(weight[:, nodes])
         batch = node_batch(verifier, tt, level.rows(target_probs), level.rows(draft_probs), tokens, nodes, scale)
         kid_tokens = batch.tokens
-        out = verifier.node_rule(batch, want_residual=False)
+        out = (node_rule or verifier.node_rule)(batch, want_residual=False)
         # A mask, not a product: rows of missing nodes are never read, even if they hold NaN.
         child_w = out.child_weights.masked_fill(kid_tokens < 0, 0.0)
         weight[:, level.kid_ids] = child_w.flatten(1)[:, level.kid_pos]
@@ -136,16 +138,19 @@ def node_residuals(
     draft_probs: torch.Tensor,
     weight: torch.Tensor,
     nodes: torch.Tensor,
+    node_rule=None,
 ) -> torch.Tensor:
     """Unnormalised law of Y at the given nodes.
 
     nodes: LongTensor [B, n] (per request) -> residual [B, n, V]. Only these n rows
     per request are gathered, so verify never builds a [B, N+1, V] temporary.
+    node_rule: as in ``allocate``.
     """
     vocab = target_probs.shape[-1]
     rows = nodes.unsqueeze(-1).expand(-1, -1, vocab)
     p = target_probs.gather(1, rows)
     q = draft_probs.gather(1, rows)
     scale = weight.gather(1, nodes) if verifier.family is Family.POSTORDER else torch.ones_like(weight.gather(1, nodes))
-    out = verifier.node_rule(node_batch(verifier, tt, p, q, tokens, nodes, scale), want_residual=True)
+    rule = node_rule or verifier.node_rule
+    out = rule(node_batch(verifier, tt, p, q, tokens, nodes, scale), want_residual=True)
     return out.residual
