@@ -216,7 +216,7 @@ def truncated(tree: TreeSpec, depth: int) -> TreeSpec:
 def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shapes, steps, sink, gen, schemes=None):
     """Walk ``steps`` contexts of one prompt at one temperature, recording every
     method of ``schemes`` (default: all). The 2x5 topk1 tree, which advances the
-    context, is drafted whatever ``schemes`` says."""
+    context, is drafted whatever ``schemes`` and ``shapes`` say."""
     root_target = target.reset(ids)
     root_draft = draft.reset(ids)
     for step in range(steps):
@@ -254,7 +254,14 @@ def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shap
                             + "\n"
                         )
         sink.flush()
-        # Advance by one lossless UniVer step on the 2x5 topk1 tree.
+        # Advance by one lossless UniVer step on the 2x5 topk1 tree (drafted here
+        # when the study records other shapes only, so every run walks the same contexts).
+        if ("2x5", "topk1") not in trees:
+            tree = TreeSpec.parse("2x5")
+            trees[("2x5", "topk1")] = (
+                tree,
+                *draft_and_score(target, draft, tree, "topk1", temperature, root_target, root_draft, gen),
+            )
         tree, tokens, p, q = trees[("2x5", "topk1")]
         out = verify("univer", tree, tokens, p, q, generator=gen)
         new = [t for t in out.output_token_ids[0].tolist() if t >= 0]
