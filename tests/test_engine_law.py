@@ -253,6 +253,25 @@ def test_generated_law_equals_target_law(small_models):
                 assert marginal_pvalue(counts, unbiased, (3,)) < 1e-6
 
 
+def test_compiled_univer_wor_law_equals_target_law(small_models, tmp_path):
+    """univer_wor with its node rule compiled by torch.compile
+    (``VLLM_UNIVER_COMPILE_RULES=1``, ``compiled_rules``) inside the engine; the
+    engine is eager, so the code Inductor leaves in its cache is the rule's (its
+    sums per ratio class are scatters)."""
+    target, draft = small_models
+    cache = tmp_path / "inductor"
+    params = {"temperature": 1.0}
+    prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
+    spec = {"method": "univer", "model": draft, "tree": "2x2", "verifier": "univer_wor"}
+    engine = law_engine(target, spec, prompts, {**params, "max_tokens": 4, "ignore_eos": True})
+    (result,) = run_engines([engine], env={"VLLM_UNIVER_COMPILE_RULES": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    assert "error" not in result, result.get("error")
+    assert any("scatter" in f.read_text(errors="ignore") for f in cache.rglob("*.py")), "the rule was not compiled"
+    counters = result["spec"]
+    assert 0 < counters["vllm:spec_decode_num_accepted_tokens"] < counters["vllm:spec_decode_num_drafts"] * 2
+    assert_follows_target_law(result["calls"][0]["outputs"], target, params, "compiled univer_wor")
+
+
 def test_tree_auto_cuts_law_equals_target_law(small_models):
     """tree "auto" with depth cuts that change between steps and between requests
     (``tree_sizer.SCHEDULE_ENV``, depths 2, 0, 1) and shapes that change between
