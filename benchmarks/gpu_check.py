@@ -17,6 +17,8 @@ Run on a CUDA machine from the repository root (about 5 minutes on one H200):
    PyTorch rules) against vLLM's own rejection sampler on the same chains, where
    vLLM is importable (``gpu_engine.sh`` installs it first).
 4. The fused kernels' vocabulary block, swept (univer, traversal, rrsw on 2x5).
+5. univer_wor with its node rule compiled by torch.compile (correctness in 1.,
+   timings last: its first calls compile).
 Writes gpu_check.md into DIR (default benchmarks/results).
 """
 
@@ -82,7 +84,8 @@ def paged_kernel_error(device, dtype, gen, num_splits=None) -> float:
 def correctness(device: torch.device, lines: list[str]) -> bool:
     ok = True
     lines += ["## Correctness on CUDA", "", "| check | result |", "|---|---|"]
-    for method in METHODS:
+    # univer_wor twice: its PyTorch rule, and that rule compiled (``compiled_rules``).
+    for method, compiled in [(m, None) for m in METHODS] + [("univer_wor", True)]:
         tree = TreeSpec.parse("1x3") if method in ("token", "block") else TreeSpec.parse("2x2")
         tokens, p, q = make_inputs(method, tree, 4, 6, seed=3)
         tokens, p, q = tokens.to(device), p.to(device), q.to(device)
@@ -96,6 +99,7 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
             p.repeat_interleave(reps, 0),
             q.repeat_interleave(reps, 0),
             generator=gen,
+            compiled=compiled,
         )
         y = out.output_token_ids.gather(1, out.num_accepted.unsqueeze(1)).squeeze(1)
         row = torch.arange(4, device=device).repeat_interleave(reps)
@@ -107,7 +111,7 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
         good = impossible == 0 and min(pvals) > 1e-4
         ok &= good
         lines.append(
-            f"| verify `{method}` vs outcome_law (4 trees x {reps}) | "
+            f"| verify `{method}`{' compiled' if compiled else ''} vs outcome_law (4 trees x {reps}) | "
             f"{'ok' if good else 'FAIL'}: min p = {min(pvals):.3g}, impossible outcomes = {impossible} |"
         )
 
@@ -286,6 +290,33 @@ def timings(device: torch.device, lines: list[str]) -> None:
                 row += [f"{univer_ms / read_ms:.1f}", f"{replay_ms / univer_ms:.1f}", f"{peak:.2f}"]
                 lines.append("| " + " | ".join(str(x) for x in row) + " |")
                 print(lines[-1], flush=True)
+
+
+def compiled_timings(device: torch.device, lines: list[str]) -> None:
+    """univer_wor per verify call with its node rule compiled (``compiled_rules``:
+    Inductor's Triton kernels) beside its PyTorch rule and univer's fused kernels;
+    the first compiled call of each tree includes compilation."""
+    lines += [
+        "",
+        "## univer_wor compiled (ms, median of 10; V = 151936)",
+        "",
+        "| B | tree | univer_wor torch | univer_wor compiled | first compiled call s | univer (fused) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for shape in ("2x5", "3x3"):
+        tree = TreeSpec.parse(shape)
+        for batch in (1, 16):
+            tokens, p, q = (x.to(device) for x in make_inputs("univer_wor", tree, batch, 151936))
+            start = time.perf_counter()
+            verify("univer_wor", tree, tokens, p, q, validate=False, compiled=True)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            compiled = cuda_median_ms(lambda: verify("univer_wor", tree, tokens, p, q, validate=False, compiled=True))
+            eager = cuda_median_ms(lambda: verify("univer_wor", tree, tokens, p, q, validate=False, compiled=False))
+            univer = cuda_median_ms(lambda: verify("univer", tree, tokens, p, q, validate=False))
+            lines.append(f"| {batch} | {shape} | {eager:.2f} | {compiled:.2f} | {first:.1f} | {univer:.2f} |")
+            print(lines[-1], flush=True)
+            del tokens, p, q
 
 
 def vllm_chain_step(batch: int, k: int, vocab: int, device: torch.device):
@@ -484,6 +515,7 @@ def main() -> None:
         draft_softmax_timings,
         chain_timings,
         block_sweep,
+        compiled_timings,
     ):
         try:
             section(device, lines)
