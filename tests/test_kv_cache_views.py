@@ -165,6 +165,20 @@ def test_chain_tree_attention_equals_vllm_causal_kernel(context_lens, isa, dtype
     torch.testing.assert_close(ours.reshape(batch * t, HEADS * 2, DH), expected, **tol)
 
 
+def test_sampler_moves_kv_through_every_cpu_view():
+    """The sampler's choice between the fused (CUDA) and per-cache KV moves reads only
+    ``device`` of a cache, so vLLM's amx layout (a ``TiledPagedCache``, not a tensor)
+    takes the per-cache moves on any CPU (it used to read ``is_cuda``: bfloat16 serving
+    on AMX CPUs failed at the first accepted path)."""
+    from vllm_univer.integration.kv_cache_views import TiledPagedCache
+    from vllm_univer.integration.tree_sampler import _fused_kv_moves
+
+    tiled = TiledPagedCache(torch.zeros(3, BLOCK // 16, 16, HEADS, DH // 2, 2, dtype=torch.bfloat16))
+    plain = torch.zeros(3, BLOCK, HEADS, DH)
+    assert _fused_kv_moves([tiled, tiled]) is None
+    assert _fused_kv_moves([plain, plain]) is None
+
+
 def test_unsupported_isa_is_refused():
     with pytest.raises(NotImplementedError, match="neon"):
         cpu_kv_views(torch.zeros(1, 1, 32, 128), "neon")

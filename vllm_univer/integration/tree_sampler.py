@@ -272,8 +272,10 @@ class TreeVerificationSampler:
 
 
 def _fused_kv_moves(caches: list[torch.Tensor]):
-    """``kernels.triton_kv_moves`` where it can move these caches (CUDA, Triton), else None."""
-    if not caches[0].is_cuda:
+    """``kernels.triton_kv_moves`` where it can move these caches (CUDA, Triton), else None.
+    A cache may be a tensor-like view (``kv_cache_views.TiledPagedCache``, vLLM's amx
+    layout on CPU): only its ``device`` is read here."""
+    if caches[0].device.type != "cuda":
         return None
     try:
         from ..kernels import triton_kv_moves
