@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .compiled_rules import COMPILABLE_METHODS, compile_by_default, compiled_node_rule
+from .compiled_rules import compile_by_default, node_rule_for
 from .fused_tree_pass import FUSED_METHODS, fused_allocate, fused_available, fused_chain_step, fused_finish
 from .inverse_cdf import sample_from_weights
 from .ops import normalize
@@ -93,8 +93,7 @@ def verify(
         compiled = not fused and compile_by_default(method)
     elif compiled and fused:
         raise ValueError("compiled=True compiles the PyTorch node rule: pass fused=False with it")
-    elif compiled and method not in COMPILABLE_METHODS:
-        raise ValueError(f"no compiled rule for {method!r}; it exists for {', '.join(COMPILABLE_METHODS)}")
+    rule = node_rule_for(method, compiled)
     device = target_probs.device
     tt = tree.on(device)
     dtype = _work_dtype(target_probs)
@@ -109,7 +108,6 @@ def verify(
     if fused:  # node rules per level, then the rest of the step in one launch
         weight, stop, params = fused_allocate(verifier, tt, tokens, p, q, dtype)
         return VerifyOutput(*fused_finish(verifier, tt, tokens, p, q, weight, stop, params, greedy, generator))
-    rule = compiled_node_rule(method) if compiled else None
     end, next_token = _end_and_next_token(verifier, tt, tree, tokens, p, q, generator, rule)
 
     if greedy is not None:
@@ -201,9 +199,7 @@ def outcome_law(
     tokens = draft_token_ids.long()
     p = target_probs.double()
     q = draft_probs.double()
-    if compiled and method not in COMPILABLE_METHODS:
-        raise ValueError(f"no compiled rule for {method!r}; it exists for {', '.join(COMPILABLE_METHODS)}")
-    rule = compiled_node_rule(method) if compiled else None
+    rule = node_rule_for(method, compiled)
     weight, stop = allocate(verifier, tt, tokens, p, q, rule)
     end_law = end_node_law(verifier, tt, weight, stop)
     all_nodes = torch.arange(tree.num_nodes + 1, device=p.device).expand(tokens.shape[0], -1)

@@ -45,6 +45,16 @@ def compile_by_default(method: str) -> bool:
     return method in COMPILABLE_METHODS and os.environ.get(COMPILE_ENV, "0") == "1"
 
 
+def node_rule_for(method: str, compiled: bool):
+    """The compiled node rule of ``method`` where ``compiled``, else None (the
+    verifier's own rule); a clear error for a method with no compiled rule."""
+    if not compiled:
+        return None
+    if method not in COMPILABLE_METHODS:
+        raise ValueError(f"no compiled rule for {method!r}; it exists for {', '.join(COMPILABLE_METHODS)}")
+    return compiled_node_rule(method)
+
+
 @functools.cache
 def compiled_node_rule(method: str):
     """``node_rule(nodes, want_residual) -> NodeOutput`` of ``method``, compiled."""
