@@ -245,6 +245,19 @@ def test_a_cut_that_does_not_pay_is_tried_ever_more_rarely():
     assert picks.count(Cut(0, 3)) == 512  # every other decision is the choice
 
 
+def test_backoff_is_kept_per_batch_size():
+    """Cuts tried and backed off at batch 16 are tried again at once when the
+    load drops to one request: what did not pay at one batch size may at another
+    (the wait at batch 16 was 32-64 explorations when the load dropped)."""
+    # Speculation never chosen (low acceptance), but every cut worth a trial (its ceiling beats plain).
+    chooser = shapes_chooser(0.01, 1.0, 0.3, hazards=(0.3, 0.3), explore=2)
+    busy = [chooser.choose([2] * 16) for _ in range(200)]
+    assert {p.depth for p in busy[0::2]} == {0} and sum(p.depth > 0 for p in busy) <= 16
+    assert any(p.depth > 0 for p in busy[:8]) and not any(p.depth > 0 for p in busy[150:])
+    alone = [chooser.choose([2]) for _ in range(4)]
+    assert [p.depth > 0 for p in alone] == [False, True, False, True], alone
+
+
 def test_prior_hazards_grow_with_the_children_per_node():
     assert prior_hazards([1, 1, 1, 1]) == pytest.approx([0.7, 0.7, 0.7])
     assert prior_hazards(WIDTHS_2X3) == pytest.approx([0.91, 0.91, 0.91])

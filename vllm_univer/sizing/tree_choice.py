@@ -20,7 +20,9 @@ speculating steps' measurements say least about (theirs carry the drafting
 and verification overheads, a plain step's do not). A speculating cut tried
 and not chosen waits twice as long before its next trial (up to
 ``MAX_BACKOFF`` explorations): where speculating steps cost several plain
-ones, exploring them must stay rare.
+ones, exploring them must stay rare. The waits are kept per batch size (the
+cost model's buckets): a cut that never paid at batch 16 is tried at once
+when the load drops to one request, where it may well pay.
 
 Speculating after plain steps first costs a catch-up: the draft runs every
 token it has not seen (the prompts of new requests, the tokens of plain
@@ -39,7 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .acceptance_model import AcceptanceModel
-from .cost_model import StepCostModel
+from .cost_model import StepCostModel, batch_bucket
 
 # The longest wait between two trials of one cut, in explorations (x explore_every decisions).
 MAX_BACKOFF = 64
@@ -77,10 +79,10 @@ class TreeChooser:
         self.explore_every = explore_every
         self.decisions = 0
         self._explored = 0  # round-robin index over the exploration candidates
-        # Per speculating cut tried and not chosen: explorations to wait before the
-        # next trial (doubling), and the decision from which it may be tried again.
-        self._backoff: dict[Cut, int] = {}
-        self._eligible_from: dict[Cut, int] = {}
+        # Per (batch bucket, speculating cut) tried and not chosen: explorations to wait
+        # before the next trial (doubling), and the decision from which it may be tried again.
+        self._backoff: dict[tuple[int, Cut], int] = {}
+        self._eligible_from: dict[tuple[int, Cut], int] = {}
 
     def rates(self, bands, backlog: int = 0, tokens_left: float = np.inf) -> list[np.ndarray]:
         """Per shape, [D+1]: expected tokens per second of the batch at every depth
@@ -121,13 +123,14 @@ class TreeChooser:
         if choice.depth == 0 and allowed is not None:
             choice = Cut(min(allowed), 0)
         rate = rates[choice.shape][choice.depth] if choice.depth else plain
-        self._backoff.pop(choice, None)  # a cut that pays is tried freely again once it stops paying
+        bucket = batch_bucket(reqs)
+        self._backoff.pop((bucket, choice), None)  # a cut that pays is tried freely again once it stops paying
         self.decisions += 1
         if self.explore_every and self.decisions % self.explore_every == 0:
             candidates = [
                 c
                 for c in self._exploration_candidates(choice, rates)
-                if self._eligible_from.get(c, 0) <= self.decisions
+                if self._eligible_from.get((bucket, c), 0) <= self.decisions
             ]
             if candidates:
                 trial = candidates[self._explored % len(candidates)]
@@ -140,9 +143,9 @@ class TreeChooser:
                 if trial.depth == 0 or ceiling > rate:
                     choice = trial
                 if trial.depth > 0:
-                    wait = self._backoff.get(trial, 1)
-                    self._eligible_from[trial] = self.decisions + wait * self.explore_every
-                    self._backoff[trial] = min(2 * wait, MAX_BACKOFF)
+                    wait = self._backoff.get((bucket, trial), 1)
+                    self._eligible_from[bucket, trial] = self.decisions + wait * self.explore_every
+                    self._backoff[bucket, trial] = min(2 * wait, MAX_BACKOFF)
         return choice
 
     def _exploration_candidates(self, choice: Cut, rates: list[np.ndarray]) -> list[Cut]:
