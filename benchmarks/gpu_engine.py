@@ -32,6 +32,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV
 from vllm_univer.tools.json_job import print_result, run_json_job
 
 HERE = Path(__file__).resolve().parent
@@ -111,7 +112,12 @@ ROWS = [
     ("univer 2x5", {"method": "univer", "tree": "2x5"}, ("2x5", "univer")),
     ("univer 3x3", {"method": "univer", "tree": "3x3"}, ("3x3", "univer")),
     ("traversal 2x5", {"method": "univer", "tree": "2x5", "verifier": "traversal"}, ("2x5", "traversal")),
+    # tree auto (max_tree 2x5): its choice runs on this machine's costs and on the study's
+    # acceptance (fixed hazards, ``auto_hazards``); tau: the study's, over the cuts it drafted.
+    ("univer auto", {"method": "univer", "tree": "auto"}, ("auto", "univer")),
+    ("traversal auto", {"method": "univer", "tree": "auto", "verifier": "traversal"}, ("auto", "traversal")),
 ]
+AUTO_WIDTHS = (1, 2)  # the width cuts of max_tree 2x5: its chain 1x5 and 2x5 itself
 PROMPT_LEN = 128
 
 
@@ -132,6 +138,26 @@ def study_tau(temperature: float = 1.0) -> dict[tuple[str, str], float]:
     return {k: 1 + sum(v) / len(v) for k, v in sums.items()}
 
 
+def cut_tau(tau: dict[tuple[str, str], float], cut: str, method: str) -> float:
+    """tau of a cut of max_tree 2x5 ("WxD": width W, depth D; "0x0" no speculation) under
+    ``method``: a chain is verified as Block Verification by every tree method."""
+    width, depth = (int(v) for v in cut.split("x"))
+    if depth == 0:
+        return 1.0
+    return tau[(cut, "block" if width == 1 else method)]
+
+
+def auto_hazards(tau: dict[tuple[str, str], float], method: str) -> dict[str, list[float]]:
+    """Per width of max_tree 2x5, the hazards h_d = P(A >= d) / P(A >= d - 1) that give the
+    study's tau at every depth cut (P(A >= d) = tau(cut d) - tau(cut d - 1)), clipped to [0, 1]."""
+    out = {}
+    for width in AUTO_WIDTHS:
+        taus = [cut_tau(tau, f"{width}x{d}", method) for d in range(6)]
+        survival = [1.0] + [max(b - a, 0.0) for a, b in zip(taus, taus[1:])]
+        out[str(width)] = [min(s / p, 1.0) if p > 0 else 0.0 for p, s in zip(survival, survival[1:])]
+    return out
+
+
 # ------------------------------------------------------------------ one engine
 def _timers_on(worker, on: bool) -> dict:
     univer = getattr(worker.model_runner, "univer", None)
@@ -139,6 +165,12 @@ def _timers_on(worker, on: bool) -> dict:
         return {}
     univer.timers.enabled = on
     return {**univer.timers.totals, **{f"calls:{k}": v for k, v in univer.timers.calls.items()}}
+
+
+def _sizer_cuts(worker) -> dict:
+    univer = getattr(worker.model_runner, "univer", None)
+    sizer = getattr(univer, "sizer", None)
+    return sizer.summary().get("requests_at_cut", {}) if sizer is not None else {}
 
 
 def run_one_engine(job: dict) -> dict:
@@ -186,17 +218,22 @@ def run_one_engine(job: dict) -> dict:
     for batch in job["batches"]:
         m = job["max_tokens"]
         wall_1, _, _, _ = timed(batch, 1)  # prefill and the first token
+        cuts_before = llm.collective_rpc(_sizer_cuts)[0]
         wall_m, tokens, drafts, accepted = timed(batch, m)
         measured_tau = 1 + accepted / drafts if drafts else 1.0
         steps = max(tokens / batch / measured_tau - 1, 1.0)
         cell = {"batch": batch, "step_ms": 1e3 * (wall_m - wall_1) / steps, "measured_tau": measured_tau}
+        if cuts_before or job["spec"] and job["spec"].get("tree") == "auto":
+            after = llm.collective_rpc(_sizer_cuts)[0]
+            cell["requests_at_cut"] = {k: n - cuts_before.get(k, 0) for k, n in after.items()}
         # The split, from a second run with the step timers on (they synchronise the device).
         before = llm.collective_rpc(_timers_on, args=(True,))[0]
         if before:
             timed(batch, m)
             after = llm.collective_rpc(_timers_on, args=(False,))[0]
             spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-            per_step = max(spent.get("calls:verify", 0), 1)
+            # tree auto: plain steps call no verify; every step counts.
+            per_step = max(spent.get("calls:verify", 0), 1) if "requests_at_cut" not in cell else steps
             cell["split_ms"] = {
                 "verify": 1e3 * spent.get("verify", 0.0) / per_step,
                 "draft forwards": 1e3 * spent.get("draft_forward", 0.0) / per_step,
@@ -210,10 +247,16 @@ def run_one_engine(job: dict) -> dict:
 def run(args) -> list[dict]:
     root = Path(args.work)
     results = []
+    tau = study_tau()
     for pair in args.pairs:
         target_shape, draft_shape = PAIRS[pair]
         target, draft = write_config(root, target_shape), write_config(root, draft_shape)
         for name, spec, study in ROWS:
+            if args.rows and name not in args.rows:
+                continue
+            env = {**os.environ, **ENV}
+            if study and study[0] == "auto":
+                env[FIXED_HAZARDS_ENV] = json.dumps(auto_hazards(tau, study[1]))
             job = {
                 "spec": spec,
                 "target": target,
@@ -225,7 +268,7 @@ def run(args) -> list[dict]:
             }
             print(f"[gpu_engine] {pair} {name} ...", flush=True)
             start = time.perf_counter()
-            result, stderr = run_json_job([__file__, "--one"], job, {**os.environ, **ENV}, timeout=args.engine_timeout)
+            result, stderr = run_json_job([__file__, "--one"], job, env, timeout=args.engine_timeout)
             row = {"pair": pair, "name": name, "study": study, "engine_s": time.perf_counter() - start}
             if result is None:
                 row["error"] = stderr[-3000:]
@@ -248,7 +291,11 @@ def report(results: list[dict], command: str, device: str) -> str:
         "(`results/acceptance.jsonl`, same verifier and shape, T = 1), not measured here. Projected tokens/s = "
         "batch x tau / step time; ratios within a pair and batch, all rows from this run. "
         "Split: the package's step timers in a second run (they synchronise the device): "
-        "verify (target probabilities, verifier, KV moves), draft forwards, drafter other (its own bookkeeping).",
+        "verify (target probabilities, verifier, KV moves), draft forwards, drafter other (its own bookkeeping). "
+        "`auto` rows: tree auto (max_tree 2x5) choosing on this machine's measured costs with the study's "
+        "acceptance as fixed hazards (`VLLM_UNIVER_AUTO_HAZARDS`; random weights accept nothing); their tau is the "
+        "study's tau of each cut they drafted (chains: Block Verification), averaged over request-steps (listed "
+        "under the table: WxD = width W, depth D; 0x0 = no speculation).",
         "",
         "| pair | row | batch | step ms | verify ms | draft fwd ms | drafter other ms | package share | tau (study) "
         "| proj. tok/s | vs no spec | vs best chain |",
@@ -258,7 +305,13 @@ def report(results: list[dict], command: str, device: str) -> str:
     shares: dict[tuple[str, str, int], float] = {}
     for row in results:
         for cell in row.get("cells", []):
-            t = tau[row["study"]] if row["study"] else 1.0
+            if "requests_at_cut" in cell:  # tree auto: the study's tau over the cuts it drafted
+                counts = cell["requests_at_cut"]
+                t = sum(n * cut_tau(tau, cut, row["study"][1]) for cut, n in counts.items()) / max(
+                    sum(counts.values()), 1
+                )
+            else:
+                t = tau[row["study"]] if row["study"] else 1.0
             cell["tau"], cell["projected"] = t, cell["batch"] * t / (cell["step_ms"] / 1e3)
             by_cell[(row["pair"], cell["batch"])][row["name"]] = cell["projected"]
             if "split_ms" in cell:
@@ -283,6 +336,13 @@ def report(results: list[dict], command: str, device: str) -> str:
             columns += [f"{cell['projected'] / plain:.2f}x" if plain else "-"]
             columns += [f"{cell['projected'] / max(chains):.2f}x" if chains else "-"]
             lines.append("| " + " | ".join(str(c) for c in columns) + " |")
+    for row in results:
+        for cell in row.get("cells", []):
+            if "requests_at_cut" in cell:
+                counts = cell["requests_at_cut"]
+                total = max(sum(counts.values()), 1)
+                drafted = ", ".join(f"{cut}: {100 * n / total:.0f} %" for cut, n in sorted(counts.items()) if n)
+                lines.append(f"- {row['pair']} {row['name']}, batch {cell['batch']}: cuts drafted {drafted}")
     lines += ["", goal_line(results, by_cell, shares)]
     return "\n".join(lines) + "\n"
 
@@ -316,6 +376,7 @@ def main() -> None:
     ap.add_argument("--engine-timeout", type=float, default=300)
     ap.add_argument("--work", default="/tmp/vllm-univer-gpu-engine", help="where the config folders go")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--rows", nargs="+", default=None, metavar="NAME", help="only these rows (default: all)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:

@@ -425,3 +425,33 @@ def test_a_speculating_cut_must_beat_no_speculation_by_the_margin():
         (rates,) = chooser.rates([2] * 4)
         assert rates[1] / rates[0] == pytest.approx(gain)
         assert chooser.choose([2] * 4).depth == depth
+
+
+def test_fixed_hazards_hook_sets_the_acceptance_and_freezes_it(monkeypatch):
+    """``VLLM_UNIVER_AUTO_HAZARDS`` (``benchmarks/gpu_engine.py`` on random-weight
+    models): each width's acceptance is the given hazards in every band, and
+    verified trees change nothing; a malformed value is a clear error."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV, TreeSizer
+
+    runner = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    shapes = TreeSpec.parse("2x3").width_cuts()
+    monkeypatch.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": [0.7, 0.5, 1.0], "2": [0.9, 0.8, 0.5]}))
+    sizer = TreeSizer(runner, shapes, drafter=None)
+    chain = [1, 1.7, 1.7 + 0.35, 1.7 + 0.35 + 0.35]
+    tree = [1, 1.9, 1.9 + 0.72, 1.9 + 0.72 + 0.36]
+    for band in range(4):
+        assert sizer.acceptance[0].expected_tokens([band])[0] == pytest.approx(chain)
+        assert sizer.acceptance[1].expected_tokens([band])[0] == pytest.approx(tree)
+    sizer.observe_acceptance(shapes[1], np.array([1.0, 0.0]), [3, 3], [0, 0])
+    assert sizer.acceptance[1].expected_tokens([2, 0]) == pytest.approx(np.array([tree, tree]))
+    for bad in ({"2": [0.9, 0.8, 0.5]}, {"1": [0.7, 0.5], "2": [0.9, 0.8, 0.5]}, {"1": [0.7] * 3, "2": [1.2] * 3}):
+        monkeypatch.setenv(FIXED_HAZARDS_ENV, json.dumps(bad))
+        with pytest.raises(ValueError, match="needs 3 hazards in \\[0, 1\\] for width"):
+            TreeSizer(runner, shapes, drafter=None)
+    monkeypatch.delenv(FIXED_HAZARDS_ENV)
+    learning = TreeSizer(runner, shapes, drafter=None)
+    learning.observe_acceptance(shapes[1], np.array([1.0]), [3], [0])
+    assert learning.acceptance[1].hazards()[2, 0] < prior_hazards(shapes[1].nodes_per_depth)[0]

@@ -22,6 +22,7 @@ step): all ranks must draft the same trees.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import Counter
@@ -52,6 +53,10 @@ SCHEDULE_ENV = "VLLM_UNIVER_AUTO_DEPTHS"
 # Test hook: a fixed cycle of width cuts, "1,2" -> decision k drafts max_tree.width_cut(widths[k % 2])
 # (shapes that change between steps; depths beyond a shape's own are cut to it).
 WIDTH_SCHEDULE_ENV = "VLLM_UNIVER_AUTO_WIDTHS"
+# Benchmark hook: fixed acceptance hazards per shape width, JSON {"1": [h_1 .. h_D], "2": [...]}:
+# every band's acceptance model starts there and learns nothing (random-weight models
+# accept nothing; ``benchmarks/gpu_engine.py`` gives the choice the real pair's acceptance).
+FIXED_HAZARDS_ENV = "VLLM_UNIVER_AUTO_HAZARDS"
 # Forwards are timed at start-up up to this many query tokens (compute-bound beyond: linear).
 CALIBRATION_MAX_TOKENS = 128
 CALIBRATION_PASSES = 3
@@ -80,6 +85,23 @@ def _schedule(name: str, value: str | None, low: int, high: int) -> list[int] | 
     return cycle
 
 
+def _fixed_hazards(value: str | None, shapes: list[TreeSpec]) -> list[np.ndarray] | None:
+    """``FIXED_HAZARDS_ENV``: [D] hazards per shape (None: learn them)."""
+    if not value:
+        return None
+    by_width = {int(w): np.asarray(h, dtype=np.float64) for w, h in json.loads(value).items()}
+    out = []
+    for shape in shapes:
+        hazards = by_width.get(shape.max_children)
+        if hazards is None or hazards.shape != (shape.max_depth,) or not ((hazards >= 0) & (hazards <= 1)).all():
+            raise ValueError(
+                f"{FIXED_HAZARDS_ENV}={value!r}: needs {shape.max_depth} hazards in [0, 1] "
+                f"for width {shape.max_children}"
+            )
+        out.append(hazards)
+    return out
+
+
 class TreeSizer:
     def __init__(self, runner, shapes: list[TreeSpec], drafter):
         """``shapes``: the width cuts of max_tree, narrowest first, max_tree last."""
@@ -88,7 +110,11 @@ class TreeSizer:
         self.tree = shapes[-1]
         self._shape_index = {shape: i for i, shape in enumerate(shapes)}
         self.drafter = drafter  # its ``forward_tokens``: the draft forwards of the last drafting
-        self.acceptance = [AcceptanceModel(shape.max_depth, prior_hazards(shape.nodes_per_depth)) for shape in shapes]
+        self._fixed_hazards = _fixed_hazards(os.environ.get(FIXED_HAZARDS_ENV), shapes)
+        self.acceptance = [
+            AcceptanceModel(shape.max_depth, prior)
+            for shape, prior in zip(shapes, self._fixed_hazards or [prior_hazards(s.nodes_per_depth) for s in shapes])
+        ]
         self.chooser: TreeChooser | None = None
         self._last: tuple[float, Cut] | None = None  # (time, cut with the deepest depth) of the last choice
         self.set_schedule(os.environ.get(SCHEDULE_ENV), os.environ.get(WIDTH_SCHEDULE_ENV))
@@ -96,6 +122,7 @@ class TreeSizer:
         self._tp_group = _tp_group(runner)
         self.requests_at_depth = Counter()  # depth cut -> request-steps drafted at it
         self.requests_at_width = Counter()  # shape's width (max children) -> request-steps drafted with it
+        self.requests_at_cut = Counter()  # (width, depth cut) -> request-steps drafted at it
 
     def set_schedule(self, depths: str | None, widths: str | None = None) -> None:
         """Test and benchmark hook (``SCHEDULE_ENV``, ``WIDTH_SCHEDULE_ENV``): fixed
@@ -192,6 +219,7 @@ class TreeSizer:
         depths = np.minimum(np.broadcast_to(depth, (batch,)), shape.max_depth)
         self.requests_at_depth.update(depths.tolist())
         self.requests_at_width[shape.max_children] += int((depths > 0).sum())
+        self.requests_at_cut.update((shape.max_children if d else 0, d) for d in depths.tolist())
         self._last = (now, Cut(cut.shape, int(depths.max(initial=0))))
         return shape, depth
 
@@ -222,7 +250,7 @@ class TreeSizer:
     def observe_acceptance(self, shape: TreeSpec, temperature, cut_depths, accepted) -> None:
         """Verified trees of ``shape``: their requests' temperatures, cut depths and accepted depths."""
         index = self._shape_index.get(shape)
-        if index is not None:
+        if index is not None and self._fixed_hazards is None:
             self.acceptance[index].observe(_bands(temperature), cut_depths, accepted)
 
     def _observe_period(self, now: float, batch: int) -> None:
@@ -249,6 +277,7 @@ class TreeSizer:
         return {
             "requests_at_depth": {int(d): n for d, n in sorted(self.requests_at_depth.items())},
             "requests_at_width": {int(w): n for w, n in sorted(self.requests_at_width.items())},
+            "requests_at_cut": {f"{w}x{d}": n for (w, d), n in sorted(self.requests_at_cut.items())},
             "hazards": [a.hazards().round(3).tolist() for a in self.acceptance],
             "cost_correction": [cost.correction.round(3).tolist() for cost, _ in self.chooser.shapes],
             "calibration": self.calibration,
