@@ -455,3 +455,25 @@ def test_fixed_hazards_hook_sets_the_acceptance_and_freezes_it(monkeypatch):
     learning = TreeSizer(runner, shapes, drafter=None)
     learning.observe_acceptance(shapes[1], np.array([1.0]), [3], [0])
     assert learning.acceptance[1].hazards()[2, 0] < prior_hazards(shapes[1].nodes_per_depth)[0]
+
+
+def test_a_shape_not_yet_drafted_borrows_the_others_acceptance():
+    """The chain of a 2x3 is rarely drafted while the 2x3 runs: its prior follows
+    what the tree's hazards imply per child (h = 1 - (1 - s)^2), per band, until
+    its own observations take over. Rows expensive: once the tree is seen to
+    accept nearly everything, the chain (one row per depth) is the better cut."""
+    chooser = shapes_chooser(0.05, 1.0, 0.05, hazards=(0.3, 0.91))
+    chain, tree = chooser.shapes[0].acceptance, chooser.shapes[1].acceptance
+    assert chooser.choose([2] * 4) == Cut(1, 1)  # the chain's prior: 4 x 1.42 tokens in 1.95 s at depth 3
+    tree.observe([2] * 200, [3] * 200, [3] * 200)  # band 2: everything accepted
+    assert chooser.choose([2] * 4) == Cut(0, 3)
+    assert chain.hazards()[2] == pytest.approx(1.0 - np.sqrt(1.0 - tree.hazards()[2]))
+    assert chain.hazards()[0] == pytest.approx([0.3] * 3)  # no evidence in the greedy band: its own prior
+    chain.observe([2] * 200, [3] * 200, [0] * 200)  # its own trials: nothing accepted at depth 1
+    assert chooser.choose([2] * 4) == Cut(1, 1)
+    # The other way round: a tree not yet drafted borrows from its chain.
+    chooser = shapes_chooser(0.05, 1.0, 0.05, hazards=(0.7, 0.91))
+    chain, tree = chooser.shapes[0].acceptance, chooser.shapes[1].acceptance
+    chain.observe([2] * 400, [1] * 400, [0] * 200 + [1] * 200)  # depth 1 only: h_1 = 0.5
+    chooser.rates([2])
+    assert tree.hazards()[2] == pytest.approx([1.0 - (1.0 - chain.hazards()[2, 0]) ** 2, 0.91, 0.91])

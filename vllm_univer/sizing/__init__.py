@@ -8,7 +8,7 @@ and the choice that maximises tokens per second for the batch at hand
 drafted, so none of this can change an output distribution.
 """
 
-from .acceptance_model import AcceptanceModel, prior_hazards, temperature_band
+from .acceptance_model import AcceptanceModel, children_per_node, prior_hazards, share_priors, temperature_band
 from .cost_model import ForwardCost, StepCostModel, StepWork
 from .tree_choice import Cut, ShapeModels, TreeChooser
 
@@ -20,6 +20,8 @@ __all__ = [
     "StepWork",
     "ShapeModels",
     "TreeChooser",
+    "children_per_node",
     "prior_hazards",
+    "share_priors",
     "temperature_band",
 ]

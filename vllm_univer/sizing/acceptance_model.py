@@ -16,6 +16,12 @@ starts from a prior worth ``prior_weight`` observations.
 A cut tree's node-level acceptance is not exactly the full tree's (UniVer's
 stop rule at a node looks at its subtree); the estimate pools cuts, which is
 what the choice needs, and the verifier stays exact whatever is drafted.
+
+Shapes that are rarely drafted (the chain of a 2x5 while the 2x5 runs) learn
+from the others before their own trials: ``share_priors`` moves each shape's
+prior to what the best-observed other shape implies at the same depth and
+band, through the same per-child model as ``prior_hazards`` (a node whose m
+children are each accepted with probability s goes on with 1 - (1 - s)^m).
 """
 
 from __future__ import annotations
@@ -41,9 +47,13 @@ def prior_hazards(nodes_per_depth: list[int], single: float = 0.7) -> np.ndarray
     0.91. Rough (children of one parent are not independent); observations
     replace it after a few steps, and it lets a wider shape start above a
     narrower one, as it is measured to be."""
+    return 1.0 - (1.0 - single) ** children_per_node(nodes_per_depth)
+
+
+def children_per_node(nodes_per_depth: list[int]) -> np.ndarray:
+    """[D]: m_j = nodes at depth j over nodes at depth j - 1."""
     widths = np.asarray(nodes_per_depth, dtype=np.float64)
-    children = widths[1:] / np.maximum(widths[:-1], 1.0)
-    return 1.0 - (1.0 - single) ** children
+    return widths[1:] / np.maximum(widths[:-1], 1.0)
 
 
 class AcceptanceModel:
@@ -52,8 +62,12 @@ class AcceptanceModel:
         self.max_depth = max_depth
         self.memory = memory
         # [band, depth 1..D]: decayed counts of trees that reached depth j, and of those accepted to j.
-        self.reached = np.full((NUM_BANDS, max_depth), prior_weight)
-        self.accepted = self.reached * np.broadcast_to(np.asarray(prior_hazard, dtype=np.float64), (max_depth,))
+        self.reached = np.zeros((NUM_BANDS, max_depth))
+        self.accepted = np.zeros((NUM_BANDS, max_depth))
+        # The prior, worth ``prior_weight`` observations that decay like the others.
+        self.base_prior = np.broadcast_to(np.asarray(prior_hazard, dtype=np.float64), (max_depth,)).copy()
+        self.prior = np.tile(self.base_prior, (NUM_BANDS, 1))
+        self.prior_weight = np.full((NUM_BANDS, max_depth), float(prior_weight))
 
     def observe(self, bands, cut_depths, accepted_depths) -> None:
         """Verified trees: their band, the depth they were cut to, the depth accepted."""
@@ -68,12 +82,13 @@ class AcceptanceModel:
         passed = at_risk & (acc[:, None] >= j)
         self.reached *= self.memory
         self.accepted *= self.memory
+        self.prior_weight *= self.memory
         np.add.at(self.reached, bands, at_risk.astype(np.float64))
         np.add.at(self.accepted, bands, passed.astype(np.float64))
 
     def hazards(self) -> np.ndarray:
         """[band, D] estimates of h_j."""
-        return self.accepted / self.reached
+        return (self.accepted + self.prior_weight * self.prior) / (self.reached + self.prior_weight)
 
     def expected_tokens(self, bands) -> np.ndarray:
         """[R, D+1]: E[tokens per step] of each request at every depth cut 0..D."""
@@ -81,3 +96,27 @@ class AcceptanceModel:
         survival = np.cumprod(self.hazards(), axis=1)  # [band, D]: P(A >= k)
         per_band = 1.0 + np.concatenate([np.zeros((NUM_BANDS, 1)), np.cumsum(survival, axis=1)], axis=1)
         return per_band[bands]
+
+
+def share_priors(models: list[AcceptanceModel], children: list[np.ndarray], min_evidence: float = 2.0) -> None:
+    """Set each model's prior, per band and depth, from the other model with the
+    most observations there (at least ``min_evidence``; else its own
+    ``base_prior``): that model's hazard h with m children per node is taken as
+    per-child acceptance s = 1 - (1 - h)^(1/m), and gives this model, with m'
+    children, 1 - (1 - s)^m'. ``children[i]``: [D_i] children per node of model i
+    (``children_per_node``). Depths a model has and the others do not keep its base prior."""
+    for i, model in enumerate(models):
+        depth = model.max_depth
+        best = np.zeros((NUM_BANDS, depth))
+        prior = np.tile(model.base_prior, (NUM_BANDS, 1))
+        for k, other in enumerate(models):
+            if k == i:
+                continue
+            d = min(depth, other.max_depth)
+            evidence = other.reached[:, :d]
+            better = (evidence >= min_evidence) & (evidence > best[:, :d])
+            single = 1.0 - (1.0 - np.clip(other.hazards()[:, :d], 0.0, 1.0)) ** (1.0 / children[k][:d])
+            implied = 1.0 - (1.0 - single) ** children[i][:d]
+            prior[:, :d] = np.where(better, implied, prior[:, :d])
+            best[:, :d] = np.where(better, evidence, best[:, :d])
+        model.prior = prior

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .acceptance_model import AcceptanceModel
+from .acceptance_model import AcceptanceModel, children_per_node, share_priors
 from .cost_model import StepCostModel, batch_bucket
 
 # The longest wait between two trials of one cut, in explorations (x explore_every decisions).
@@ -90,6 +90,8 @@ class TreeChooser:
         draft's catch-up over ``backlog`` tokens spread over the steps that
         ``tokens_left`` (per request) take at that cut."""
         reqs = len(bands)
+        if len(self.shapes) > 1:  # a shape rarely drafted learns from the others first
+            share_priors([a for _, a in self.shapes], [children_per_node(c.widths) for c, _ in self.shapes])
         out = []
         for cost, acceptance in self.shapes:
             tokens = acceptance.expected_tokens(bands).sum(0)
