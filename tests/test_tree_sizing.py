@@ -477,3 +477,17 @@ def test_a_shape_not_yet_drafted_borrows_the_others_acceptance():
     chain.observe([2] * 400, [1] * 400, [0] * 200 + [1] * 200)  # depth 1 only: h_1 = 0.5
     chooser.rates([2])
     assert tree.hazards()[2] == pytest.approx([1.0 - (1.0 - chain.hazards()[2, 0]) ** 2, 0.91, 0.91])
+
+
+def test_estimates_stay_finite_after_long_serving():
+    """Forgetting decays the counts of depths and bands no longer seen; after
+    enough steps (0.995^n underflows near n = 150 000; here memory 0.5) they
+    would be 0 / 0. They return to the prior instead; what is seen is estimated."""
+    model = AcceptanceModel(3, prior_hazard=0.7, memory=0.5)
+    for _ in range(1200):
+        model.observe([2], [1], [1])  # band 2, cut to depth 1, accepted
+    hazards = model.hazards()
+    assert np.isfinite(hazards).all()
+    assert hazards[2, 0] == pytest.approx(1.0, abs=1e-5)
+    assert hazards[:, 1:] == pytest.approx(np.full((4, 2), 0.7))
+    assert hazards[[0, 1, 3], 0] == pytest.approx([0.7] * 3)

@@ -31,6 +31,8 @@ import numpy as np
 # Temperature bands: greedy, then sampled at T in (0, 0.5], (0.5, 1.0], above.
 BAND_EDGES = (0.0, 0.5, 1.0)
 NUM_BANDS = len(BAND_EDGES) + 1
+# The prior's weight in observations never decays below this.
+MIN_PRIOR_WEIGHT = 1e-6
 
 
 def temperature_band(temperature) -> np.ndarray:
@@ -82,7 +84,10 @@ class AcceptanceModel:
         passed = at_risk & (acc[:, None] >= j)
         self.reached *= self.memory
         self.accepted *= self.memory
-        self.prior_weight *= self.memory
+        # Kept above a floor: counts of a depth or band seen no more decay to 0 (0.995^n
+        # underflows after some 150 000 steps of serving), and 0 / 0 would make the
+        # estimate NaN; long unseen, it returns to the prior instead.
+        self.prior_weight = np.maximum(self.prior_weight * self.memory, MIN_PRIOR_WEIGHT)
         np.add.at(self.reached, bands, at_risk.astype(np.float64))
         np.add.at(self.accepted, bands, passed.astype(np.float64))
 
