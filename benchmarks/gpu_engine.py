@@ -192,6 +192,8 @@ def run_one_engine(job: dict) -> dict:
         max_num_seqs=max(job["batches"]),
         seed=0,
         disable_log_stats=False,
+        # CPU smoke test: vLLM's CPU backend reserves this share of the host's memory.
+        **({} if torch.cuda.is_available() else {"gpu_memory_utilization": 0.5}),
         **({"attention_backend": job["attention_backend"]} if job["attention_backend"] else {}),
     )
     gen = torch.Generator().manual_seed(0)
@@ -222,10 +224,13 @@ def run_one_engine(job: dict) -> dict:
         wall_m, tokens, drafts, accepted = timed(batch, m)
         measured_tau = 1 + accepted / drafts if drafts else 1.0
         steps = max(tokens / batch / measured_tau - 1, 1.0)
-        cell = {"batch": batch, "step_ms": 1e3 * (wall_m - wall_1) / steps, "measured_tau": measured_tau}
+        cell = {"batch": batch, "measured_tau": measured_tau}
         if cuts_before or job["spec"] and job["spec"].get("tree") == "auto":
             after = llm.collective_rpc(_sizer_cuts)[0]
             cell["requests_at_cut"] = {k: n - cuts_before.get(k, 0) for k, n in after.items()}
+            # Plain steps count no drafts: the steps are the sizer's decisions, one per step and request.
+            steps = max(sum(cell["requests_at_cut"].values()) / batch, 1.0)
+        cell["step_ms"] = 1e3 * (wall_m - wall_1) / steps
         # The split, from a second run with the step timers on (they synchronise the device).
         before = llm.collective_rpc(_timers_on, args=(True,))[0]
         if before:

@@ -26,8 +26,10 @@ choice commits on the conservative one and explores on the optimistic one.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import fmean, median
 
 import numpy as np
 
@@ -45,13 +47,30 @@ class ForwardCost:
         # A forward never gets cheaper with more tokens: measurement noise aside.
         self.seconds = np.maximum.accumulate(np.asarray(seconds, dtype=np.float64)[order])
 
+        # The same curve as Python floats: the choice asks for a dozen single points per
+        # step, where NumPy's per-call overhead would be most of its host time.
+        self._xs, self._ys = self.tokens.tolist(), self.seconds.tolist()
+        self._slope = (
+            (self._ys[-1] - self._ys[-2]) / max(self._xs[-1] - self._xs[-2], 1.0) if len(self._xs) > 1 else 0.0
+        )
+
     def __call__(self, tokens) -> np.ndarray:
         t = np.asarray(tokens, dtype=np.float64)
         inside = np.interp(t, self.tokens, self.seconds)
         if len(self.tokens) < 2:
             return inside
-        slope = (self.seconds[-1] - self.seconds[-2]) / max(self.tokens[-1] - self.tokens[-2], 1.0)
-        return np.where(t > self.tokens[-1], self.seconds[-1] + slope * (t - self.tokens[-1]), inside)
+        return np.where(t > self.tokens[-1], self.seconds[-1] + self._slope * (t - self.tokens[-1]), inside)
+
+    def at(self, tokens: float) -> float:
+        """``self(tokens)`` for one size, in Python floats."""
+        xs, ys = self._xs, self._ys
+        if tokens >= xs[-1]:
+            return ys[-1] + self._slope * (tokens - xs[-1]) if len(xs) > 1 else ys[-1]
+        if tokens <= xs[0]:
+            return ys[0]
+        i = bisect.bisect_right(xs, tokens)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
 @dataclass
@@ -100,7 +119,7 @@ class StepCostModel:
     @property
     def correction(self) -> np.ndarray:
         """[D+1]: each depth's median ratio over all batch sizes (1 where nothing is seen)."""
-        return np.array([np.median(r) if (r := self._pooled(d)) else 1.0 for d in range(len(self.widths))])
+        return np.array([median(r) if (r := self._pooled(d)) else 1.0 for d in range(len(self.widths))])
 
     @property
     def seen(self) -> np.ndarray:
@@ -113,8 +132,7 @@ class StepCostModel:
         return StepWork(target_tokens=r * int(self.rows_through[depth]), draft_tokens=draft)
 
     def raw_seconds(self, work: StepWork) -> float:
-        draft = float(np.sum(self.draft(work.draft_tokens))) if work.draft_tokens else 0.0
-        return float(self.target(work.target_tokens)) + draft
+        return self.target.at(work.target_tokens) + sum(self.draft.at(n) for n in work.draft_tokens)
 
     def seconds(self, num_requests: int, depth: int, conservative: bool = False) -> float:
         """Predicted seconds of a step of ``num_requests`` cut to ``depth``;
@@ -135,13 +153,10 @@ class StepCostModel:
         shape's evidence at ``depth``, else at any depth, else the other shapes'."""
         for models, same_depth in (([self], True), ([self], False), (self.peers, False)):
             seen = [
-                np.median(r)
-                for model in models
-                for (d, _), r in model.row_extras.items()
-                if d == depth or not same_depth
+                median(r) for model in models for (d, _), r in model.row_extras.items() if d == depth or not same_depth
             ]
             if seen:
-                return float(np.mean(seen))
+                return float(fmean(seen))
         return None
 
     def catch_up_seconds(self, num_requests: int, backlog_tokens: int) -> float:
@@ -149,7 +164,7 @@ class StepCostModel:
         it has not seen (prompts, tokens of plain steps) besides the roots."""
         if backlog_tokens <= 0:
             return 0.0
-        return float(self.draft(num_requests + backlog_tokens) - self.draft(num_requests))
+        return self.draft.at(num_requests + backlog_tokens) - self.draft.at(num_requests)
 
     def observe(self, depth: int, work: StepWork, seconds: float, num_requests: int = 1) -> None:
         """A step of ``num_requests`` cut to ``depth`` that did ``work`` took ``seconds`` of wall clock."""
@@ -166,7 +181,7 @@ class StepCostModel:
     def factor(self, depth: int, num_requests: int = 1) -> float:
         bucket = batch_bucket(num_requests)
         if (depth, bucket) in self.ratios:
-            return float(np.median(self.ratios[depth, bucket]))
+            return float(median(self.ratios[depth, bucket]))
         plain = self._pooled(0)
         # Not run yet at this cut and batch size. A plain step (depth 0): what plain
         # steps of other sizes say, else what the start-up runs timed (1). A
@@ -175,14 +190,14 @@ class StepCostModel:
         # verification overheads the forward timings leave out), else at any size,
         # else what plain steps say.
         if depth == 0:
-            return float(np.median(plain)) if plain else 1.0
+            return float(median(plain)) if plain else 1.0
         for same_size, models in ((True, [self]), (True, self.peers), (False, [self]), (False, self.peers)):
             seen = [
-                np.median(r)
+                median(r)
                 for model in models
                 for (d, b), r in model.ratios.items()
                 if d > 0 and (b == bucket or not same_size)
             ]
             if seen:
-                return float(np.mean(seen))
-        return float(np.median(plain)) if plain else 1.0
+                return float(fmean(seen))
+        return float(median(plain)) if plain else 1.0
