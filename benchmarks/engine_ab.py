@@ -1,0 +1,111 @@
+"""Engines of ``engine.py`` alternating on one matrix cell: a drift-paired comparison.
+
+``engine.py`` runs one engine per row, the rows one after the other; this
+machine's speed drifts between them by more than some of the effects it is
+read for (``tree: auto`` running plain steps only, against the engine without
+speculation). Here the named rows take turns, each round starting every engine
+afresh (its own process, warm-up included) on the same cell, so that each
+round's ratio compares engines minutes apart at most, in both orders:
+
+    python benchmarks/engine_ab.py --rows "no speculation" "univer auto" --dataset humaneval --batch 8 --temperature 0
+
+Prints tokens/s per row and round (each the fastest of ``--repeats`` runs, as in
+``engine.py``) and the paired ratios of every row to the first, and appends
+the table to ``benchmarks/results/engine_ab.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from engine import ENV, MAX_BATCH, RESULTS, device_label, engine_configs  # noqa: E402
+
+from vllm_univer.tools.json_job import run_json_job  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--rows", nargs="+", required=True, metavar="NAME", help="engine.py row names; the first is the base"
+    )
+    ap.add_argument("--dataset", default="humaneval", choices=["mtbench", "humaneval"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--new-tokens", type=int, default=None, help="default: as in engine.py's matrix")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
+
+    configs = {c["name"]: c for c in engine_configs(quick=False)}
+    unknown = [name for name in args.rows if name not in configs]
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; engine.py has {sorted(configs)}")
+    new_tokens = args.new_tokens or (64 if args.batch == 1 else 32)
+    cell = (args.batch, args.temperature, new_tokens, args.dataset)
+    texts = {d: [p["turns"][0] for p in prompts(d, limit=MAX_BATCH)] for d in ("mtbench", "humaneval")}
+    target, draft = str(model_dir(DEFAULT_TARGET)), str(model_dir(DEFAULT_DRAFT))
+    speed: dict[str, list[float]] = {name: [] for name in args.rows}
+    for r in range(args.rounds):
+        # Every other round in reverse order: no row always runs first after a pause.
+        order = args.rows if r % 2 == 0 else args.rows[::-1]
+        for name in order:
+            config = configs[name]
+            job = {
+                "name": name,
+                "spec": config["spec"],
+                "cells": [cell],
+                "target": target,
+                "draft": draft,
+                "prompts": texts,
+                "json": config.get("json", False),
+                "repeats": args.repeats,
+                "single_repeats": args.repeats,
+            }
+            result, stderr = run_json_job([str(HERE / "engine.py"), "--one"], job, {**os.environ, **ENV})
+            if result is None:
+                raise RuntimeError(f"{name} failed:\n{stderr[-5000:]}")
+            speed[name].append(result["cells"][0]["tok_per_s"])
+            print(f"round {r} {name}: {speed[name][-1]:.2f} tok/s", flush=True)
+
+    base = np.asarray(speed[args.rows[0]])
+    command = "python benchmarks/engine_ab.py " + " ".join(f'"{a}"' if " " in a else a for a in sys.argv[1:])
+    lines = [
+        "",
+        f"## {args.dataset}, batch {args.batch}, T = {args.temperature:g}, {new_tokens} tokens",
+        "",
+        f"Command: `{command}`. Machine: {device_label()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        "",
+        f"| row | tok/s per round | mean | vs {args.rows[0]}, paired (mean, min .. max) |",
+        "|---|---|---|---|",
+    ]
+    for name, values in speed.items():
+        ratio = np.asarray(values) / base
+        lines.append(
+            f"| {name} | {' / '.join(f'{v:.2f}' for v in values)} | {np.mean(values):.2f} | "
+            f"{ratio.mean():.3f}x ({ratio.min():.3f} .. {ratio.max():.3f}) |"
+        )
+    text = "\n".join(lines) + "\n"
+    out = RESULTS / "engine_ab.md"
+    if not out.exists():
+        out.write_text(
+            "# engine.py rows alternating on one cell\n\nEach round starts every named engine afresh "
+            "(`benchmarks/engine_ab.py`), in alternating order; tok/s is the fastest of the repeats in that "
+            "engine, as in `engine.md`.\n"
+        )
+    with out.open("a") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
