@@ -216,16 +216,17 @@ def run_one_engine(job: dict) -> dict:
         return wall, sum(len(o.outputs[0].token_ids) for o in out), drafts, accepted
 
     timed(1, 4)  # warm-up
+    auto = job["spec"] is not None and job["spec"].get("tree") == "auto"
     cells = []
     for batch in job["batches"]:
         m = job["max_tokens"]
         wall_1, _, _, _ = timed(batch, 1)  # prefill and the first token
-        cuts_before = llm.collective_rpc(_sizer_cuts)[0]
+        cuts_before = llm.collective_rpc(_sizer_cuts)[0] if auto else {}
         wall_m, tokens, drafts, accepted = timed(batch, m)
         measured_tau = 1 + accepted / drafts if drafts else 1.0
         steps = max(tokens / batch / measured_tau - 1, 1.0)
         cell = {"batch": batch, "measured_tau": measured_tau}
-        if cuts_before or job["spec"] and job["spec"].get("tree") == "auto":
+        if auto:
             after = llm.collective_rpc(_sizer_cuts)[0]
             cell["requests_at_cut"] = {k: n - cuts_before.get(k, 0) for k, n in after.items()}
             # Plain steps count no drafts: the steps are the sizer's decisions, one per step and request.
@@ -238,7 +239,7 @@ def run_one_engine(job: dict) -> dict:
             after = llm.collective_rpc(_timers_on, args=(False,))[0]
             spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
             # tree auto: plain steps call no verify; every step counts.
-            per_step = max(spent.get("calls:verify", 0), 1) if "requests_at_cut" not in cell else steps
+            per_step = steps if auto else max(spent.get("calls:verify", 0), 1)
             cell["split_ms"] = {
                 "verify": 1e3 * spent.get("verify", 0.0) / per_step,
                 "draft forwards": 1e3 * spent.get("draft_forward", 0.0) / per_step,

@@ -120,9 +120,8 @@ class TreeSizer:
         self.set_schedule(os.environ.get(SCHEDULE_ENV), os.environ.get(WIDTH_SCHEDULE_ENV))
         self._decisions = 0
         self._tp_group = _tp_group(runner)
-        self.requests_at_depth = Counter()  # depth cut -> request-steps drafted at it
-        self.requests_at_width = Counter()  # shape's width (max children) -> request-steps drafted with it
-        self.requests_at_cut = Counter()  # (width, depth cut) -> request-steps drafted at it
+        # (shape's width = max children, depth cut) -> request-steps drafted at it (depth 0: plain steps).
+        self.requests_at_cut = Counter()
 
     def set_schedule(self, depths: str | None, widths: str | None = None) -> None:
         """Test and benchmark hook (``SCHEDULE_ENV``, ``WIDTH_SCHEDULE_ENV``): fixed
@@ -217,9 +216,7 @@ class TreeSizer:
             cut, depth = self._tp_group.broadcast_object((cut, depth), src=0)
         shape = self.shapes[cut.shape]
         depths = np.minimum(np.broadcast_to(depth, (batch,)), shape.max_depth)
-        self.requests_at_depth.update(depths.tolist())
-        self.requests_at_width[shape.max_children] += int((depths > 0).sum())
-        self.requests_at_cut.update((shape.max_children if d else 0, d) for d in depths.tolist())
+        self.requests_at_cut.update((shape.max_children, d) for d in depths.tolist())
         self._last = (now, Cut(cut.shape, int(depths.max(initial=0))))
         return shape, depth
 
@@ -270,6 +267,29 @@ class TreeSizer:
             if s == cut.shape or cut.depth == 0:
                 cost.observe(cut.depth, work, now - started, batch)
 
+    @property
+    def requests_at_depth(self) -> Counter:
+        """Depth cut -> request-steps drafted at it, over the shapes."""
+        out = Counter()
+        for (_, depth), n in self.requests_at_cut.items():
+            out[depth] += n
+        return out
+
+    @property
+    def requests_at_width(self) -> Counter:
+        """Shape's width -> speculating request-steps drafted with it (every width chosen)."""
+        out = Counter()
+        for (width, depth), n in self.requests_at_cut.items():
+            out[width] += n if depth else 0
+        return out
+
+    def _cut_names(self) -> dict[str, int]:
+        """``requests_at_cut`` as "WxD" -> request-steps; no speculation is "0x0" whatever the shape."""
+        out = Counter()
+        for (width, depth), n in self.requests_at_cut.items():
+            out[f"{width if depth else 0}x{depth}"] += n
+        return dict(sorted(out.items()))
+
     def summary(self) -> dict:
         """Steps per chosen depth, the acceptance hazards and cost corrections (benchmarks, tests)."""
         if self.chooser is None:
@@ -277,7 +297,7 @@ class TreeSizer:
         return {
             "requests_at_depth": {int(d): n for d, n in sorted(self.requests_at_depth.items())},
             "requests_at_width": {int(w): n for w, n in sorted(self.requests_at_width.items())},
-            "requests_at_cut": {f"{w}x{d}": n for (w, d), n in sorted(self.requests_at_cut.items())},
+            "requests_at_cut": self._cut_names(),
             "hazards": [a.hazards().round(3).tolist() for a in self.acceptance],
             "cost_correction": [cost.correction.round(3).tolist() for cost, _ in self.chooser.shapes],
             "calibration": self.calibration,
