@@ -27,6 +27,7 @@ choice commits on the conservative one and explores on the optimistic one.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import fmean, median
@@ -42,30 +43,19 @@ class ForwardCost:
     def __init__(self, tokens: list[int], seconds: list[float]):
         if len(tokens) != len(seconds) or not tokens:
             raise ValueError("ForwardCost needs one time per measured size")
-        order = np.argsort(tokens)
-        self.tokens = np.asarray(tokens, dtype=np.float64)[order]
+        # Python floats, not NumPy: the choice asks for a dozen single points per step,
+        # where NumPy's per-call overhead would be most of its host time.
+        order = sorted(range(len(tokens)), key=lambda i: tokens[i])
+        self.tokens = [float(tokens[i]) for i in order]
         # A forward never gets cheaper with more tokens: measurement noise aside.
-        self.seconds = np.maximum.accumulate(np.asarray(seconds, dtype=np.float64)[order])
+        self.seconds = list(itertools.accumulate((float(seconds[i]) for i in order), max))
+        xs, ys = self.tokens, self.seconds
+        self._slope = (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1.0) if len(xs) > 1 else 0.0
 
-        # The same curve as Python floats: the choice asks for a dozen single points per
-        # step, where NumPy's per-call overhead would be most of its host time.
-        self._xs, self._ys = self.tokens.tolist(), self.seconds.tolist()
-        self._slope = (
-            (self._ys[-1] - self._ys[-2]) / max(self._xs[-1] - self._xs[-2], 1.0) if len(self._xs) > 1 else 0.0
-        )
-
-    def __call__(self, tokens) -> np.ndarray:
-        t = np.asarray(tokens, dtype=np.float64)
-        inside = np.interp(t, self.tokens, self.seconds)
-        if len(self.tokens) < 2:
-            return inside
-        return np.where(t > self.tokens[-1], self.seconds[-1] + self._slope * (t - self.tokens[-1]), inside)
-
-    def at(self, tokens: float) -> float:
-        """``self(tokens)`` for one size, in Python floats."""
-        xs, ys = self._xs, self._ys
+    def __call__(self, tokens: float) -> float:
+        xs, ys = self.tokens, self.seconds
         if tokens >= xs[-1]:
-            return ys[-1] + self._slope * (tokens - xs[-1]) if len(xs) > 1 else ys[-1]
+            return ys[-1] + self._slope * (tokens - xs[-1])
         if tokens <= xs[0]:
             return ys[0]
         i = bisect.bisect_right(xs, tokens)
@@ -132,7 +122,7 @@ class StepCostModel:
         return StepWork(target_tokens=r * int(self.rows_through[depth]), draft_tokens=draft)
 
     def raw_seconds(self, work: StepWork) -> float:
-        return self.target.at(work.target_tokens) + sum(self.draft.at(n) for n in work.draft_tokens)
+        return self.target(work.target_tokens) + sum(self.draft(n) for n in work.draft_tokens)
 
     def seconds(self, num_requests: int, depth: int, conservative: bool = False) -> float:
         """Predicted seconds of a step of ``num_requests`` cut to ``depth``;
@@ -164,7 +154,7 @@ class StepCostModel:
         it has not seen (prompts, tokens of plain steps) besides the roots."""
         if backlog_tokens <= 0:
             return 0.0
-        return self.draft.at(num_requests + backlog_tokens) - self.draft.at(num_requests)
+        return self.draft(num_requests + backlog_tokens) - self.draft(num_requests)
 
     def observe(self, depth: int, work: StepWork, seconds: float, num_requests: int = 1) -> None:
         """A step of ``num_requests`` cut to ``depth`` that did ``work`` took ``seconds`` of wall clock."""
