@@ -215,6 +215,21 @@ def run_one_engine(job: dict) -> dict:
 
 
 # ---------------------------------------------------------------- the matrix
+def engine_job(config: dict, cells: list, target: str, draft: str, texts: dict, repeats: int, single_repeats: int):
+    """What ``run_one_engine`` runs (``--one``, in its own process): one row of ``engine_configs`` on ``cells``."""
+    return {
+        "name": config["name"],
+        "spec": config["spec"],
+        "cells": cells,
+        "target": target,
+        "draft": draft,
+        "prompts": texts,
+        "json": config.get("json", False),
+        "repeats": repeats,
+        "single_repeats": single_repeats,
+    }
+
+
 def run_matrix(args) -> list[dict]:
     from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
 
@@ -232,17 +247,7 @@ def run_matrix(args) -> list[dict]:
             results.append(done[config["name"]])
             continue
         cells = [c for c in config["cells"] if not args.quick or (c[0] == 8 and c[3] == "mtbench")]
-        job = {
-            "name": config["name"],
-            "spec": config["spec"],
-            "cells": cells,
-            "target": target,
-            "draft": draft,
-            "prompts": texts,
-            "json": config.get("json", False),
-            "repeats": args.repeats,
-            "single_repeats": args.single_repeats,
-        }
+        job = engine_job(config, cells, target, draft, texts, args.repeats, args.single_repeats)
         print(f"[engine] {config['name']} ...", flush=True)
         result, stderr = run_json_job([__file__, "--one"], job, {**os.environ, **ENV})
         if result is None:

@@ -27,7 +27,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from engine import ENV, MAX_BATCH, RESULTS, device_label, engine_configs  # noqa: E402
+from engine import ENV, MAX_BATCH, RESULTS, device_label, engine_configs, engine_job  # noqa: E402
 
 from vllm_univer.tools.json_job import run_json_job  # noqa: E402
 
@@ -59,18 +59,7 @@ def main() -> None:
         # Every other round in reverse order: no row always runs first after a pause.
         order = args.rows if r % 2 == 0 else args.rows[::-1]
         for name in order:
-            config = configs[name]
-            job = {
-                "name": name,
-                "spec": config["spec"],
-                "cells": [cell],
-                "target": target,
-                "draft": draft,
-                "prompts": texts,
-                "json": config.get("json", False),
-                "repeats": args.repeats,
-                "single_repeats": args.repeats,
-            }
+            job = engine_job(configs[name], [cell], target, draft, texts, args.repeats, args.repeats)
             result, stderr = run_json_job([str(HERE / "engine.py"), "--one"], job, {**os.environ, **ENV})
             if result is None:
                 raise RuntimeError(f"{name} failed:\n{stderr[-5000:]}")
