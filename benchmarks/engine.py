@@ -198,7 +198,7 @@ def run_one_engine(job: dict) -> dict:
         # The best of a few runs: this machine's speed drifts by tens of percent within minutes.
         # One request of 64 tokens is the noisiest cell (a few steps; at T = 1 the draws decide
         # tau) and the cheapest to repeat.
-        repeats = job["repeats"] if batch > 1 else job.get("single_repeats", job["repeats"])
+        repeats = job["repeats"] if batch > 1 else job["single_repeats"]
         runs = [timed_cell(llm, texts[dataset][:batch], params) for _ in range(repeats)]
         cell = max(runs, key=lambda run: run["tok_per_s"])
         cells.append(
