@@ -388,6 +388,32 @@ def test_tree_auto_chooses_for_itself(models):
     assert [len(c) for c in sizer["cost_correction"]] == [4, 4] and [len(h[0]) for h in sizer["hazards"]] == [3, 3]
 
 
+def test_tree_auto_learns_the_chain_from_the_trees_it_verifies(models):
+    """tree "auto" held on the full 2x3 (schedule hooks): the chain 1x3 is never
+    drafted, yet its acceptance model learns from every verified tree, greedy and
+    sampled rows in one batch (``sizing.chain_estimate``), and the greedy rows'
+    output is still the target's."""
+    target, draft = models
+    texts = prompts(4, seed=8)
+    greedy = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+    sampled = {"temperature": 1.0, "max_tokens": 48, "ignore_eos": True}
+    mixed = {"prompts": texts, "params": [greedy, sampled] * 2}
+    only_greedy = call(texts[::2], **greedy)
+    env = {"VLLM_UNIVER_AUTO_DEPTHS": "3", "VLLM_UNIVER_AUTO_WIDTHS": "2"}
+    results = run_engines(
+        [reference(target, [only_greedy]), {**engine(target, [mixed], auto(draft, "2x3")), "sizer": True}], env=env
+    )
+    assert "error" not in results[1], results[1].get("error")
+    outputs = results[1]["calls"][0]["outputs"]
+    assert_greedy_identical(outputs[::2], results[0]["calls"][0], "auto 2x3 with the chain learning")
+    sizer = results[1]["sizer"]
+    assert set(sizer["requests_at_width"]) == {"2"}, sizer  # the chain was never drafted
+    chain_evidence, tree_evidence = sizer["evidence"]
+    # bands: 0 greedy, 2 for T in (0.5, 1]; the chain saw every tree the tree itself did
+    assert chain_evidence == pytest.approx(tree_evidence) and min(chain_evidence[0], chain_evidence[2]) > 5, sizer
+    assert all(0 <= h <= 1 for h in sizer["hazards"][0][0] + sizer["hazards"][0][2]), sizer
+
+
 def test_bfloat16_tree_speculation_runs_on_this_cpu(models):
     """bfloat16, the main job's dtype on CPUs with native bfloat16. On AMX CPUs
     vLLM keeps the KV cache in its amx layout, which tree attention reads in place

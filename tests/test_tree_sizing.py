@@ -491,3 +491,47 @@ def test_estimates_stay_finite_after_long_serving():
     assert hazards[2, 0] == pytest.approx(1.0, abs=1e-5)
     assert hazards[:, 1:] == pytest.approx(np.full((4, 2), 0.7))
     assert hazards[[0, 1, 3], 0] == pytest.approx([0.7] * 3)
+
+
+def test_expected_observations_count_like_the_trees_they_estimate():
+    """``observe_survival``: 0/1 survivals are the trees' own observations; fractional
+    ones are counted as expected observations (at risk S_(j-1), passed S_j)."""
+    cut, accepted = np.array([3, 3, 2, 1]), np.array([0, 2, 2, 1])
+    survival = (accepted[:, None] >= np.arange(1, 4)).astype(float)
+    real, expected = AcceptanceModel(3), AcceptanceModel(3)
+    real.observe([2] * 4, cut, accepted)
+    expected.observe_survival([2] * 4, cut, survival)
+    assert expected.hazards() == pytest.approx(real.hazards())
+    soft = AcceptanceModel(3, prior_weight=0.0)
+    soft.observe_survival([1, 1], [3, 2], [[0.5, 0.25, 0.1], [1.0, 0.5, 0.5]])  # depth 3 of the second: cut
+    # (abs: the prior's weight floor, MIN_PRIOR_WEIGHT)
+    assert soft.hazards()[1] == pytest.approx([1.5 / 2, 0.75 / 1.5, 0.1 / 0.25], abs=1e-5)
+    narrow = AcceptanceModel(3, prior_weight=0.0)
+    narrow.observe_survival([1], [2], [[0.5, 0.25]])  # fewer columns than depths: the rest uninformed
+    assert narrow.reached[1] == pytest.approx([1.0, 0.5, 0.0])
+
+
+def test_the_chain_learns_from_the_wider_trees_verified():
+    """While a wider shape runs, what its trees say about the chain feeds the
+    chain's acceptance (not the tree's, nor with fixed hazards)."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV, TreeSizer
+
+    runner = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    shapes = TreeSpec.parse("2x3").width_cuts()
+    sizer = TreeSizer(runner, shapes, drafter=None)
+    assert sizer.estimates_chain(shapes[1]) and not sizer.estimates_chain(shapes[0])
+    assert not sizer.estimates_chain(TreeSpec.parse("3x3"))  # not a shape of this sizer
+    tree_before = sizer.acceptance[1].hazards().copy()
+    sizer.observe_chain(np.array([1.0, 0.0]), [3, 3], [[0.9, 0.6, 0.3], [1.0, 1.0, 0.0]])
+    chain = sizer.acceptance[0]
+    assert chain.reached[2] == pytest.approx([1.0, 0.9, 0.6]) and chain.accepted[2] == pytest.approx([0.9, 0.6, 0.3])
+    assert chain.reached[0] == pytest.approx([1.0, 1.0, 1.0]) and chain.accepted[0] == pytest.approx([1.0, 1.0, 0.0])
+    assert np.array_equal(sizer.acceptance[1].hazards(), tree_before)
+    assert not TreeSizer(runner, shapes[:1], drafter=None).estimates_chain(shapes[0])  # the chain alone
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": [0.7] * 3, "2": [0.9] * 3}))
+        assert not TreeSizer(runner, shapes, drafter=None).estimates_chain(shapes[1])

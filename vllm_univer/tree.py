@@ -229,6 +229,7 @@ class _TreeTensors:
     def __init__(self, tree: TreeSpec, device: torch.device):
         self.parent = tree.parent.to(device)
         self.depth = tree.depth.to(device)
+        self.slot = tree.slot.to(device)
         self.children = tree.children.to(device)
         self._tree, self._device = tree, device
         self.ancestors = tree.ancestors.to(device)

@@ -18,7 +18,9 @@ from vllm.v1.outputs import SamplerOutput
 
 from .. import verify, verify_greedy
 from ..kernels.kv_compaction import accepted_path_moves, move_paged_kv
+from ..sizing.chain_estimate import chain_survival, greedy_chain_survival
 from ..tree import TreeSpec
+from ..verifiers import scheme_for
 from .bias_and_min_p import RequestBiasAndMinP
 from .host_to_device import upload
 from .path_masks import TreePathMasks
@@ -46,6 +48,7 @@ class TreeVerificationSampler:
         self.sizer = sizer  # TreeSizer of ``tree: auto``: learns from the accepted depths
         self.tree = tree  # the configured tree (``tree: auto``: max_tree; its width cuts are shapes too)
         self.method = method
+        self.scheme = scheme_for(method)
         self.state = state
         self.kv_layers = kv_layers  # callable -> list of (keys, values) cache views
         self.timers = timers
@@ -107,9 +110,9 @@ class TreeVerificationSampler:
                     tree_logits, transforms, out=self.probs_buffer.get(tuple(tree_logits.shape))
                 )
             argmax = tree_logits.argmax(-1)
-            result = verify_greedy(tree, tokens, argmax)
+            result, rows_for_chain = verify_greedy(tree, tokens, argmax), None
         else:
-            result = self._verify_sampled(
+            result, rows_for_chain = self._verify_sampled(
                 tree, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch
             )
         end = result.end_node
@@ -120,7 +123,8 @@ class TreeVerificationSampler:
         path = self._accepted_path(tree, end)
         with self.timers.measure("kv_moves"):
             self._keep_accepted_kv(batch, path)
-        self._update_draft_kv_len(req_ids, num_draft_list, keep_depth, tree.on(device).depth[end], shape)
+        chain = self._chain_survival(shape, tree, tokens, path, rows_for_chain)
+        self._update_draft_kv_len(req_ids, num_draft_list, keep_depth, tree.on(device).depth[end], shape, chain)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, upload(rows, device), path, output, sampling_metadata.max_num_logprobs)
@@ -188,7 +192,21 @@ class TreeVerificationSampler:
                 validate=False,
             )
             result.output_token_ids[row], result.end_node[row] = one.output_token_ids[0], one.end_node[0]
-        return result
+        return result, (p, q, greedy)
+
+    def _chain_survival(self, shape: TreeSpec, tree: TreeSpec, tokens, path, rows) -> torch.Tensor | None:
+        """``tree: auto`` while a wider shape than the chain runs: [B, D] estimates of
+        what the chain would have accepted on this step's trees (``chain_estimate``),
+        so that its acceptance is known without drafting it; else None. ``rows``:
+        (p, q, greedy) of a sampled step, None in an all-greedy one."""
+        if self.sizer is None or not self.sizer.estimates_chain(shape):
+            return None
+        survival = greedy_chain_survival(tree, path)
+        if rows is not None:
+            p, q, greedy = rows
+            sampled = chain_survival(tree, self.scheme, tokens, p, q).to(survival.dtype)
+            survival = torch.where(greedy.unsqueeze(1), survival, sampled)
+        return survival
 
     def _path_transforms(self, tree: TreeSpec, tokens, sampling_metadata, batch: int) -> list:
         """vLLM's logits transforms that depend on the text a row continues, in vLLM's order."""
@@ -247,17 +265,24 @@ class TreeVerificationSampler:
         move_paged_kv(caches, block_table, request, src, dst)
 
     def _update_draft_kv_len(
-        self, req_ids, num_draft, keep_depth: torch.Tensor, accepted: torch.Tensor, shape: TreeSpec
+        self, req_ids, num_draft, keep_depth: torch.Tensor, accepted: torch.Tensor, shape: TreeSpec, chain=None
     ) -> None:
         """The draft cache now holds the context, the root and the accepted nodes
-        the drafter ran (every node above the deepest level of the tree as cut)."""
+        the drafter ran (every node above the deepest level of the tree as cut).
+        ``chain``: [B, D] the chain's estimated acceptance, or None (``_chain_survival``)."""
         computed = self.runner.input_batch.num_computed_tokens_cpu
-        accepted = accepted.cpu().numpy()
+        if chain is None:
+            accepted = accepted.cpu().numpy()
+        else:  # one copy to the host for both
+            both = torch.cat([accepted.unsqueeze(1).to(chain.dtype), chain], 1).cpu().numpy()
+            accepted, chain = both[:, 0].astype(np.int64), both[:, 1:]
         keep_depth = keep_depth.numpy()
         if self.sizer is not None and len(req_ids) == len(num_draft):  # not vLLM's profile run (no requests)
             drafted = np.asarray(num_draft) > 0
             temperature = self.runner.input_batch.temperature_cpu[: len(req_ids)]
             self.sizer.observe_acceptance(shape, temperature[drafted], keep_depth[drafted], accepted[drafted])
+            if chain is not None:
+                self.sizer.observe_chain(temperature[drafted], keep_depth[drafted], chain[drafted])
         for i, (req_id, n, k, cut) in enumerate(zip(req_ids, num_draft, accepted.tolist(), keep_depth.tolist())):
             if n > 0:
                 self.state.draft_kv_len[req_id] = int(computed[i]) + 1 + min(k, max(cut - 1, 0))

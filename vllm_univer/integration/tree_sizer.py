@@ -115,6 +115,8 @@ class TreeSizer:
             AcceptanceModel(shape.max_depth, prior)
             for shape, prior in zip(shapes, self._fixed_hazards or [prior_hazards(s.nodes_per_depth) for s in shapes])
         ]
+        # The chain among several shapes: its acceptance is also read off the wider trees verified.
+        self._chain = next((i for i, s in enumerate(shapes) if s.is_chain), None) if len(shapes) > 1 else None
         self.chooser: TreeChooser | None = None
         self._last: tuple[float, Cut] | None = None  # (time, cut with the deepest depth) of the last choice
         self.set_schedule(os.environ.get(SCHEDULE_ENV), os.environ.get(WIDTH_SCHEDULE_ENV))
@@ -250,6 +252,18 @@ class TreeSizer:
         if index is not None and self._fixed_hazards is None:
             self.acceptance[index].observe(_bands(temperature), cut_depths, accepted)
 
+    def estimates_chain(self, shape: TreeSpec) -> bool:
+        """Whether the chain's acceptance is to be estimated from verified trees of
+        ``shape`` (a wider shape of this sizer, hazards learnt): ``observe_chain``."""
+        index = self._shape_index.get(shape)
+        return self._chain is not None and self._fixed_hazards is None and index not in (None, self._chain)
+
+    def observe_chain(self, temperature, cut_depths, survival) -> None:
+        """What the chain would have accepted on trees of a wider shape
+        (``sizing.chain_estimate``: [R, D] estimates of P(A >= j)), their
+        requests' temperatures and cut depths."""
+        self.acceptance[self._chain].observe_survival(_bands(temperature), cut_depths, survival)
+
     def _observe_period(self, now: float, batch: int) -> None:
         if self._last is None:
             return
@@ -299,6 +313,8 @@ class TreeSizer:
             "requests_at_width": {int(w): n for w, n in sorted(self.requests_at_width.items())},
             "requests_at_cut": self._cut_names(),
             "hazards": [a.hazards().round(3).tolist() for a in self.acceptance],
+            # Per shape and band: trees that informed h_1 (decayed; the chain's include its estimates).
+            "evidence": [a.reached[:, 0].round(2).tolist() for a in self.acceptance],
             "cost_correction": [cost.correction.round(3).tolist() for cost, _ in self.chooser.shapes],
             "calibration": self.calibration,
         }

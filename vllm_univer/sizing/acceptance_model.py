@@ -73,15 +73,31 @@ class AcceptanceModel:
 
     def observe(self, bands, cut_depths, accepted_depths) -> None:
         """Verified trees: their band, the depth they were cut to, the depth accepted."""
-        bands = np.asarray(bands, dtype=np.int64)
         cut = np.asarray(cut_depths, dtype=np.int64)
         acc = np.asarray(accepted_depths, dtype=np.int64)
-        if bands.size == 0:
-            return
         j = np.arange(1, self.max_depth + 1)
         # Tree t informs h_j when it reached depth j - 1 (acc >= j - 1) and had nodes at depth j (cut >= j).
         at_risk = (acc[:, None] >= j - 1) & (cut[:, None] >= j)
         passed = at_risk & (acc[:, None] >= j)
+        self._add(bands, at_risk, passed)
+
+    def observe_survival(self, bands, cut_depths, survival) -> None:
+        """Trees of this shape that were not drafted, through estimates of what
+        they would have accepted: ``survival`` [R, D'] (D' <= D) unbiased estimates
+        of P(A >= j) (``chain_estimate``), informative through ``cut_depths``. Counted
+        as expected observations: at risk at j with weight S_(j-1), passed with S_j."""
+        cut = np.asarray(cut_depths, dtype=np.int64)
+        survival = np.asarray(survival, dtype=np.float64)[:, : self.max_depth]
+        survival = np.pad(survival, ((0, 0), (0, self.max_depth - survival.shape[1])))
+        before = np.concatenate([np.ones_like(survival[:, :1]), survival[:, :-1]], 1)
+        informs = cut[:, None] >= np.arange(1, self.max_depth + 1)
+        self._add(bands, informs * before, informs * survival)
+
+    def _add(self, bands, at_risk: np.ndarray, passed: np.ndarray) -> None:
+        """Forget a little, then count [R, D] trees at risk at each depth and passed."""
+        bands = np.asarray(bands, dtype=np.int64)
+        if bands.size == 0:
+            return
         self.reached *= self.memory
         self.accepted *= self.memory
         # Kept above a floor: counts of a depth or band seen no more decay to 0 (0.995^n
