@@ -143,7 +143,7 @@ def timed_cell(llm, texts: list[str], params) -> dict:
             accepted_per_depth=[a / max(drafts, 1) for a in per_pos if a] or [0.0],
         )
     sizer_after = llm.collective_rpc(_sizer)[0]
-    for key in ("requests_at_depth", "requests_at_width"):  # tree auto: request-steps per cut in this run
+    for key in ("requests_at_depth", "requests_at_width", "requests_at_cut"):  # tree auto: request-steps per cut
         if sizer_after.get(key):
             cell[key] = {k: n - sizer_before.get(key, {}).get(k, 0) for k, n in sizer_after[key].items()}
     if timers_after:

@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,7 @@ def main() -> None:
     texts = {d: [p["turns"][0] for p in prompts(d, limit=MAX_BATCH)] for d in ("mtbench", "humaneval")}
     target, draft = str(model_dir(DEFAULT_TARGET)), str(model_dir(DEFAULT_DRAFT))
     speed: dict[str, list[float]] = {name: [] for name in args.rows}
+    cuts: dict[str, Counter] = {name: Counter() for name in args.rows}  # tree auto: request-steps per cut
     for r in range(args.rounds):
         # Every other round in reverse order: no row always runs first after a pause.
         order = args.rows if r % 2 == 0 else args.rows[::-1]
@@ -64,6 +66,7 @@ def main() -> None:
             if result is None:
                 raise RuntimeError(f"{name} failed:\n{stderr[-5000:]}")
             speed[name].append(result["cells"][0]["tok_per_s"])
+            cuts[name].update(result["cells"][0].get("requests_at_cut", {}))
             print(f"round {r} {name}: {speed[name][-1]:.2f} tok/s", flush=True)
 
     base = np.asarray(speed[args.rows[0]])
@@ -83,6 +86,11 @@ def main() -> None:
             f"| {name} | {' / '.join(f'{v:.2f}' for v in values)} | {np.mean(values):.2f} | "
             f"{ratio.mean():.3f}x ({ratio.min():.3f} .. {ratio.max():.3f}) |"
         )
+    for name, counts in cuts.items():
+        if counts:
+            total = sum(counts.values())
+            shares = " / ".join(f"{cut}: {100 * n / total:.0f}%" for cut, n in sorted(counts.items()))
+            lines += ["", f"`{name}` drafted (width x depth cut, 0x0: no speculation, all rounds): {shares}."]
     text = "\n".join(lines) + "\n"
     out = RESULTS / "engine_ab.md"
     if not out.exists():
