@@ -535,3 +535,29 @@ def test_the_chain_learns_from_the_wider_trees_verified():
     with monkeypatch.context() as m:
         m.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": [0.7] * 3, "2": [0.9] * 3}))
         assert not TreeSizer(runner, shapes, drafter=None).estimates_chain(shapes[1])
+
+
+def test_a_depth_seen_little_starts_from_the_depth_above():
+    """With the shape's children per node, an unseen depth's prior is the depth
+    above's estimate through the per-child model, not the flat prior: a chain seen
+    accepting everything to depth 2 is valued so at depths 3 and 4 too."""
+    chain = AcceptanceModel(4, prior_hazard=0.7, children=[1, 1, 1, 1])
+    flat = AcceptanceModel(4, prior_hazard=0.7)
+    for model in (chain, flat):
+        model.observe([2] * 400, [2] * 400, [2] * 400)
+    h = chain.hazards()[2]
+    assert h[0] > 0.99 and h[2] == pytest.approx(h[1]) and h[3] == pytest.approx(h[1])
+    assert flat.hazards()[2, 2:] == pytest.approx([0.7, 0.7])  # without children: the flat prior
+    assert chain.hazards()[0] == pytest.approx([0.7] * 4)  # a band with nothing seen: the prior throughout
+    # A change of width: two children per node at depth 1, one below: the same per-child acceptance.
+    fork = AcceptanceModel(3, prior_hazard=[0.91, 0.7, 0.7], children=[2, 1, 1])
+    fork.observe([2] * 400, [1] * 400, [1] * 300 + [0] * 100)
+    h1 = fork.hazards()[2, 0]
+    assert fork.hazards()[2, 1] == pytest.approx(1 - np.sqrt(1 - h1))
+    # A prior borrowed from another shape wins over the depth above.
+    borrowed = np.zeros((4, 3), dtype=bool)
+    borrowed[2, 2] = True
+    prior = np.tile([0.91, 0.7, 0.7], (4, 1))
+    prior[2, 2] = 0.2
+    fork.set_prior(prior, borrowed)
+    assert fork.hazards()[2, 2] == pytest.approx(0.2) and fork.hazards()[2, 1] == pytest.approx(1 - np.sqrt(1 - h1))

@@ -110,11 +110,11 @@ class TreeSpec:
         """Number of nodes at each depth 0..D (the root alone at depth 0)."""
         return torch.bincount(self.depth, minlength=self.max_depth + 1).tolist()
 
-    @property
+    @cached_property
     def max_children(self) -> int:
         return int(self.num_children.max())
 
-    @property
+    @cached_property
     def is_chain(self) -> bool:
         return self.max_children == 1
 

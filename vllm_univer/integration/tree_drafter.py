@@ -192,15 +192,19 @@ class TreeDrafter:
             first, last = self.level_span[d]
             width = last - first + 1
             node_ids = tokens[:, first : last + 1].clamp(min=0).flatten()  # stays on the device
-            plan = TreeAttentionPlan(
-                query_rows=torch.arange(reqs * width, device=device).view(reqs, width),
-                row_valid=None,
-                request_index=torch.arange(reqs, device=device),
-                context_lens=step.context_lens,
-                mask=self._shapes[tree].level_masks[d],
-                covers_all_rows=True,
-                max_context_len=int(root_pos.max()),
-            )
+            # A chain's node at depth d (position and slot R + d) sees the context and
+            # its ancestors, the slots just below it: causal attention, vLLM's kernel.
+            plan = None
+            if not tree.is_chain:
+                plan = TreeAttentionPlan(
+                    query_rows=torch.arange(reqs * width, device=device).view(reqs, width),
+                    row_valid=None,
+                    request_index=torch.arange(reqs, device=device),
+                    context_lens=step.context_lens,
+                    mask=self._shapes[tree].level_masks[d],
+                    covers_all_rows=True,
+                    max_context_len=int(root_pos.max()),
+                )
             hidden = self._forward(node_ids, step.levels[d], step.block_table, plan=plan)
             logits = self._logits(hidden).view(reqs, width, vocab)
             self._draw_children(

@@ -107,6 +107,10 @@ class TreeRunner:
         # this shape has nodes: its tree is not verified (``TreeState.gather``), its
         # rows past the shape's are left to vLLM's causal attention.
         tree = self.state.latest_tree
+        if tree.is_chain:
+            # A chain's node at depth k sits at position L + k, where vLLM put it, and
+            # sees what causal attention shows it: vLLM's own kernel, no tree rows.
+            return
         n = num_draft[tree_reqs].clamp(max=tree.num_nodes)
         # Trees are breadth-first prefixes (depth cuts, scheduler cuts): attention
         # runs over the longest one, not the whole shape (a 2x5 cut to depth 1 has

@@ -39,6 +39,7 @@ from ..sizing import (
     StepCostModel,
     StepWork,
     TreeChooser,
+    children_per_node,
     prior_hazards,
     temperature_band,
 )
@@ -111,8 +112,11 @@ class TreeSizer:
         self._shape_index = {shape: i for i, shape in enumerate(shapes)}
         self.drafter = drafter  # its ``forward_tokens``: the draft forwards of the last drafting
         self._fixed_hazards = _fixed_hazards(os.environ.get(FIXED_HAZARDS_ENV), shapes)
+        learning = self._fixed_hazards is None
         self.acceptance = [
-            AcceptanceModel(shape.max_depth, prior)
+            AcceptanceModel(
+                shape.max_depth, prior, children=children_per_node(shape.nodes_per_depth) if learning else None
+            )
             for shape, prior in zip(shapes, self._fixed_hazards or [prior_hazards(s.nodes_per_depth) for s in shapes])
         ]
         # The chain among several shapes: its acceptance is also read off the wider trees verified.

@@ -59,9 +59,19 @@ def children_per_node(nodes_per_depth: list[int]) -> np.ndarray:
 
 
 class AcceptanceModel:
-    def __init__(self, max_depth: int, prior_hazard=0.7, prior_weight: float = 4.0, memory: float = 0.995):
-        """``prior_hazard``: one h for every depth, or [D] (``prior_hazards``)."""
+    def __init__(
+        self, max_depth: int, prior_hazard=0.7, prior_weight: float = 4.0, memory: float = 0.995, children=None
+    ):
+        """``prior_hazard``: one h for every depth, or [D] (``prior_hazards``).
+        ``children``: [D] children per node of the shape (``children_per_node``);
+        given, a depth seen little starts from what the depth above it is estimated
+        to be, through the per-child model (``_follow``), not from the flat prior:
+        cuts deeper than any drafted so far are valued like the deepest one
+        measured (a chain accepting 0.9 per token at depths 1-3 is not assumed to
+        fall to 0.7 at depth 4). A prior borrowed from another shape
+        (``share_priors``) is kept where there is one."""
         self.max_depth = max_depth
+        self.children = None if children is None else np.asarray(children, dtype=np.float64)
         self.memory = memory
         # [band, depth 1..D]: decayed counts of trees that reached depth j, and of those accepted to j.
         self.reached = np.zeros((NUM_BANDS, max_depth))
@@ -70,6 +80,8 @@ class AcceptanceModel:
         self.base_prior = np.broadcast_to(np.asarray(prior_hazard, dtype=np.float64), (max_depth,)).copy()
         self.prior = np.tile(self.base_prior, (NUM_BANDS, 1))
         self.prior_weight = np.full((NUM_BANDS, max_depth), float(prior_weight))
+        self.borrowed = np.zeros((NUM_BANDS, max_depth), dtype=bool)  # where ``prior`` came from another shape
+        self._hazards: np.ndarray | None = None  # cached until the counts or the prior change
 
     def observe(self, bands, cut_depths, accepted_depths) -> None:
         """Verified trees: their band, the depth they were cut to, the depth accepted."""
@@ -106,10 +118,32 @@ class AcceptanceModel:
         self.prior_weight = np.maximum(self.prior_weight * self.memory, MIN_PRIOR_WEIGHT)
         np.add.at(self.reached, bands, at_risk.astype(np.float64))
         np.add.at(self.accepted, bands, passed.astype(np.float64))
+        self._hazards = None
+
+    def set_prior(self, prior: np.ndarray, borrowed: np.ndarray) -> None:
+        """[band, D] prior hazards, and where they were borrowed from another shape."""
+        if not (np.array_equal(prior, self.prior) and np.array_equal(borrowed, self.borrowed)):
+            self.prior, self.borrowed, self._hazards = prior, borrowed, None
 
     def hazards(self) -> np.ndarray:
-        """[band, D] estimates of h_j."""
-        return (self.accepted + self.prior_weight * self.prior) / (self.reached + self.prior_weight)
+        """[band, D] estimates of h_j (do not modify: cached)."""
+        if self._hazards is None:
+            weight = self.prior_weight
+            out = (self.accepted + weight * self.prior) / (self.reached + weight)
+            if self.children is not None:  # each depth's prior follows the estimate above it
+                for j in range(1, self.max_depth):
+                    prior = np.where(self.borrowed[:, j], self.prior[:, j], self._follow(out[:, j - 1], j))
+                    out[:, j] = (self.accepted[:, j] + weight[:, j] * prior) / (self.reached[:, j] + weight[:, j])
+            self._hazards = out
+        return self._hazards
+
+    def _follow(self, above: np.ndarray, j: int) -> np.ndarray:
+        """The hazard at depth index j implied by ``above`` at j - 1: the same per-child
+        acceptance s = 1 - (1 - h)^(1/m), with this depth's m children per node."""
+        if self.children[j] == self.children[j - 1]:  # the same width: the same hazard
+            return above
+        single = 1.0 - (1.0 - np.clip(above, 0.0, 1.0)) ** (1.0 / self.children[j - 1])
+        return 1.0 - (1.0 - single) ** self.children[j]
 
     def expected_tokens(self, bands) -> np.ndarray:
         """[R, D+1]: E[tokens per step] of each request at every depth cut 0..D."""
@@ -140,4 +174,4 @@ def share_priors(models: list[AcceptanceModel], children: list[np.ndarray], min_
             implied = 1.0 - (1.0 - single) ** children[i][:d]
             prior[:, :d] = np.where(better, implied, prior[:, :d])
             best[:, :d] = np.where(better, evidence, best[:, :d])
-        model.prior = prior
+        model.set_prior(prior, best > 0)
