@@ -551,9 +551,13 @@ def test_a_depth_seen_little_starts_from_the_depth_above():
     assert chain.hazards()[0] == pytest.approx([0.7] * 4)  # a band with nothing seen: the prior throughout
     # A change of width: two children per node at depth 1, one below: the same per-child acceptance.
     fork = AcceptanceModel(3, prior_hazard=[0.91, 0.7, 0.7], children=[2, 1, 1])
-    fork.observe([2] * 400, [1] * 400, [1] * 300 + [0] * 100)
+    fork.observe([2] * 400, [1] * 400, [1] * 396 + [0] * 4)
     h1 = fork.hazards()[2, 0]
-    assert fork.hazards()[2, 1] == pytest.approx(1 - np.sqrt(1 - h1))
+    assert fork.hazards()[2, 1] == pytest.approx(1 - np.sqrt(1 - h1)) and 1 - np.sqrt(1 - h1) > 0.7
+    # Never below the shape's own prior: a low estimate above leaves the unseen depths at it.
+    low = AcceptanceModel(3, prior_hazard=0.7, children=[1, 1, 1])
+    low.observe([2] * 400, [1] * 400, [1] * 100 + [0] * 300)
+    assert low.hazards()[2, 0] < 0.3 and low.hazards()[2, 1:] == pytest.approx([0.7, 0.7])
     # A prior borrowed from another shape wins over the depth above.
     borrowed = np.zeros((4, 3), dtype=bool)
     borrowed[2, 2] = True

@@ -65,7 +65,8 @@ class AcceptanceModel:
         """``prior_hazard``: one h for every depth, or [D] (``prior_hazards``).
         ``children``: [D] children per node of the shape (``children_per_node``);
         given, a depth seen little starts from what the depth above it is estimated
-        to be, through the per-child model (``_follow``), not from the flat prior:
+        to be, through the per-child model (``_follow``), where that is above the
+        flat prior:
         cuts deeper than any drafted so far are valued like the deepest one
         measured (a chain accepting 0.9 per token at depths 1-3 is not assumed to
         fall to 0.7 at depth 4). A prior borrowed from another shape
@@ -132,7 +133,10 @@ class AcceptanceModel:
             out = (self.accepted + weight * self.prior) / (self.reached + weight)
             if self.children is not None:  # each depth's prior follows the estimate above it
                 for j in range(1, self.max_depth):
-                    prior = np.where(self.borrowed[:, j], self.prior[:, j], self._follow(out[:, j - 1], j))
+                    # Never below the shape's own prior: optimistic for what is unseen, so
+                    # that a low estimate above does not keep deeper cuts from being tried.
+                    follow = np.maximum(self._follow(out[:, j - 1], j), self.base_prior[j])
+                    prior = np.where(self.borrowed[:, j], self.prior[:, j], follow)
                     out[:, j] = (self.accepted[:, j] + weight[:, j] * prior) / (self.reached[:, j] + weight[:, j])
             self._hazards = out
         return self._hazards
