@@ -511,7 +511,7 @@ def test_expected_observations_count_like_the_trees_they_estimate():
     assert narrow.reached[1] == pytest.approx([1.0, 0.5, 0.0])
 
 
-def test_the_chain_learns_from_the_wider_trees_verified():
+def test_the_chain_learns_from_the_wider_trees_verified(monkeypatch):
     """While a wider shape runs, what its trees say about the chain feeds the
     chain's acceptance (not the tree's, nor with fixed hazards)."""
     import json
@@ -531,10 +531,8 @@ def test_the_chain_learns_from_the_wider_trees_verified():
     assert chain.reached[0] == pytest.approx([1.0, 1.0, 1.0]) and chain.accepted[0] == pytest.approx([1.0, 1.0, 0.0])
     assert np.array_equal(sizer.acceptance[1].hazards(), tree_before)
     assert not TreeSizer(runner, shapes[:1], drafter=None).estimates_chain(shapes[0])  # the chain alone
-    monkeypatch = pytest.MonkeyPatch()
-    with monkeypatch.context() as m:
-        m.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": [0.7] * 3, "2": [0.9] * 3}))
-        assert not TreeSizer(runner, shapes, drafter=None).estimates_chain(shapes[1])
+    monkeypatch.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": [0.7] * 3, "2": [0.9] * 3}))
+    assert not TreeSizer(runner, shapes, drafter=None).estimates_chain(shapes[1])
 
 
 def test_a_depth_seen_little_starts_from_the_depth_above():

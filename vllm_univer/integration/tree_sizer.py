@@ -119,8 +119,9 @@ class TreeSizer:
             )
             for shape, prior in zip(shapes, self._fixed_hazards or [prior_hazards(s.nodes_per_depth) for s in shapes])
         ]
-        # The chain among several shapes: its acceptance is also read off the wider trees verified.
-        self._chain = next((i for i, s in enumerate(shapes) if s.is_chain), None) if len(shapes) > 1 else None
+        # The chain among several shapes, hazards learnt: its acceptance is also read off the wider trees verified.
+        chain = next((i for i, s in enumerate(shapes) if s.is_chain), None)
+        self._chain = chain if len(shapes) > 1 and learning else None
         self.chooser: TreeChooser | None = None
         self._last: tuple[float, Cut] | None = None  # (time, cut with the deepest depth) of the last choice
         self.set_schedule(os.environ.get(SCHEDULE_ENV), os.environ.get(WIDTH_SCHEDULE_ENV))
@@ -260,7 +261,7 @@ class TreeSizer:
         """Whether the chain's acceptance is to be estimated from verified trees of
         ``shape`` (a wider shape of this sizer, hazards learnt): ``observe_chain``."""
         index = self._shape_index.get(shape)
-        return self._chain is not None and self._fixed_hazards is None and index not in (None, self._chain)
+        return self._chain is not None and index not in (None, self._chain)
 
     def observe_chain(self, temperature, cut_depths, survival) -> None:
         """What the chain would have accepted on trees of a wider shape

@@ -52,6 +52,14 @@ def prior_hazards(nodes_per_depth: list[int], single: float = 0.7) -> np.ndarray
     return 1.0 - (1.0 - single) ** children_per_node(nodes_per_depth)
 
 
+def same_per_child(hazard, children, children_to):
+    """The hazard of ``children_to`` children per node with the per-child
+    acceptance that ``hazard`` implies for ``children``: s = 1 - (1 - h)^(1/m),
+    then 1 - (1 - s)^m' (the model of ``prior_hazards``)."""
+    single = 1.0 - (1.0 - np.clip(hazard, 0.0, 1.0)) ** (1.0 / children)
+    return 1.0 - (1.0 - single) ** children_to
+
+
 def children_per_node(nodes_per_depth: list[int]) -> np.ndarray:
     """[D]: m_j = nodes at depth j over nodes at depth j - 1."""
     widths = np.asarray(nodes_per_depth, dtype=np.float64)
@@ -65,10 +73,9 @@ class AcceptanceModel:
         """``prior_hazard``: one h for every depth, or [D] (``prior_hazards``).
         ``children``: [D] children per node of the shape (``children_per_node``);
         given, a depth seen little starts from what the depth above it is estimated
-        to be, through the per-child model (``_follow``), where that is above the
-        flat prior:
-        cuts deeper than any drafted so far are valued like the deepest one
-        measured (a chain accepting 0.9 per token at depths 1-3 is not assumed to
+        to be, through the per-child model (``same_per_child``), where that is above
+        the shape's own prior: cuts deeper than any drafted so far are valued like
+        the deepest one measured (a chain accepting 0.9 per token at depths 1-3 is not assumed to
         fall to 0.7 at depth 4). A prior borrowed from another shape
         (``share_priors``) is kept where there is one."""
         self.max_depth = max_depth
@@ -135,19 +142,13 @@ class AcceptanceModel:
                 for j in range(1, self.max_depth):
                     # Never below the shape's own prior: optimistic for what is unseen, so
                     # that a low estimate above does not keep deeper cuts from being tried.
-                    follow = np.maximum(self._follow(out[:, j - 1], j), self.base_prior[j])
+                    above, m_above, m = out[:, j - 1], self.children[j - 1], self.children[j]
+                    above = above if m == m_above else same_per_child(above, m_above, m)  # same width: same h
+                    follow = np.maximum(above, self.base_prior[j])
                     prior = np.where(self.borrowed[:, j], self.prior[:, j], follow)
                     out[:, j] = (self.accepted[:, j] + weight[:, j] * prior) / (self.reached[:, j] + weight[:, j])
             self._hazards = out
         return self._hazards
-
-    def _follow(self, above: np.ndarray, j: int) -> np.ndarray:
-        """The hazard at depth index j implied by ``above`` at j - 1: the same per-child
-        acceptance s = 1 - (1 - h)^(1/m), with this depth's m children per node."""
-        if self.children[j] == self.children[j - 1]:  # the same width: the same hazard
-            return above
-        single = 1.0 - (1.0 - np.clip(above, 0.0, 1.0)) ** (1.0 / self.children[j - 1])
-        return 1.0 - (1.0 - single) ** self.children[j]
 
     def expected_tokens(self, bands) -> np.ndarray:
         """[R, D+1]: E[tokens per step] of each request at every depth cut 0..D."""
@@ -174,8 +175,7 @@ def share_priors(models: list[AcceptanceModel], children: list[np.ndarray], min_
             d = min(depth, other.max_depth)
             evidence = other.reached[:, :d]
             better = (evidence >= min_evidence) & (evidence > best[:, :d])
-            single = 1.0 - (1.0 - np.clip(other.hazards()[:, :d], 0.0, 1.0)) ** (1.0 / children[k][:d])
-            implied = 1.0 - (1.0 - single) ** children[i][:d]
+            implied = same_per_child(other.hazards()[:, :d], children[k][:d], children[i][:d])
             prior[:, :d] = np.where(better, implied, prior[:, :d])
             best[:, :d] = np.where(better, evidence, best[:, :d])
         model.set_prior(prior, best > 0)

@@ -51,9 +51,8 @@ def chain_survival(tree: TreeSpec, scheme: str, tokens: torch.Tensor, p: torch.T
     drafted = tokens[:, 1:]
     exists = drafted >= 0
     parent = tt.parent[1:]
-    rows = torch.arange(batch, device=tokens.device).unsqueeze(1)
-    p_x = p[rows, parent, drafted.clamp(min=0)]  # [B, N]: p_parent(x), q_parent(x)
-    q_x = q[rows, parent, drafted.clamp(min=0)]
+    at = (torch.arange(batch, device=tokens.device).unsqueeze(1), parent, drafted.clamp(min=0))
+    p_x, q_x = p[at], q[at]  # [B, N]: p_parent(x), q_parent(x)
     both = torch.minimum(p_x, q_x)
     accept = both / q_x.clamp(min=torch.finfo(q_x.dtype).tiny)  # min(1, p/q); q > 0 where x was drawn
     first_slot = tt.slot[1:] == 0
