@@ -121,10 +121,29 @@ CASES = [
     ("wor", "4x1", 5),
     ("wor", "2x2", 4),
     ("wor", "2x2", 5),
+    ("wor", "skewed-2", 4),
+    ("wor", "skewed-chain", 4),
+    ("wor", "eagle-like", 4),
     ("topk1", "2x2", 4),
     ("topk1", "2x3", 4),
     ("topk1", "3x2", 5),
 ]
+# Irregular trees, subtrees of different sizes side by side (paths of child slots):
+# two leaves below slot 0 beside a leaf; a chain of two beside a leaf; three children
+# with 2, 1 and 0 children of their own, as EAGLE's trees thin out away from rank 0.
+IRREGULAR_SHAPES = {
+    "skewed-2": [(0,), (1,), (0, 0), (0, 1)],
+    "skewed-chain": [(0,), (1,), (0, 0), (0, 0, 0)],
+    "eagle-like": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)],
+}
+
+
+def tree_of(shape: str) -> TreeSpec:
+    if shape in IRREGULAR_SHAPES:
+        return TreeSpec.from_paths(IRREGULAR_SHAPES[shape])
+    return TreeSpec.parse(shape)
+
+
 COLUMNS = max(len(m) for m in SCHEME_METHODS.values())
 # "generic": smooth random laws, draft independent of the target.
 # "zeros+ties": laws with exact zeros and ties, draft a 50/50 mix with the target
@@ -152,14 +171,16 @@ def main() -> None:
         "draft independent of the target; `zeros+ties` = laws with exact zeros and ties, draft mixed "
         "with the target (the test suite's stress models). "
         "`LP` is the optimum over all lossless verifiers for the same drafts (HiGHS); "
-        "the ratio column is method / LP.",
+        "the ratio column is method / LP. Irregular trees (paths of child slots): "
+        + "; ".join(f"`{name}` {paths}" for name, paths in IRREGULAR_SHAPES.items())
+        + ".",
         "",
         "| models | scheme | tree | V | LP | " + " | ".join(["method", "E[acc]", "/ LP"] * COLUMNS) + " |",
         "|---|---|---|---|---|" + "---|---|---|" * COLUMNS,
     ]
     shares = []  # (univer_wor, traversal) / LP per wor case
     for kind, scheme, shape, vocab in [(k, *c) for k in MODEL_KINDS for c in CASES]:
-        tree = TreeSpec.parse(shape)
+        tree = tree_of(shape)
         t0 = time.time()
         opt, values = [], {m: [] for m in SCHEME_METHODS[scheme]}
         for seed in seeds:

@@ -76,11 +76,19 @@ def test_tensor_parallel_greedy_output_equals_no_speculation(models):
     for case, result in zip(TP_GREEDY_CASES, results[1:]):
         assert "error" not in result, (case, result.get("error"))
         assert_greedy_identical(result["calls"][0]["outputs"], ref, case)
-        assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0, case
         assert_ranks_agree(result, case)
-        if case[1] == "auto":
-            print("tree auto under TP 2:", result["sizer"])
-            assert sum(result["sizer"]["requests_at_depth"].values()) >= 96, result["sizer"]
+        accepted = result["spec"]["vllm:spec_decode_num_accepted_tokens"]
+        if case[1] != "auto":
+            assert accepted > 0, case
+            continue
+        # auto chooses from rank 0's clock: on a machine loaded by other work it may
+        # rightly find no cut worth drafting (a CI rehearsal beside a benchmark ran
+        # every step plain); where it drafted, the tiny pair accepts.
+        print("tree auto under TP 2:", result["sizer"])
+        depths = result["sizer"]["requests_at_depth"]
+        assert sum(depths.values()) >= 96, result["sizer"]
+        drafted = sum(n for depth, n in depths.items() if int(depth) > 0)
+        assert (accepted > 0) == (drafted > 0), (accepted, result["sizer"])
 
 
 def test_tensor_parallel_law_equals_target_law(small_models):  # noqa: F811 - the fixture
