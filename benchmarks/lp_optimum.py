@@ -147,32 +147,28 @@ def tree_of(shape: str) -> TreeSpec:
 COLUMNS = max(len(m) for m in SCHEME_METHODS.values())
 
 
-class PeakedModel:
+class PeakedModel(PathModel):
     """Peaked laws, like a real pair's: a Dirichlet(0.8) row raised to the power
-    1 / 0.35 (top token usually 0.6-0.95), floored at 2e-3 before normalising (the
-    LP divides by string probabilities); with a ``base``, the row is 70 % the base's
-    on 80 % of prefixes (a draft that mostly agrees with the target)."""
+    1 / 0.35 (top token usually 0.6-0.95), plus 2e-3 per token after normalising
+    (the LP divides by string probabilities); with a ``base``, the row is 70 % the
+    base's on 80 % of prefixes (a draft that mostly agrees with the target)."""
 
     def __init__(self, vocab: int, seed: int, base: PeakedModel | None = None):
-        self.vocab, self.seed, self.base = vocab, seed, base
-        self.cache: dict[tuple, np.ndarray] = {}
+        super().__init__(vocab, seed, zeros=False, ties=False, base=base)
 
-    def __call__(self, prefix) -> np.ndarray:
-        prefix = tuple(int(t) for t in prefix)
-        if prefix not in self.cache:
-            rng = np.random.default_rng([self.seed, len(prefix), *prefix])
-            row = rng.dirichlet(np.full(self.vocab, 0.8)) ** (1 / 0.35)
-            row = row / row.sum() + 2e-3
-            row = row / row.sum()
-            if self.base is not None and rng.random() < 0.8:
-                row = 0.3 * row + 0.7 * self.base(prefix)
-            self.cache[prefix] = row / row.sum()
-        return self.cache[prefix]
+    def _draw(self, rng: np.random.Generator, prefix: tuple) -> np.ndarray:
+        row = rng.dirichlet(np.full(self.vocab, 0.8)) ** (1 / 0.35)
+        row = row / row.sum() + 2e-3
+        row = row / row.sum()
+        if self.base is not None and rng.random() < 0.8:
+            row = 0.3 * row + 0.7 * self.base(prefix)
+        return row / row.sum()
 
 
 # "generic": smooth random laws, draft independent of the target.
 # "zeros+ties": laws with exact zeros and ties, draft a 50/50 mix with the target
 # on 70% of prefixes (the test suite's stress models).
+# "peaked": peaked laws, the draft mostly the target's (``PeakedModel``).
 MODEL_KINDS = {
     "generic": lambda vocab, seed: (
         PathModel(vocab, 1000 + seed, zeros=False, ties=False),

@@ -37,22 +37,25 @@ class PathModel:
         prefix = tuple(int(t) for t in prefix)
         row = self.cache.get(prefix)
         if row is None:
-            rng = np.random.default_rng([self.seed, len(prefix), *prefix])
-            if self.onehot:
-                row = np.zeros(self.vocab)
-                row[rng.integers(self.vocab)] = 1.0
-            else:
-                row = rng.dirichlet(np.full(self.vocab, 0.8))
-                if self.base is not None and rng.random() < 0.7:
-                    row = 0.5 * row + 0.5 * self.base(prefix)
-                if self.zeros and rng.random() < 0.4:
-                    row[rng.choice(self.vocab, size=rng.integers(1, self.vocab - 1), replace=False)] = 0.0
-                if self.ties and rng.random() < 0.4:
-                    i, j = rng.choice(self.vocab, size=2, replace=False)
-                    row[i] = row[j] = max(row[i], row[j])
-                row = row / row.sum()
+            row = self._draw(np.random.default_rng([self.seed, len(prefix), *prefix]), prefix)
             self.cache[prefix] = row
         return row
+
+    def _draw(self, rng: np.random.Generator, prefix: tuple) -> np.ndarray:
+        """The row of ``prefix`` from its own generator (subclasses draw other laws)."""
+        if self.onehot:
+            row = np.zeros(self.vocab)
+            row[rng.integers(self.vocab)] = 1.0
+            return row
+        row = rng.dirichlet(np.full(self.vocab, 0.8))
+        if self.base is not None and rng.random() < 0.7:
+            row = 0.5 * row + 0.5 * self.base(prefix)
+        if self.zeros and rng.random() < 0.4:
+            row[rng.choice(self.vocab, size=rng.integers(1, self.vocab - 1), replace=False)] = 0.0
+        if self.ties and rng.random() < 0.4:
+            i, j = rng.choice(self.vocab, size=2, replace=False)
+            row[i] = row[j] = max(row[i], row[j])
+        return row / row.sum()
 
 
 def top_set(q: np.ndarray, k: int) -> list[int]:
