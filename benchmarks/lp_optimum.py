@@ -149,15 +149,17 @@ COLUMNS = max(len(m) for m in SCHEME_METHODS.values())
 
 class PeakedModel(PathModel):
     """Peaked laws, like a real pair's: a Dirichlet(0.8) row raised to the power
-    1 / 0.35 (top token usually 0.6-0.95), plus 2e-3 per token after normalising
-    (the LP divides by string probabilities); with a ``base``, the row is 70 % the
-    base's on 80 % of prefixes (a draft that mostly agrees with the target)."""
+    ``power`` (1 / 0.35 by default: top token usually 0.6-0.95), plus 2e-3 per token
+    after normalising (the LP divides by string probabilities); with a ``base``, the
+    row is 70 % the base's on 80 % of prefixes (a draft that mostly agrees with the
+    target)."""
 
-    def __init__(self, vocab: int, seed: int, base: PeakedModel | None = None):
+    def __init__(self, vocab: int, seed: int, base: PeakedModel | None = None, power: float = 1 / 0.35):
         super().__init__(vocab, seed, zeros=False, ties=False, base=base)
+        self.power = power
 
     def _draw(self, rng: np.random.Generator, prefix: tuple) -> np.ndarray:
-        row = rng.dirichlet(np.full(self.vocab, 0.8)) ** (1 / 0.35)
+        row = rng.dirichlet(np.full(self.vocab, 0.8)) ** self.power
         row = row / row.sum() + 2e-3
         row = row / row.sum()
         if self.base is not None and rng.random() < 0.8:
