@@ -116,15 +116,19 @@ def _timers(worker) -> dict:
     return dict(univer.timers.totals) if univer is not None else {}
 
 
-def timed_cell(llm, texts: list[str], params) -> dict:
-    """One timed ``generate`` of ``texts``: tokens/s, and what the engine's counters
-    and the package's timers say about the steps it ran."""
+def timed_cell(llm, texts: list[str], params, one_at_a_time: bool = False) -> dict:
+    """One timed ``generate`` of ``texts`` (or one per text, each request alone in the
+    engine): tokens/s, and what the engine's counters and the package's timers say
+    about the steps it ran."""
     from vllm_univer.tools.spec_counters import spec_counters
 
     before, timers_before = spec_counters(llm), llm.collective_rpc(_timers)[0]
     sizer_before = llm.collective_rpc(_sizer)[0]
     start = time.perf_counter()
-    outputs = llm.generate(texts, params, use_tqdm=False)
+    if one_at_a_time:
+        outputs = [out for text in texts for out in llm.generate([text], params, use_tqdm=False)]
+    else:
+        outputs = llm.generate(texts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     after, timers_after = spec_counters(llm), llm.collective_rpc(_timers)[0]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -199,7 +203,11 @@ def run_one_engine(job: dict) -> dict:
         # One request of 64 tokens is the noisiest cell (a few steps; at T = 1 the draws decide
         # tau) and the cheapest to repeat.
         repeats = job["repeats"] if batch > 1 else job["single_repeats"]
-        runs = [timed_cell(llm, texts[dataset][:batch], params) for _ in range(repeats)]
+        # Batch 1: one request at a time over ``single_prompts`` prompts per run, so that
+        # one prompt's luck (64 tokens, a few dozen steps) does not decide the cell.
+        single = job.get("single_prompts", 1) if batch == 1 else 0
+        prompts = texts[dataset][: single or batch]
+        runs = [timed_cell(llm, prompts, params, one_at_a_time=single > 1) for _ in range(repeats)]
         cell = max(runs, key=lambda run: run["tok_per_s"])
         cells.append(
             {
@@ -215,7 +223,16 @@ def run_one_engine(job: dict) -> dict:
 
 
 # ---------------------------------------------------------------- the matrix
-def engine_job(config: dict, cells: list, target: str, draft: str, texts: dict, repeats: int, single_repeats: int):
+def engine_job(
+    config: dict,
+    cells: list,
+    target: str,
+    draft: str,
+    texts: dict,
+    repeats: int,
+    single_repeats: int,
+    single_prompts: int = 1,
+):
     """What ``run_one_engine`` runs (``--one``, in its own process): one row of ``engine_configs`` on ``cells``."""
     return {
         "name": config["name"],
@@ -227,6 +244,7 @@ def engine_job(config: dict, cells: list, target: str, draft: str, texts: dict, 
         "json": config.get("json", False),
         "repeats": repeats,
         "single_repeats": single_repeats,
+        "single_prompts": single_prompts,
     }
 
 
@@ -247,7 +265,7 @@ def run_matrix(args) -> list[dict]:
             results.append(done[config["name"]])
             continue
         cells = [c for c in config["cells"] if not args.quick or (c[0] == 8 and c[3] == "mtbench")]
-        job = engine_job(config, cells, target, draft, texts, args.repeats, args.single_repeats)
+        job = engine_job(config, cells, target, draft, texts, args.repeats, args.single_repeats, args.single_prompts)
         print(f"[engine] {config['name']} ...", flush=True)
         result, stderr = run_json_job([__file__, "--one"], job, {**os.environ, **ENV})
         if result is None:
@@ -303,7 +321,8 @@ def report(results: list[dict], command: str) -> str:
         "replaces the named rows.",
         "",
         "tok/s: wall clock of `generate`, the fastest of the timed runs per cell (`--repeats`, 2 unless said; "
-        "at batch 1 `--single-repeats`, 4 unless said; "
+        "at batch 1 `--single-repeats`, 4 unless said, each run one prompt, or `--single-prompts` prompts "
+        "one request at a time; "
         "every run in the JSON file), after a warm-up generate at every batch size. "
         "tau = mean tokens per step = 1 + accepted / drafts (vLLM's spec-decode counters), +- its standard "
         "error (steps treated as independent). "
@@ -431,6 +450,12 @@ def main() -> None:
     ap.add_argument(
         "--single-repeats", type=int, default=4, help="timed runs per batch-1 cell (one request); the fastest counts"
     )
+    ap.add_argument(
+        "--single-prompts",
+        type=int,
+        default=1,
+        help="prompts per batch-1 run, one request at a time (tokens/s over all of them)",
+    )
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -443,6 +468,7 @@ def main() -> None:
         + (f" --tag {args.tag}" if args.tag else "")
         + (f" --repeats {args.repeats}" if args.repeats != 2 else "")
         + (f" --single-repeats {args.single_repeats}" if args.single_repeats != 4 else "")
+        + (f" --single-prompts {args.single_prompts}" if args.single_prompts != 1 else "")
     )
     text = report(results, command)
     out_md = RESULTS / f"{results_stem(args)}.md"
