@@ -201,13 +201,11 @@ def run_one_engine(job: dict) -> dict:
         )
         # The best of a few runs: this machine's speed drifts by tens of percent within minutes.
         # One request of 64 tokens is the noisiest cell (a few steps; at T = 1 the draws decide
-        # tau) and the cheapest to repeat.
+        # tau) and the cheapest to repeat; at batch 1 a run takes ``single_prompts`` prompts one
+        # request at a time, so that one prompt's luck does not decide the cell.
         repeats = job["repeats"] if batch > 1 else job["single_repeats"]
-        # Batch 1: one request at a time over ``single_prompts`` prompts per run, so that
-        # one prompt's luck (64 tokens, a few dozen steps) does not decide the cell.
-        single = job.get("single_prompts", 1) if batch == 1 else 0
-        prompts = texts[dataset][: single or batch]
-        runs = [timed_cell(llm, prompts, params, one_at_a_time=single > 1) for _ in range(repeats)]
+        prompts = texts[dataset][: job["single_prompts"] if batch == 1 else batch]
+        runs = [timed_cell(llm, prompts, params, one_at_a_time=batch == 1) for _ in range(repeats)]
         cell = max(runs, key=lambda run: run["tok_per_s"])
         cells.append(
             {

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the exact-law toolkit
 from law_utils import expected_accepted  # noqa: E402
-from lp_optimum import ROOT, PeakedModel, lp_optimum, tree_of  # noqa: E402
+from lp_optimum import ROOT, PeakedModel, lp_optimum, peaked_pair, tree_of  # noqa: E402
 
 # (tree, V): a regular wor tree where univer_wor gains most, and the irregular ones.
 CASES = [("2x2", 4), ("skewed-2", 4), ("skewed-chain", 4), ("eagle-like", 4)]
@@ -59,8 +59,7 @@ def main() -> None:
             t0 = time.time()
             opt, trav, new, tops = [], [], [], []
             for seed in seeds:
-                target = PeakedModel(vocab, 1000 + seed, power=power)
-                draft = PeakedModel(vocab, 2000 + seed, base=target, power=power)
+                target, draft = peaked_pair(vocab, seed, power)
                 opt.append(lp_optimum("wor", tree, target, draft))
                 trav.append(expected_accepted("traversal", "wor", tree, target, draft))
                 new.append(expected_accepted("univer_wor", "wor", tree, target, draft))

@@ -167,6 +167,12 @@ class PeakedModel(PathModel):
         return row / row.sum()
 
 
+def peaked_pair(vocab: int, seed: int, power: float = 1 / 0.35) -> tuple[PeakedModel, PeakedModel]:
+    """A peaked target and a draft that mostly agrees with it (the `peaked` kind)."""
+    target = PeakedModel(vocab, 1000 + seed, power=power)
+    return target, PeakedModel(vocab, 2000 + seed, base=target, power=power)
+
+
 # "generic": smooth random laws, draft independent of the target.
 # "zeros+ties": laws with exact zeros and ties, draft a 50/50 mix with the target
 # on 70% of prefixes (the test suite's stress models).
@@ -179,9 +185,7 @@ MODEL_KINDS = {
     "zeros+ties": lambda vocab, seed: (lambda t: (t, PathModel(vocab, 2000 + seed, base=t)))(
         PathModel(vocab, 1000 + seed)
     ),
-    "peaked": lambda vocab, seed: (lambda t: (t, PeakedModel(vocab, 2000 + seed, base=t)))(
-        PeakedModel(vocab, 1000 + seed)
-    ),
+    "peaked": peaked_pair,
 }
 
 
