@@ -116,6 +116,39 @@ def _timers(worker) -> dict:
     return dict(univer.timers.totals) if univer is not None else {}
 
 
+# The runner's methods timed per cell (``_time_step_parts``): the target forward,
+# everything execute_model does (forward included), and sampling plus drafting.
+STEP_PARTS = ("_model_forward", "execute_model", "sample_tokens")
+
+
+def _time_step_parts(worker) -> None:
+    """Benchmark hook, every engine alike: wall seconds spent in the runner's
+    ``STEP_PARTS`` (on CPU they are synchronous, so their wall time is their work;
+    on CUDA it would be launch time only)."""
+    runner = worker.model_runner
+    totals = runner.__dict__.setdefault("bench_step_seconds", {"steps": 0, **dict.fromkeys(STEP_PARTS, 0.0)})
+
+    def timed(name: str):
+        method = getattr(runner, name)
+
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+                totals["steps"] += name == "execute_model"
+
+        return call
+
+    for name in STEP_PARTS:
+        setattr(runner, name, timed(name))
+
+
+def _step_seconds(worker) -> dict:
+    return dict(getattr(worker.model_runner, "bench_step_seconds", {}))
+
+
 def timed_cell(llm, texts: list[str], params, one_at_a_time: bool = False) -> dict:
     """One timed ``generate`` of ``texts`` (or one per text, each request alone in the
     engine): tokens/s, and what the engine's counters and the package's timers say
@@ -123,7 +156,7 @@ def timed_cell(llm, texts: list[str], params, one_at_a_time: bool = False) -> di
     from vllm_univer.tools.spec_counters import spec_counters
 
     before, timers_before = spec_counters(llm), llm.collective_rpc(_timers)[0]
-    sizer_before = llm.collective_rpc(_sizer)[0]
+    sizer_before, parts_before = llm.collective_rpc(_sizer)[0], llm.collective_rpc(_step_seconds)[0]
     start = time.perf_counter()
     if one_at_a_time:
         outputs = [out for text in texts for out in llm.generate([text], params, use_tqdm=False)]
@@ -133,6 +166,9 @@ def timed_cell(llm, texts: list[str], params, one_at_a_time: bool = False) -> di
     after, timers_after = spec_counters(llm), llm.collective_rpc(_timers)[0]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     cell = {"wall_s": wall, "tokens": generated, "tok_per_s": generated / wall}
+    parts_after = llm.collective_rpc(_step_seconds)[0]
+    if parts_after:
+        cell["step_parts_s"] = {k: parts_after[k] - parts_before.get(k, 0.0) for k in parts_after}
     if after:
         drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
         accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
@@ -173,6 +209,7 @@ def run_one_engine(job: dict) -> dict:
         seed=0,
         disable_log_stats=False,
     )
+    llm.collective_rpc(_time_step_parts)
     tokenizer = llm.get_tokenizer()
     structured = {}
     if job.get("json"):

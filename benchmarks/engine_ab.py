@@ -11,7 +11,10 @@ round's ratio compares engines minutes apart at most, in both orders:
 
 Prints tokens/s per row and round (each the fastest of ``--repeats`` runs, as in
 ``engine.py``) and the paired ratios of every row to the first, and appends
-the table to ``benchmarks/results/engine_ab.md``.
+the table to ``benchmarks/results/engine_ab.md``, with each engine's step split
+into the target forward, the rest of the runner and what runs outside it. A
+row named twice runs as two engines of the same configuration (an A/A pair:
+the drift between fresh engines, against which the other ratios are read).
 """
 
 from __future__ import annotations
@@ -62,13 +65,21 @@ def main() -> None:
     cell = (args.batch, args.temperature, new_tokens, args.dataset)
     texts = {d: [p["turns"][0] for p in prompts(d, limit=MAX_BATCH)] for d in ("mtbench", "humaneval")}
     target, draft = str(model_dir(DEFAULT_TARGET)), str(model_dir(DEFAULT_DRAFT))
-    speed: dict[str, list[float]] = {name: [] for name in args.rows}
-    cuts: dict[str, Counter] = {name: Counter() for name in args.rows}  # tree auto: request-steps per cut
+    # A row named twice runs twice per round, as two rows ("name #2"): an A/A pair
+    # measures how far two fresh engines of the same configuration drift apart.
+    labels = [
+        name if args.rows[:i].count(name) == 0 else f"{name} #{args.rows[:i].count(name) + 1}"
+        for i, name in enumerate(args.rows)
+    ]
+    config_of = dict(zip(labels, args.rows))
+    speed: dict[str, list[float]] = {name: [] for name in labels}
+    cuts: dict[str, Counter] = {name: Counter() for name in labels}  # tree auto: request-steps per cut
+    splits: dict[str, list[np.ndarray]] = {name: [] for name in labels}  # ms per step, see step_split
     for r in range(args.rounds):
         # Every other round in reverse order: no row always runs first after a pause.
-        order = args.rows if r % 2 == 0 else args.rows[::-1]
+        order = labels if r % 2 == 0 else labels[::-1]
         for name in order:
-            job = engine_job(configs[name], [cell], target, draft, texts, args.repeats, args.repeats)
+            job = engine_job(configs[config_of[name]], [cell], target, draft, texts, args.repeats, args.repeats)
             result, stderr = run_json_job([str(HERE / "engine.py"), "--one"], job, {**os.environ, **ENV})
             if result is None:
                 raise RuntimeError(f"{name} failed:\n{stderr[-5000:]}")
@@ -76,9 +87,11 @@ def main() -> None:
             runs = cell_result["tok_per_s_runs"]
             speed[name].append(max(runs) if args.statistic == "fastest" else float(np.mean(runs)))
             cuts[name].update(cell_result.get("requests_at_cut", {}))
-            print(f"round {r} {name}: {speed[name][-1]:.2f} tok/s", flush=True)
+            splits[name].append(step_split(cell_result))
+            forward = splits[name][-1][1]
+            print(f"round {r} {name}: {speed[name][-1]:.2f} tok/s, target forward {forward:.1f} ms/step", flush=True)
 
-    base = np.asarray(speed[args.rows[0]])
+    base = np.asarray(speed[labels[0]])
     command = "python benchmarks/engine_ab.py " + " ".join(f'"{a}"' if " " in a else a for a in sys.argv[1:])
     lines = [
         "",
@@ -97,6 +110,19 @@ def main() -> None:
             f"| {name} | {' / '.join(f'{v:.2f}' for v in values)} | {np.mean(values):.2f} | "
             f"{ratio.mean():.3f}x ({ratio.min():.3f} .. {ratio.max():.3f}) |"
         )
+    lines += [
+        "",
+        "ms per engine step of that run, mean over rounds (on CPU each part's wall time is its work): "
+        "the target forward; the rest of the runner's `execute_model` (inputs, attention metadata, logits); "
+        "its `sample_tokens` (sampling or verification, drafting); everything outside the runner "
+        "(scheduler, outputs).",
+        "",
+        "| row | steps | target forward | rest of execute_model | sample_tokens | outside the runner | step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, rounds in splits.items():
+        steps, *ms = np.mean(rounds, axis=0)
+        lines.append(f"| {name} | {steps:.0f} | " + " | ".join(f"{v:.1f}" for v in ms) + f" | {sum(ms):.1f} |")
     for name, counts in cuts.items():
         if counts:
             total = sum(counts.values())
@@ -116,6 +142,16 @@ def main() -> None:
     with out.open("a") as f:
         f.write(text)
     print(text)
+
+
+def step_split(cell: dict) -> np.ndarray:
+    """[steps, then ms per step: target forward, rest of execute_model, sample_tokens,
+    outside the runner] of one timed run (``engine.py``'s ``step_parts_s``)."""
+    parts = cell["step_parts_s"]
+    steps = max(parts["steps"], 1)
+    forward, execute, sample = parts["_model_forward"], parts["execute_model"], parts["sample_tokens"]
+    outside = cell["wall_s"] - execute - sample
+    return np.array([parts["steps"], *(1000 * np.array([forward, execute - forward, sample, outside]) / steps)])
 
 
 if __name__ == "__main__":
