@@ -92,7 +92,12 @@ def main() -> None:
             print(f"round {r} {name}: {speed[name][-1]:.2f} tok/s, target forward {forward:.1f} ms/step", flush=True)
 
     base = np.asarray(speed[labels[0]])
-    command = "python benchmarks/engine_ab.py " + " ".join(f'"{a}"' if " " in a else a for a in sys.argv[1:])
+    # Settings of the allocator or the thread binding change every engine's speed: part of the command.
+    speed_settings = ("THP_MEM_ALLOC_ENABLE", "VLLM_CPU_OMP_THREADS_BIND")
+    settings = [f"{k}={os.environ[k]}" for k in speed_settings if k in os.environ]
+    command = " ".join(
+        [*settings, "python benchmarks/engine_ab.py", *(f'"{a}"' if " " in a else a for a in sys.argv[1:])]
+    )
     lines = [
         "",
         f"## {args.dataset}, batch {args.batch}, T = {args.temperature:g}, {new_tokens} tokens",
