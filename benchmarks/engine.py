@@ -186,6 +186,8 @@ def timed_cell(llm, texts: list[str], params, one_at_a_time: bool = False) -> di
     for key in ("requests_at_depth", "requests_at_width", "requests_at_cut"):  # tree auto: request-steps per cut
         if sizer_after.get(key):
             cell[key] = {k: n - sizer_before.get(key, {}).get(k, 0) for k, n in sizer_after[key].items()}
+    if sizer_after:  # what the choice knew at the end of the run: why it drafted what it drafted
+        cell["sizer_state"] = {k: sizer_after[k] for k in ("hazards", "evidence", "cost_correction")}
     if timers_after:
         spent = {k: timers_after.get(k, 0.0) - timers_before.get(k, 0.0) for k in timers_after}
         outside = spent.get("verify", 0.0) + spent.get("draft", 0.0) - spent.get("draft_forward", 0.0)

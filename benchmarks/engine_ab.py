@@ -90,6 +90,8 @@ def main() -> None:
             splits[name].append(step_split(cell_result))
             forward = splits[name][-1][1]
             print(f"round {r} {name}: {speed[name][-1]:.2f} tok/s, target forward {forward:.1f} ms/step", flush=True)
+            if "sizer_state" in cell_result:  # tree auto: its cuts and what it knew at the end
+                print(f"  cuts {cell_result.get('requests_at_cut')}, {cell_result['sizer_state']}", flush=True)
 
     base = np.asarray(speed[labels[0]])
     # Settings of the allocator or the thread binding change every engine's speed: part of the command.
