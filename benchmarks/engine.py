@@ -98,22 +98,12 @@ def engine_configs(quick: bool) -> list[dict]:
 
 
 # ----------------------------------------------------------------- one engine
-def _sizer(worker) -> dict:
-    univer = getattr(worker.model_runner, "univer", None)
-    return univer.sizer.summary() if univer is not None and univer.sizer is not None else {}
-
-
 def serving_dtype() -> str:
     import torch
 
     from vllm_univer.host_cpu import host_cpu
 
     return "bfloat16" if torch.cuda.is_available() else host_cpu().serving_dtype()[0]
-
-
-def _timers(worker) -> dict:
-    univer = getattr(worker.model_runner, "univer", None)
-    return dict(univer.timers.totals) if univer is not None else {}
 
 
 # The runner's methods timed per cell (``_time_step_parts``): the target forward,
@@ -145,8 +135,21 @@ def _time_step_parts(worker) -> None:
         setattr(runner, name, timed(name))
 
 
-def _step_seconds(worker) -> dict:
-    return dict(getattr(worker.model_runner, "bench_step_seconds", {}))
+def _worker_counters(worker) -> dict:
+    """In one call: the package's step timers, tree auto's sizer summary, and the
+    ``_time_step_parts`` totals (each {} where the engine has none)."""
+    runner = worker.model_runner
+    univer = getattr(runner, "univer", None)
+    return {
+        "timers": dict(univer.timers.totals) if univer is not None else {},
+        "sizer": univer.sizer.summary() if univer is not None and univer.sizer is not None else {},
+        "step_parts": dict(getattr(runner, "bench_step_seconds", {})),
+    }
+
+
+def _since(after: dict, before: dict) -> dict:
+    """Per key, how much a running total grew."""
+    return {k: n - before.get(k, 0) for k, n in after.items()}
 
 
 def timed_cell(llm, texts: list[str], params, one_at_a_time: bool = False) -> dict:
@@ -155,20 +158,18 @@ def timed_cell(llm, texts: list[str], params, one_at_a_time: bool = False) -> di
     about the steps it ran."""
     from vllm_univer.tools.spec_counters import spec_counters
 
-    before, timers_before = spec_counters(llm), llm.collective_rpc(_timers)[0]
-    sizer_before, parts_before = llm.collective_rpc(_sizer)[0], llm.collective_rpc(_step_seconds)[0]
+    before, worker_before = spec_counters(llm), llm.collective_rpc(_worker_counters)[0]
     start = time.perf_counter()
     if one_at_a_time:
         outputs = [out for text in texts for out in llm.generate([text], params, use_tqdm=False)]
     else:
         outputs = llm.generate(texts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    after, timers_after = spec_counters(llm), llm.collective_rpc(_timers)[0]
+    after, worker_after = spec_counters(llm), llm.collective_rpc(_worker_counters)[0]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     cell = {"wall_s": wall, "tokens": generated, "tok_per_s": generated / wall}
-    parts_after = llm.collective_rpc(_step_seconds)[0]
-    if parts_after:
-        cell["step_parts_s"] = {k: parts_after[k] - parts_before.get(k, 0.0) for k in parts_after}
+    if worker_after["step_parts"]:
+        cell["step_parts_s"] = _since(worker_after["step_parts"], worker_before["step_parts"])
     if after:
         drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
         accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
@@ -182,14 +183,14 @@ def timed_cell(llm, texts: list[str], params, one_at_a_time: bool = False) -> di
             tau=1 + accepted / max(drafts, 1),
             accepted_per_depth=[a / max(drafts, 1) for a in per_pos if a] or [0.0],
         )
-    sizer_after = llm.collective_rpc(_sizer)[0]
+    sizer_before, sizer_after = worker_before["sizer"], worker_after["sizer"]
     for key in ("requests_at_depth", "requests_at_width", "requests_at_cut"):  # tree auto: request-steps per cut
         if sizer_after.get(key):
-            cell[key] = {k: n - sizer_before.get(key, {}).get(k, 0) for k, n in sizer_after[key].items()}
+            cell[key] = _since(sizer_after[key], sizer_before.get(key, {}))
     if sizer_after:  # what the choice knew at the end of the run: why it drafted what it drafted
         cell["sizer_state"] = {k: sizer_after[k] for k in ("hazards", "evidence", "cost_correction")}
-    if timers_after:
-        spent = {k: timers_after.get(k, 0.0) - timers_before.get(k, 0.0) for k in timers_after}
+    if worker_after["timers"]:
+        spent = _since(worker_after["timers"], worker_before["timers"])
         outside = spent.get("verify", 0.0) + spent.get("draft", 0.0) - spent.get("draft_forward", 0.0)
         cell.update(timers=spent, overhead_share=outside / wall)
     return cell
