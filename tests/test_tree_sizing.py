@@ -252,10 +252,13 @@ def test_backoff_is_kept_per_batch_size():
     # Speculation never chosen (low acceptance), but every cut worth a trial (its ceiling beats plain).
     chooser = shapes_chooser(0.01, 1.0, 0.3, hazards=(0.3, 0.3), explore=2)
     busy = [chooser.choose([2] * 16) for _ in range(200)]
-    assert {p.depth for p in busy[0::2]} == {0} and sum(p.depth > 0 for p in busy) <= 16
-    assert any(p.depth > 0 for p in busy[:8]) and not any(p.depth > 0 for p in busy[150:])
+    # Trials on every 2nd decision, backed off; each (from plain steps) runs two steps, the second the one measured.
+    trials = [i for i in range(1, 200, 2) if busy[i].depth > 0]
+    second_steps = [i for i in range(2, 200, 2) if busy[i].depth > 0]
+    assert second_steps == [i + 1 for i in trials] and all(busy[i + 1] == busy[i] for i in trials), busy
+    assert len(trials) <= 16 and trials[0] < 8 and not any(p.depth > 0 for p in busy[150:])
     alone = [chooser.choose([2]) for _ in range(4)]
-    assert [p.depth > 0 for p in alone] == [False, True, False, True], alone
+    assert [p.depth > 0 for p in alone] == [False, True, True, True], alone  # a trial, its second step, a trial
 
 
 def test_prior_hazards_grow_with_the_children_per_node():
@@ -370,9 +373,10 @@ def test_an_unseen_batch_size_is_committed_to_on_the_rows_extra_cost():
     assert cost.seconds(1, 2, conservative=True) == pytest.approx(1.7)  # seen: its own factor
     assert chooser.choose([2]) == Cut(0, 2)  # batch 1: 2.71 tokens in 1.7 s
     # Batch 8: optimistic, depth 1 gives 15.2 tokens in 1.56 s; conservative, in 2.43 s: plain (8 in 1 s).
-    # Every other decision explores: the trial, 16 tokens in 1.56 s, could beat 8 in 1 s.
-    picks = [chooser.choose([2] * 8) for _ in range(4)]
-    assert picks == [Cut(0, 1), Cut(0, 0), Cut(0, 1), Cut(0, 0)], picks
+    # Every other decision explores: the trial, 16 tokens in 1.1 s (its forwards alone), could
+    # beat 8 in 1 s; from plain steps it runs two steps.
+    picks = [chooser.choose([2] * 8) for _ in range(5)]
+    assert picks == [Cut(0, 1)] * 4 + [Cut(0, 0)], picks  # trial, its second step, trial, second step, plain
     # Once batch 8 has run a cut, its own evidence decides.
     cost.observe(1, cost.work(8, 1), 1.3, num_requests=8)
     assert cost.seconds(8, 1, conservative=True) == pytest.approx(1.3)
@@ -563,3 +567,56 @@ def test_a_depth_seen_little_starts_from_the_depth_above():
     prior[2, 2] = 0.2
     fork.set_prior(prior, borrowed)
     assert fork.hazards()[2, 2] == pytest.approx(0.2) and fork.hazards()[2, 1] == pytest.approx(1 - np.sqrt(1 - h1))
+
+
+def test_a_catch_up_or_a_prefill_is_not_a_decode_step():
+    flat = ForwardCost([1, 100], [1.0, 1.0])
+    cost = StepCostModel(flat, flat, WIDTHS_2X3)
+    assert cost.is_decode_step(cost.work(4, 2), 4, 2) and cost.is_decode_step(StepWork(12, [8, 8]), 4, 2)
+    assert not cost.is_decode_step(StepWork(12, [9, 8]), 4, 2)  # the draft ran tokens of plain steps
+    assert not cost.is_decode_step(StepWork(40, [4, 8]), 4, 2)  # a prompt joined the target's step
+    assert cost.is_decode_step(StepWork(4), 4, 0) and not cost.is_decode_step(StepWork(5), 4, 0)
+
+
+def test_a_cut_run_again_after_a_gap_restarts_its_window():
+    """A speculating cut's ratios from before more than a window of other steps
+    describe another spell: its next step replaces them (plain steps keep theirs)."""
+    flat = ForwardCost([1, 100], [1.0, 1.0])
+    cost = StepCostModel(flat, flat, WIDTHS_2X3, window=5)
+    for _ in range(5):
+        cost.observe(2, cost.work(1, 2), 9.0)  # a slow spell: 3 x the 3 s predicted
+        cost.observe(0, cost.work(1, 0), 1.0)
+    cost.observe(2, cost.work(1, 2), 3.0)  # right after: one step among the window's
+    assert cost.factor(2) == 3.0
+    for _ in range(6):
+        cost.observe(0, cost.work(1, 0), 1.5)
+    assert cost.factor(0) == 1.5 and cost.factor(2) == 3.0  # not run since: the old ratios still stand
+    cost.observe(2, cost.work(1, 2), 3.3)
+    assert cost.factor(2) == pytest.approx(1.1)  # run again after 6 other steps: a new window
+    assert cost.floor_seconds(1, 2) == pytest.approx(3 * 1.5)  # its forwards at the plain correction
+
+
+def test_a_slow_spell_does_not_keep_speculation_off():
+    """Batch 1, where the chain 1x5 gives ~2.2x the tokens per second of plain
+    steps: 20 speculating steps at 3x their cost (the machine busy elsewhere) make
+    plain steps the choice; trials must bring speculation back soon after the
+    spell. A trial from plain steps runs the draft's catch-up, which the cost
+    model does not measure (``is_decode_step``), so a one-step trial never
+    corrected the spell's ratios and plain steps went on for good."""
+    target, draft = ForwardCost([1, 128], [0.125, 0.25]), ForwardCost([1, 128], [0.045, 0.1])
+    cost = StepCostModel(target, draft, [1] * 6)
+    chooser = TreeChooser([ShapeModels(cost, AcceptanceModel(5, prior_hazard=0.8, prior_weight=1e9))])
+    bands = temperature_band([1.0])
+    backlog, picks = 0, []
+    for step in range(400):
+        depth = chooser.choose(bands, backlog=backlog).depth
+        work = cost.work(1, depth)
+        if depth:
+            work.draft_tokens[0] += backlog
+        backlog = 0 if depth else backlog + 1
+        seconds = 1.2 * cost.raw_seconds(work) * (3.0 if depth and 100 <= step < 120 else 1.0)
+        if cost.is_decode_step(work, 1, depth):
+            cost.observe(depth, work, seconds)
+        picks.append(depth)
+    assert picks[:100].count(0) <= 10 and picks[100:125].count(0) >= 5  # the spell turned it to plain steps
+    assert picks[150:].count(0) <= 25, picks[100:]  # back within a few explorations (every 16 decisions)

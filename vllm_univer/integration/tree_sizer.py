@@ -275,11 +275,7 @@ class TreeSizer:
         started, cut = self._last
         target_tokens = int(self.runner.query_start_loc.np[batch])
         work = StepWork(target_tokens, list(self.drafter.forward_tokens))
-        # A period that also ran prompt tokens (a prefill, or the draft catching up
-        # after plain steps: more than the root and one leaf per request at level 0)
-        # is not a decode step at this cut; its time would skew the cut's correction.
-        decode = self.chooser.shapes[cut.shape].cost.work(batch, cut.depth)
-        if target_tokens > decode.target_tokens or (work.draft_tokens and work.draft_tokens[0] > 2 * batch):
+        if not self.chooser.shapes[cut.shape].cost.is_decode_step(work, batch, cut.depth):
             return
         # No speculation is the same step whatever the shape: every shape's model learns from it.
         for s, (cost, _) in enumerate(self.chooser.shapes):

@@ -86,6 +86,9 @@ class StepCostModel:
     and drafting overheads, grows with the batch at its own rate): one stall (a
     long prefill, an idle gap between requests) moves it not at all, a lasting
     change within ``window // 2 + 1`` steps.
+    A speculating cut's window restarts when the cut runs again after more than
+    ``window`` other steps: otherwise a slow spell measured just before plain
+    steps took over would outvote every later trial of the cut.
     """
 
     def __init__(self, target: ForwardCost, draft: ForwardCost, depth_widths: list[int], window: int = 9):
@@ -98,6 +101,9 @@ class StepCostModel:
         # last observed - predicted seconds per tree row (speculating cuts).
         self.ratios: dict[tuple[int, int], deque] = {}
         self.row_extras: dict[tuple[int, int], deque] = {}
+        # Steps observed so far, and the step at which each (depth cut, batch bucket) was last.
+        self._steps = 0
+        self._last_step: dict[tuple[int, int], int] = {}
         # The other shapes' models (``TreeChooser``): what a speculating step adds
         # beyond its forwards (tree attention, drafting, verification) is much the
         # same share for every shape, so an unseen cut borrows their evidence too.
@@ -115,6 +121,16 @@ class StepCostModel:
     def seen(self) -> np.ndarray:
         return np.array([bool(self._pooled(d)) for d in range(len(self.widths))])
 
+    def is_decode_step(self, work: StepWork, num_requests: int, depth: int) -> bool:
+        """Whether ``work`` is a decode step at ``depth`` and nothing more: a period
+        that also ran prompt tokens (a prefill, or the draft catching up after plain
+        steps: more than the root and one leaf per request at level 0) is not, and
+        its time would skew the cut's correction."""
+        decode = self.work(num_requests, depth)
+        return work.target_tokens <= decode.target_tokens and not (
+            work.draft_tokens and work.draft_tokens[0] > 2 * num_requests
+        )
+
     def work(self, num_requests: int, depth: int) -> StepWork:
         """The forwards a step of ``num_requests`` decodes cut to ``depth`` runs."""
         r = num_requests
@@ -123,6 +139,12 @@ class StepCostModel:
 
     def raw_seconds(self, work: StepWork) -> float:
         return self.target(work.target_tokens) + sum(self.draft(n) for n in work.draft_tokens)
+
+    def floor_seconds(self, num_requests: int, depth: int) -> float:
+        """Seconds of the step's forwards at the plain step's correction: what it
+        would take if speculating added nothing beyond its forwards. No stale
+        measurement of the cut raises it (``TreeChooser``'s trial ceiling)."""
+        return self.raw_seconds(self.work(num_requests, depth)) * self.factor(0, num_requests)
 
     def seconds(self, num_requests: int, depth: int, conservative: bool = False) -> float:
         """Predicted seconds of a step of ``num_requests`` cut to ``depth``;
@@ -161,6 +183,15 @@ class StepCostModel:
         predicted = self.raw_seconds(work)
         if predicted > 0 and np.isfinite(seconds) and seconds > 0:
             key = (depth, batch_bucket(num_requests))
+            self._steps += 1
+            if depth > 0 and self._steps - self._last_step.get(key, self._steps) > self.window:
+                # A speculating cut last run more than a window of steps ago (it is run
+                # again after plain steps, or tried): its ratios describe another spell.
+                # A pessimistic one would otherwise outvote the new steps until they fill
+                # half the window, and trials that far apart take hundreds of steps to.
+                self.ratios.pop(key, None)
+                self.row_extras.pop(key, None)
+            self._last_step[key] = self._steps
             self.ratios.setdefault(key, deque(maxlen=self.window)).append(seconds / predicted)
             tree_rows = work.target_tokens - num_requests
             if depth > 0 and tree_rows > 0:

@@ -27,11 +27,15 @@ when the load drops to one request, where it may well pay.
 Speculating after plain steps first costs a catch-up: the draft runs every
 token it has not seen (the prompts of new requests, the tokens of plain
 steps) in its level-0 forward. The choice spreads that one-off cost over the
-steps left to the requests (their ``max_tokens``); a trial, one step that may
-not be repeated, is charged all of it. A cut is committed to on the cost
-model's conservative estimate and tried on its optimistic one
-(``StepCostModel.seconds``), and only if it beats no speculation by
-``SPECULATION_MARGIN``.
+steps left to the requests (their ``max_tokens``); a trial, which may not be
+repeated, is charged all of it. A trial from plain steps runs two steps: the
+first carries the catch-up, which the cost model leaves unmeasured, so the
+second is the one that measures the cut (without it, trials from plain steps
+would never correct a cut's cost, and a slow spell could keep speculation
+off for good). A cut is committed to on the cost model's conservative
+estimate (``StepCostModel.seconds``), and only if it beats no speculation by
+``SPECULATION_MARGIN``; it is tried if it could beat the choice with its
+forwards' time alone (``StepCostModel.floor_seconds``).
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class TreeChooser:
         # before the next trial (doubling), and the decision from which it may be tried again.
         self._backoff: dict[tuple[int, Cut], int] = {}
         self._eligible_from: dict[tuple[int, Cut], int] = {}
+        self._follow_up: Cut | None = None  # a trial's second step (``choose``)
 
     def rates(self, bands, backlog: int = 0, tokens_left: float = np.inf) -> list[np.ndarray]:
         """Per shape, [D+1]: expected tokens per second of the batch at every depth
@@ -111,6 +116,10 @@ class TreeChooser:
         last = len(self.shapes) - 1
         if reqs == 0:
             return Cut(last, 0)
+        follow_up, self._follow_up = self._follow_up, None
+        if follow_up is not None and (allowed is None or follow_up.shape in allowed):
+            self.decisions += 1
+            return follow_up
         rates = self.rates(bands, backlog, tokens_left)
         if allowed is not None:
             rates = [r if s in allowed else r[:1] for s, r in enumerate(rates)]  # depth 0 is any shape's
@@ -137,12 +146,19 @@ class TreeChooser:
             if candidates:
                 trial = candidates[self._explored % len(candidates)]
                 self._explored += 1
-                # Every draft accepted: depth + 1 tokens per request, in the optimistic
-                # time of the step plus the whole catch-up it first costs.
+                # Every draft accepted: depth + 1 tokens per request, in the time of the
+                # step's forwards alone plus the whole catch-up it first costs. Not the
+                # cut's own correction: a pessimistic one from a slow spell would bar the
+                # trials that are to correct it.
                 cost = self.shapes[trial.shape].cost
-                seconds = cost.seconds(reqs, trial.depth) + cost.catch_up_seconds(reqs, backlog)
+                seconds = cost.floor_seconds(reqs, trial.depth) + cost.catch_up_seconds(reqs, backlog)
                 ceiling = reqs * (trial.depth + 1) / seconds
                 if trial.depth == 0 or ceiling > rate:
+                    if trial.depth > 0 and choice.depth == 0:
+                        # From plain steps the trial's step runs the draft's catch-up, which
+                        # the cost model does not measure (``is_decode_step``): its second
+                        # step is the one that says what the cut costs.
+                        self._follow_up = trial
                     choice = trial
                 if trial.depth > 0:
                     wait = self._backoff.get((bucket, trial), 1)
