@@ -259,6 +259,8 @@ def test_backoff_is_kept_per_batch_size():
     assert len(trials) <= 16 and trials[0] < 8 and not any(p.depth > 0 for p in busy[150:])
     alone = [chooser.choose([2]) for _ in range(4)]
     assert [p.depth > 0 for p in alone] == [False, True, True, True], alone  # a trial, its second step, a trial
+    # The last trial's second step was for one request: 16 again, the choice decides (plain).
+    assert chooser.choose([2] * 16).depth == 0
 
 
 def test_prior_hazards_grow_with_the_children_per_node():

@@ -87,7 +87,7 @@ class TreeChooser:
         # before the next trial (doubling), and the decision from which it may be tried again.
         self._backoff: dict[tuple[int, Cut], int] = {}
         self._eligible_from: dict[tuple[int, Cut], int] = {}
-        self._follow_up: Cut | None = None  # a trial's second step (``choose``)
+        self._follow_up: tuple[int, Cut] | None = None  # (batch bucket, cut): a trial's second step
 
     def rates(self, bands, backlog: int = 0, tokens_left: float = np.inf) -> list[np.ndarray]:
         """Per shape, [D+1]: expected tokens per second of the batch at every depth
@@ -117,9 +117,13 @@ class TreeChooser:
         if reqs == 0:
             return Cut(last, 0)
         follow_up, self._follow_up = self._follow_up, None
-        if follow_up is not None and (allowed is None or follow_up.shape in allowed):
-            self.decisions += 1
-            return follow_up
+        if (
+            follow_up is not None
+            and follow_up[0] == batch_bucket(reqs)
+            and (allowed is None or follow_up[1].shape in allowed)
+        ):
+            self.decisions += 1  # a trial's second step, at the batch size it was tried at
+            return follow_up[1]
         rates = self.rates(bands, backlog, tokens_left)
         if allowed is not None:
             rates = [r if s in allowed else r[:1] for s, r in enumerate(rates)]  # depth 0 is any shape's
@@ -158,7 +162,7 @@ class TreeChooser:
                         # From plain steps the trial's step runs the draft's catch-up, which
                         # the cost model does not measure (``is_decode_step``): its second
                         # step is the one that says what the cut costs.
-                        self._follow_up = trial
+                        self._follow_up = (bucket, trial)
                     choice = trial
                 if trial.depth > 0:
                     wait = self._backoff.get((bucket, trial), 1)
