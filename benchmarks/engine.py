@@ -116,12 +116,18 @@ def _time_step_parts(worker) -> None:
     ``STEP_PARTS`` (on CPU they are synchronous, so their wall time is their work;
     on CUDA it would be launch time only)."""
     runner = worker.model_runner
-    totals = runner.__dict__.setdefault("bench_step_seconds", {"steps": 0, **dict.fromkeys(STEP_PARTS, 0.0)})
+    totals = runner.__dict__.setdefault(
+        "bench_step_seconds", {"steps": 0, "target_tokens": 0, **dict.fromkeys(STEP_PARTS, 0.0)}
+    )
 
     def timed(name: str):
         method = getattr(runner, name)
 
         def call(*args, **kwargs):
+            if name == "_model_forward":  # its query tokens, padding included
+                rows = kwargs.get("input_ids", args[0] if args else None)
+                rows = kwargs.get("inputs_embeds") if rows is None else rows
+                totals["target_tokens"] += 0 if rows is None else rows.shape[0]
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)

@@ -88,8 +88,12 @@ def main() -> None:
             speed[name].append(max(runs) if args.statistic == "fastest" else float(np.mean(runs)))
             cuts[name].update(cell_result.get("requests_at_cut", {}))
             splits[name].append(step_split(cell_result))
-            forward = splits[name][-1][1]
-            print(f"round {r} {name}: {speed[name][-1]:.2f} tok/s, target forward {forward:.1f} ms/step", flush=True)
+            _, tokens, forward, *_ = splits[name][-1]
+            print(
+                f"round {r} {name}: {speed[name][-1]:.2f} tok/s, target forward {forward:.1f} ms/step "
+                f"over {tokens:.1f} tokens",
+                flush=True,
+            )
             if "sizer_state" in cell_result:  # tree auto: its cuts and what it knew at the end
                 print(f"  cuts {cell_result.get('requests_at_cut')}, {cell_result['sizer_state']}", flush=True)
 
@@ -120,16 +124,19 @@ def main() -> None:
     lines += [
         "",
         "ms per engine step of that run, mean over rounds (on CPU each part's wall time is its work): "
-        "the target forward; the rest of the runner's `execute_model` (inputs, attention metadata, logits); "
-        "its `sample_tokens` (sampling or verification, drafting); everything outside the runner "
-        "(scheduler, outputs).",
+        "the target forward (and its query tokens per step, padding included); the rest of the runner's "
+        "`execute_model` (inputs, attention metadata, logits); its `sample_tokens` (sampling or verification, "
+        "drafting); everything outside the runner (scheduler, outputs).",
         "",
-        "| row | steps | target forward | rest of execute_model | sample_tokens | outside the runner | step |",
-        "|---|---|---|---|---|---|---|",
+        "| row | steps | target tokens | target forward | rest of execute_model | sample_tokens | outside the runner "
+        "| step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, rounds in splits.items():
-        steps, *ms = np.mean(rounds, axis=0)
-        lines.append(f"| {name} | {steps:.0f} | " + " | ".join(f"{v:.1f}" for v in ms) + f" | {sum(ms):.1f} |")
+        steps, tokens, *ms = np.mean(rounds, axis=0)
+        lines.append(
+            f"| {name} | {steps:.0f} | {tokens:.1f} | " + " | ".join(f"{v:.1f}" for v in ms) + f" | {sum(ms):.1f} |"
+        )
     for name, counts in cuts.items():
         if counts:
             total = sum(counts.values())
@@ -152,13 +159,15 @@ def main() -> None:
 
 
 def step_split(cell: dict) -> np.ndarray:
-    """[steps, then ms per step: target forward, rest of execute_model, sample_tokens,
-    outside the runner] of one timed run (``engine.py``'s ``step_parts_s``)."""
+    """[steps, target query tokens per step, then ms per step: target forward, rest of
+    execute_model, sample_tokens, outside the runner] of one timed run (``engine.py``'s
+    ``step_parts_s``)."""
     parts = cell["step_parts_s"]
     steps = max(parts["steps"], 1)
     forward, execute, sample = parts["_model_forward"], parts["execute_model"], parts["sample_tokens"]
     outside = cell["wall_s"] - execute - sample
-    return np.array([parts["steps"], *(1000 * np.array([forward, execute - forward, sample, outside]) / steps)])
+    ms = 1000 * np.array([forward, execute - forward, sample, outside]) / steps
+    return np.array([parts["steps"], parts.get("target_tokens", 0) / steps, *ms])
 
 
 if __name__ == "__main__":
