@@ -98,8 +98,9 @@ def main() -> None:
                 print(f"  cuts {cell_result.get('requests_at_cut')}, {cell_result['sizer_state']}", flush=True)
 
     base = np.asarray(speed[labels[0]])
-    # Settings of the allocator or the thread binding change every engine's speed: part of the command.
-    speed_settings = ("THP_MEM_ALLOC_ENABLE", "VLLM_CPU_OMP_THREADS_BIND")
+    # Settings of the allocator, the OpenMP runtime or the thread binding change every engine's speed: part
+    # of the command.
+    speed_settings = ("THP_MEM_ALLOC_ENABLE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
     settings = [f"{k}={os.environ[k]}" for k in speed_settings if k in os.environ]
     command = " ".join(
         [*settings, "python benchmarks/engine_ab.py", *(f'"{a}"' if " " in a else a for a in sys.argv[1:])]
