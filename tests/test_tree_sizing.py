@@ -363,7 +363,7 @@ def test_an_unseen_batch_size_is_committed_to_on_the_rows_extra_cost():
     """Batch 1 ran depth 2 at 0.5 s beyond its forwards (6 tree rows). At batch 8,
     unseen, the optimistic estimate borrows batch 1's factor; the conservative
     one its seconds per tree row, 8 x the rows: the choice goes by the
-    conservative one (no speculation), exploration by the optimistic one."""
+    conservative one (no speculation); a trial needs its forwards' time alone."""
     target, draft = ForwardCost([1, 1000], [1.0, 1.0]), ForwardCost([1, 1000], [0.1, 0.1])
     cost = StepCostModel(target, draft, WIDTHS_2X3)
     chooser = TreeChooser([ShapeModels(cost, AcceptanceModel(3, [0.9] * 3, prior_weight=1.0))], explore_every=2)

@@ -21,7 +21,8 @@ optimistic one borrows the other sizes' correction *factor* (what speculating
 adds grows like the forwards); the conservative one borrows their extra
 seconds *per tree row* (it grows with the rows, as on a CPU, where the forwards
 barely grow and the drafting, tree attention and verification work do). The
-choice commits on the conservative one and explores on the optimistic one.
+choice commits on the conservative one; a trial needs only its forwards' time
+at the plain steps' correction (``floor_seconds``) to be worth trying.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class StepCostModel:
     long prefill, an idle gap between requests) moves it not at all, a lasting
     change within ``window // 2 + 1`` steps.
     A speculating cut's window restarts when the cut runs again after more than
-    ``window`` other steps: otherwise a slow spell measured just before plain
+    ``window`` other steps observed by this model: otherwise a slow spell measured just before plain
     steps took over would outvote every later trial of the cut.
     """
 

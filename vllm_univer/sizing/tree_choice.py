@@ -116,12 +116,9 @@ class TreeChooser:
         last = len(self.shapes) - 1
         if reqs == 0:
             return Cut(last, 0)
+        bucket = batch_bucket(reqs)
         follow_up, self._follow_up = self._follow_up, None
-        if (
-            follow_up is not None
-            and follow_up[0] == batch_bucket(reqs)
-            and (allowed is None or follow_up[1].shape in allowed)
-        ):
+        if follow_up is not None and follow_up[0] == bucket and (allowed is None or follow_up[1].shape in allowed):
             self.decisions += 1  # a trial's second step, at the batch size it was tried at
             return follow_up[1]
         rates = self.rates(bands, backlog, tokens_left)
@@ -138,7 +135,6 @@ class TreeChooser:
         if choice.depth == 0 and allowed is not None:
             choice = Cut(min(allowed), 0)
         rate = rates[choice.shape][choice.depth] if choice.depth else plain
-        bucket = batch_bucket(reqs)
         self._backoff.pop((bucket, choice), None)  # a cut that pays is tried freely again once it stops paying
         self.decisions += 1
         if self.explore_every and self.decisions % self.explore_every == 0:
