@@ -145,16 +145,70 @@ def test_choice_is_the_known_best_cut_in_between():
         assert chooser.choose([2] * 4).depth == margin_argmax(tokens / seconds), hazard
 
 
-def test_choice_weighs_each_request_by_its_band():
+def greedy_and_hot_chooser():
+    """Target 1 + 0.02 s per row, 0.1 s per draft forward (2x3); greedy requests
+    (band 0) whose drafts are all kept, hot ones (band 3) whose drafts never are."""
     chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7)
-    chooser.shapes[0].acceptance.observe([0] * 400, [3] * 400, [3] * 400)  # greedy requests: everything accepted
-    chooser.shapes[0].acceptance.observe([3] * 400, [3] * 400, [0] * 400)  # hot requests: nothing accepted
+    chooser.shapes[0].acceptance.observe([0] * 400, [3] * 400, [3] * 400)
+    chooser.shapes[0].acceptance.observe([3] * 400, [3] * 400, [0] * 400)
+    return chooser
+
+
+def by_hand_rate(chooser, bands, depths) -> float:
+    """``greedy_and_hot_chooser``'s tokens per second with ``depths`` [R], from its fake forwards."""
+    tokens = chooser.shapes[0].acceptance.expected_tokens(bands)[np.arange(len(bands)), depths].sum()
+    return tokens / (1 + 0.02 * np.cumsum(WIDTHS_2X3)[depths].sum() + 0.1 * depths.max())
+
+
+def test_choice_weighs_each_request_by_its_band():
+    chooser = greedy_and_hot_chooser()
     # Greedy: tokens 4 * (1, 2, 3, 4) over 1.08, 1.34, 1.76, 2.50 s: depth 2 (6.8/s) beats 3 (6.4/s).
-    assert chooser.choose([0] * 4).depth == 2
+    assert chooser.choose([0] * 4).depth == 2 and chooser.request_depths is None
     assert chooser.choose([3] * 4).depth == 0
+    # Every mix: one depth per band (exhaustive by hand), if that beats no speculation by the margin.
     for mix in itertools.product([0, 3], repeat=4):
-        (rates,) = chooser.rates(list(mix))
-        assert chooser.choose(list(mix)).depth == margin_argmax(rates)
+        bands = np.array(mix)
+        best = max(
+            (np.where(bands == 0, *d) for d in itertools.product(range(4), repeat=2)),
+            key=lambda depths: by_hand_rate(chooser, bands, depths),
+        )
+        plain = np.zeros(4, dtype=np.int64)
+        if by_hand_rate(chooser, bands, best) <= by_hand_rate(chooser, bands, plain) * (1 + SPECULATION_MARGIN):
+            best = plain
+        cut = chooser.choose(mix)
+        depths = chooser.request_depths if chooser.request_depths is not None else np.full(4, cut.depth)
+        assert depths.tolist() == best.tolist() and cut.depth == best.max(), (mix, cut, depths, best)
+
+
+def test_mixed_work_runs_each_request_its_own_rows_and_drafts_to_the_deepest():
+    model = StepCostModel(ForwardCost([1, 1000], [0.0, 1.0]), ForwardCost([1, 1000], [0.0, 0.5]), WIDTHS_2X3)
+    # Rows per request at cuts 0..3: 1, 3, 7, 15; the request at depth 0 drafts nothing.
+    assert model.mixed_work([0, 2, 3, 1]) == StepWork(target_tokens=26, draft_tokens=[3, 6, 12])
+    assert model.mixed_work([0, 2], counts=[5, 2]) == StepWork(target_tokens=5 + 14, draft_tokens=[2, 4])
+    assert model.mixed_work([0] * 4) == model.work(4, 0)
+    for depth in range(4):
+        assert model.mixed_work([depth], counts=[3]) == model.work(3, depth)
+        assert model.pricing(3, depth)(model.work(3, depth)) == model.seconds(3, depth)
+
+
+def test_each_temperature_band_gets_its_own_depth():
+    """Greedy and hot requests in one batch: the hot ones get no tree, the greedy
+    ones the depth that is best for the batch, which beats one depth for all by
+    far; a batch where one depth for all would not speculate at all speculates
+    for its greedy requests alone."""
+    chooser = greedy_and_hot_chooser()
+    uniform_plain = 0
+    for bands in ([0, 0, 3, 3], [0, 0, 3, 3, 3, 3], [0, 0, 0, 0, 0, 3], [3, 0] * 8):
+        bands = np.array(bands)
+        (uniform,) = chooser.rates(bands)
+        uniform_plain += margin_argmax(uniform) == 0
+        cut = chooser.choose(bands)
+        depths = chooser.request_depths
+        assert depths is not None and depths.max() == cut.depth > 0, (bands, cut, depths)
+        greedy, hot = depths[bands == 0], depths[bands == 3]
+        assert (hot == 0).all() and len(set(greedy)) == 1 and greedy[0] > 0, (bands, depths)
+        assert by_hand_rate(chooser, bands, depths) > 1.05 * uniform.max()
+    assert uniform_plain >= 2  # one depth for all would not have speculated in two of these batches
 
 
 def test_exploration_tries_the_next_cut_now_and_then():

@@ -202,7 +202,8 @@ class TreeSizer:
     def choose(self, batch: int) -> tuple[TreeSpec, int | np.ndarray]:
         """(shape, depth cut) for the trees drafted now, for the ``batch`` requests
         in the runner's batch (the next step's batch, as far as anyone knows):
-        the depth one int for all, or (test schedule) one per batch row."""
+        the depth one int for all, or one per batch row (temperature bands of
+        their own depths; the test schedule)."""
         now = time.perf_counter()
         if self.chooser is None:  # not calibrated (warm-up skipped): speculate in full
             return self.tree, self.tree.max_depth
@@ -210,12 +211,15 @@ class TreeSizer:
         temperature = self.runner.input_batch.temperature_cpu[:batch]
         allowed = None if len(self.shapes) == 1 or not self._has_structured_output(batch) else {len(self.shapes) - 1}
         backlog, tokens_left = self._draft_backlog(batch)
-        cut = self.chooser.choose(_bands(temperature), allowed, backlog, tokens_left)
+        bands = _bands(temperature)
+        cut = self.chooser.choose(bands, allowed, backlog, tokens_left)
         self._decisions += 1
+        depth = cut.depth
         if self._width_schedule is not None:
             width = self._width_schedule[self._decisions % len(self._width_schedule)]
             cut = Cut(self._shape_index[self.tree.width_cut(width)] if allowed is None else cut.shape, cut.depth)
-        depth = cut.depth
+        elif self.chooser.request_depths is not None:  # each temperature band its own depth
+            depth = self.chooser.request_depths
         if self._schedule is not None:
             cycle = np.asarray(self._schedule)
             depth = cycle[(self._decisions + np.arange(batch)) % len(cycle)]

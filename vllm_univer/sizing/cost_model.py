@@ -9,6 +9,10 @@ requests does
   (w_j: tree nodes of depth j),
 * the verifier and the package's bookkeeping, which the correction absorbs.
 
+Requests of one step may be cut to different depths (``mixed_work``): the
+target runs each request's own rows, the drafter every request with a tree
+down to the deepest cut, and the step is corrected as a step of its deepest cut.
+
 Each forward's time is a piecewise-linear function of its number of query
 tokens, measured at start-up at a few sizes (``ForwardCost``); a correction
 factor per depth, learnt from the wall-clock period of the steps actually run
@@ -30,6 +34,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import fmean, median
 
@@ -97,6 +102,7 @@ class StepCostModel:
         self.draft = draft
         self.widths = np.asarray(depth_widths, dtype=np.int64)
         self.rows_through = np.cumsum(self.widths)  # [D+1]: rows per request at depth cut d
+        self._widths, self._rows_through = self.widths.tolist(), self.rows_through.tolist()  # Python ints: host speed
         self.window = window
         # (depth cut, batch bucket) -> the last observed / predicted ratios, and the
         # last observed - predicted seconds per tree row (speculating cuts).
@@ -138,6 +144,17 @@ class StepCostModel:
         draft = [r * int(self.widths[j]) for j in range(depth)]  # level j's forward runs depth-j nodes
         return StepWork(target_tokens=r * int(self.rows_through[depth]), draft_tokens=draft)
 
+    def mixed_work(self, depths: list[int], counts: list[int] | None = None) -> StepWork:
+        """The forwards a step runs whose groups of requests are cut to ``depths``
+        [G] (0: no tree), ``counts`` [G] requests in each (None: one each): the
+        target runs each request's own rows, the drafter every request that gets
+        a tree down to the deepest cut."""
+        counts = [1] * len(depths) if counts is None else counts
+        target = sum(n * self._rows_through[d] for d, n in zip(depths, counts))
+        drafted = sum(n for d, n in zip(depths, counts) if d > 0)
+        draft = [drafted * self._widths[j] for j in range(max(depths, default=0))]
+        return StepWork(target_tokens=target, draft_tokens=draft)
+
     def raw_seconds(self, work: StepWork) -> float:
         return self.target(work.target_tokens) + sum(self.draft(n) for n in work.draft_tokens)
 
@@ -151,15 +168,28 @@ class StepCostModel:
         """Predicted seconds of a step of ``num_requests`` cut to ``depth``;
         ``conservative``: for a speculating cut unseen at this batch size, the
         larger of the two estimates (module docstring)."""
-        raw = self.raw_seconds(self.work(num_requests, depth))
-        optimistic = raw * self.factor(depth, num_requests)
-        if not conservative or depth == 0 or (depth, batch_bucket(num_requests)) in self.ratios:
-            return optimistic
-        extra = self._row_extra(depth)
-        if extra is None:
-            return optimistic
-        rows = num_requests * int(self.rows_through[depth] - 1)
-        return max(optimistic, raw * self.factor(0, num_requests) + extra * rows)
+        return self.pricing(num_requests, depth, conservative)(self.work(num_requests, depth))
+
+    def pricing(self, num_requests: int, depth: int, conservative: bool = False) -> Callable[[StepWork], float]:
+        """Predicted seconds of a step of ``num_requests`` whose deepest cut is
+        ``depth``, as a function of the work it runs (``seconds``; requests cut
+        to different depths: ``mixed_work``). The corrections are looked up once,
+        for pricing many mixes of depths."""
+        factor = self.factor(depth, num_requests)
+        extra = None
+        if conservative and depth and (depth, batch_bucket(num_requests)) not in self.ratios:
+            extra = self._row_extra(depth)
+        plain = self.factor(0, num_requests) if extra is not None else 0.0
+        raw_seconds = self.raw_seconds
+
+        def price(work: StepWork) -> float:
+            raw = raw_seconds(work)
+            if extra is None:
+                return raw * factor
+            tree_rows = work.target_tokens - num_requests
+            return max(raw * factor, raw * plain + extra * tree_rows)
+
+        return price
 
     def _row_extra(self, depth: int) -> float | None:
         """Seconds a speculating step took beyond its prediction, per tree row: this

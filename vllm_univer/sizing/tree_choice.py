@@ -3,8 +3,8 @@
 Candidates are the depth cuts 0 .. D of each *shape*: the configured tree and
 its width cuts (``TreeSpec.width_cuts``: for ``2x5`` the chain ``1x5`` and
 ``2x5`` itself). Depth 0 is no speculation, a plain decode step: no draft
-forward, one target row per request. All requests of a step share the shape,
-each may get its own depth. The choice is
+forward, one target row per request. All requests of a step share the shape;
+the choice is
 
     argmax_(s, d)  sum_r E[tokens_r | s, d] / seconds(R, s, d),
 
@@ -32,7 +32,19 @@ repeated, is charged all of it. A trial from plain steps runs two steps: the
 first carries the catch-up, which the cost model leaves unmeasured, so the
 second is the one that measures the cut (without it, trials from plain steps
 would never correct a cut's cost, and a slow spell could keep speculation
-off for good). A cut is committed to on the cost model's conservative
+off for good).
+
+A batch of several temperature bands gives each band its own depth
+(``request_depths``): greedy requests, whose drafts the target keeps more
+often, may go deeper than hot ones in the same step, or speculate alone while
+the hot ones run plain. From the best cut of one depth for all, each band's
+depth in turn is set to the one that maximises the batch's rate given the
+others' (coordinate ascent over a few bands and depths), priced like the rates
+above (``StepCostModel.mixed_work``: each request's own target rows, the
+drafter down to the deepest cut, that cut's correction). Trials keep one
+depth for all: they measure the cut.
+
+A cut is committed to on the cost model's conservative
 estimate (``StepCostModel.seconds``), and only if it beats no speculation by
 ``SPECULATION_MARGIN``; it is tried if it could beat the choice with its
 forwards' time alone (``StepCostModel.floor_seconds``).
@@ -88,6 +100,9 @@ class TreeChooser:
         self._backoff: dict[tuple[int, Cut], int] = {}
         self._eligible_from: dict[tuple[int, Cut], int] = {}
         self._follow_up: tuple[int, Cut] | None = None  # (batch bucket, cut): a trial's second step
+        # [R]: each request's depth in the last choice (temperature bands of their own
+        # depths), or None: every request at the cut's depth (one band, no speculation, a trial).
+        self.request_depths: np.ndarray | None = None
 
     def rates(self, bands, backlog: int = 0, tokens_left: float = np.inf) -> list[np.ndarray]:
         """Per shape, [D+1]: expected tokens per second of the batch at every depth
@@ -120,6 +135,7 @@ class TreeChooser:
         follow_up, self._follow_up = self._follow_up, None
         if follow_up is not None and follow_up[0] == bucket and (allowed is None or follow_up[1].shape in allowed):
             self.decisions += 1  # a trial's second step, at the batch size it was tried at
+            self.request_depths = None
             return follow_up[1]
         rates = self.rates(bands, backlog, tokens_left)
         if allowed is not None:
@@ -130,11 +146,20 @@ class TreeChooser:
             default=None,
         )
         plain = max(r[0] for r in rates)  # no speculation: every shape's model of the same step
-        speculate = best is not None and rates[best[0]][best[1]] > plain * (1 + SPECULATION_MARGIN)
+        best_rate, per_request = (rates[best[0]][best[1]], None) if best is not None else (0.0, None)
+        if best is not None:
+            present, counts = np.unique(np.asarray(bands, dtype=np.int64), return_counts=True)
+            if len(present) > 1:
+                band_rate, band_depths = self._band_depths(Cut(*best), present, counts, backlog, tokens_left)
+                if band_rate > best_rate and max(band_depths) > 0:
+                    best, best_rate = (best[0], max(band_depths)), band_rate
+                    per_request = np.asarray(band_depths, dtype=np.int64)[np.searchsorted(present, bands)]
+        speculate = best is not None and best_rate > plain * (1 + SPECULATION_MARGIN)
         choice = Cut(*best) if speculate else Cut(last, 0)
         if choice.depth == 0 and allowed is not None:
             choice = Cut(min(allowed), 0)
-        rate = rates[choice.shape][choice.depth] if choice.depth else plain
+        rate = best_rate if choice.depth else plain
+        self.request_depths = per_request if speculate else None
         self._backoff.pop((bucket, choice), None)  # a cut that pays is tried freely again once it stops paying
         self.decisions += 1
         if self.explore_every and self.decisions % self.explore_every == 0:
@@ -159,12 +184,52 @@ class TreeChooser:
                         # the cost model does not measure (``is_decode_step``): its second
                         # step is the one that says what the cut costs.
                         self._follow_up = (bucket, trial)
-                    choice = trial
+                    choice, self.request_depths = trial, None
                 if trial.depth > 0:
                     wait = self._backoff.get((bucket, trial), 1)
                     self._eligible_from[bucket, trial] = self.decisions + wait * self.explore_every
                     self._backoff[bucket, trial] = min(2 * wait, MAX_BACKOFF)
         return choice
+
+    def _band_depths(self, start: Cut, bands, counts, backlog: int, tokens_left: float) -> tuple[float, list[int]]:
+        """(rate, [G] depths) of ``start``'s shape with a depth per temperature band
+        (``bands`` [G] distinct, ``counts`` [G] requests in each): coordinate
+        ascent from ``start.depth`` for every band, each band in turn set to the
+        depth that maximises the batch's expected tokens per second given the
+        others', until no band moves (priced like ``rates``)."""
+        cost, acceptance = self.shapes[start.shape]
+        tokens = (acceptance.expected_tokens(bands) * counts[:, None]).tolist()  # [G][D+1]
+        counts = counts.tolist()
+        reqs = sum(counts)
+        catch_up = cost.catch_up_seconds(reqs, backlog)
+        prices = [cost.pricing(reqs, d, conservative=True) for d in range(len(tokens[0]))]
+        rates: dict[tuple[int, ...], float] = {}  # sweeps revisit mixes
+
+        def rate(depths: list[int]) -> float:
+            key = tuple(depths)
+            if key not in rates:
+                expected = sum(t[d] for t, d in zip(tokens, depths))
+                deepest = max(depths)
+                seconds = prices[deepest](cost.mixed_work(depths, counts))
+                if deepest:
+                    seconds += catch_up / max(tokens_left * reqs / expected, 1.0)
+                rates[key] = expected / seconds
+            return rates[key]
+
+        depths = [start.depth] * len(counts)
+        best = rate(depths)
+        for _ in range(len(counts) + 1):
+            moved = False
+            for g in range(len(counts)):
+                for d in range(len(tokens[g])):
+                    if d == depths[g]:
+                        continue
+                    trial = depths[:g] + [d] + depths[g + 1 :]
+                    if (r := rate(trial)) > best * (1 + 1e-9):
+                        best, depths, moved = r, trial, True
+            if not moved:
+                break
+        return best, depths
 
     def _exploration_candidates(self, choice: Cut, rates: list[np.ndarray]) -> list[Cut]:
         """No speculation, the next deeper cut of the chosen shape, each other shape's best cut."""
