@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_univer.integration.tree_sizer import ONE_DEPTH_ENV
 from vllm_univer.tools.json_job import print_result, run_json_job
 
 HERE = Path(__file__).resolve().parent
@@ -81,6 +82,13 @@ def engine_configs(quick: bool) -> list[dict]:
             {"name": f"{v} auto", "spec": {"method": "univer", "tree": "auto", "verifier": v}, "cells": SPEED_CELLS}
             for v in ("univer", "traversal")
         ),
+        # Only for ``engine_ab.py`` (no cells here): tree auto as before its depth per temperature band.
+        {
+            "name": "univer auto one depth",
+            "spec": {"method": "univer", "tree": "auto", "verifier": "univer"},
+            "env": {ONE_DEPTH_ENV: "1"},
+            "cells": [],
+        },
     ]
     if not quick:
         configs += [
@@ -242,9 +250,15 @@ def run_one_engine(job: dict) -> dict:
         llm.generate(texts["mtbench"][:batch], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     cells = []
     for batch, temperature, new_tokens, dataset in job["cells"]:
-        params = SamplingParams(
-            **{"temperature": temperature, "max_tokens": new_tokens, "ignore_eos": True, "seed": None, **structured}
-        )
+        # A list of temperatures: one per request in turn (a batch of mixed sampling parameters).
+        temperatures = temperature if isinstance(temperature, list) else [temperature]
+        params = [
+            SamplingParams(
+                **{"temperature": t, "max_tokens": new_tokens, "ignore_eos": True, "seed": None, **structured}
+            )
+            for t in temperatures
+        ]
+        params = params[0] if len(params) == 1 else [params[i % len(params)] for i in range(batch)]
         # The best of a few runs: this machine's speed drifts by tens of percent within minutes.
         # One request of 64 tokens is the noisiest cell (a few steps; at T = 1 the draws decide
         # tau) and the cheapest to repeat; at batch 1 a run takes ``single_prompts`` prompts one
@@ -286,6 +300,7 @@ def engine_job(
         "draft": draft,
         "prompts": texts,
         "json": config.get("json", False),
+        "env": config.get("env", {}),
         "repeats": repeats,
         "single_repeats": single_repeats,
         "single_prompts": single_prompts,
@@ -309,9 +324,11 @@ def run_matrix(args) -> list[dict]:
             results.append(done[config["name"]])
             continue
         cells = [c for c in config["cells"] if not args.quick or (c[0] == 8 and c[3] == "mtbench")]
+        if not cells:
+            continue
         job = engine_job(config, cells, target, draft, texts, args.repeats, args.single_repeats, args.single_prompts)
         print(f"[engine] {config['name']} ...", flush=True)
-        result, stderr = run_json_job([__file__, "--one"], job, {**os.environ, **ENV})
+        result, stderr = run_json_job([__file__, "--one"], job, {**os.environ, **ENV, **job["env"]})
         if result is None:
             raise RuntimeError(f"{config['name']} failed:\n{stderr[-5000:]}")
         results.append(result)

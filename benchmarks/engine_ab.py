@@ -43,7 +43,13 @@ def main() -> None:
     )
     ap.add_argument("--dataset", default="humaneval", choices=["mtbench", "humaneval"])
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="several: one per request in turn (a batch of mixed sampling parameters)",
+    )
     ap.add_argument("--new-tokens", type=int, default=None, help="default: as in engine.py's matrix")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
@@ -62,7 +68,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; engine.py has {sorted(configs)}")
     new_tokens = args.new_tokens or (64 if args.batch == 1 else 32)
-    cell = (args.batch, args.temperature, new_tokens, args.dataset)
+    temperature = args.temperature[0] if len(args.temperature) == 1 else args.temperature
+    cell = (args.batch, temperature, new_tokens, args.dataset)
     texts = {d: [p["turns"][0] for p in prompts(d, limit=MAX_BATCH)] for d in ("mtbench", "humaneval")}
     target, draft = str(model_dir(DEFAULT_TARGET)), str(model_dir(DEFAULT_DRAFT))
     # A row named twice runs twice per round, as two rows ("name #2"): an A/A pair
@@ -80,7 +87,7 @@ def main() -> None:
         order = labels if r % 2 == 0 else labels[::-1]
         for name in order:
             job = engine_job(configs[config_of[name]], [cell], target, draft, texts, args.repeats, args.repeats)
-            result, stderr = run_json_job([str(HERE / "engine.py"), "--one"], job, {**os.environ, **ENV})
+            result, stderr = run_json_job([str(HERE / "engine.py"), "--one"], job, {**os.environ, **ENV, **job["env"]})
             if result is None:
                 raise RuntimeError(f"{name} failed:\n{stderr[-5000:]}")
             cell_result = result["cells"][0]
@@ -107,7 +114,8 @@ def main() -> None:
     )
     lines = [
         "",
-        f"## {args.dataset}, batch {args.batch}, T = {args.temperature:g}, {new_tokens} tokens",
+        f"## {args.dataset}, batch {args.batch}, T = {' / '.join(f'{t:g}' for t in args.temperature)}"
+        f"{' (one per request in turn)' if len(args.temperature) > 1 else ''}, {new_tokens} tokens",
         "",
         f"Command: `{command}`. Machine: {device_label()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",

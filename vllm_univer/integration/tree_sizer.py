@@ -58,6 +58,9 @@ WIDTH_SCHEDULE_ENV = "VLLM_UNIVER_AUTO_WIDTHS"
 # every band's acceptance model starts there and learns nothing (random-weight models
 # accept nothing; ``benchmarks/gpu_engine.py`` gives the choice the real pair's acceptance).
 FIXED_HAZARDS_ENV = "VLLM_UNIVER_AUTO_HAZARDS"
+# Benchmark hook: "1" gives every request of a step the chosen cut's depth (no depth per
+# temperature band): ``benchmarks/engine_ab.py``'s row "univer auto one depth".
+ONE_DEPTH_ENV = "VLLM_UNIVER_AUTO_ONE_DEPTH"
 # Forwards are timed at start-up up to this many query tokens (compute-bound beyond: linear).
 CALIBRATION_MAX_TOKENS = 128
 CALIBRATION_PASSES = 3
@@ -126,6 +129,7 @@ class TreeSizer:
         self._last: tuple[float, Cut] | None = None  # (time, cut with the deepest depth) of the last choice
         self.set_schedule(os.environ.get(SCHEDULE_ENV), os.environ.get(WIDTH_SCHEDULE_ENV))
         self._decisions = 0
+        self._band_depths = os.environ.get(ONE_DEPTH_ENV, "0") != "1"
         self._tp_group = _tp_group(runner)
         # (shape's width = max children, depth cut) -> request-steps drafted at it (depth 0: plain steps).
         self.requests_at_cut = Counter()
@@ -218,7 +222,7 @@ class TreeSizer:
         if self._width_schedule is not None:
             width = self._width_schedule[self._decisions % len(self._width_schedule)]
             cut = Cut(self._shape_index[self.tree.width_cut(width)] if allowed is None else cut.shape, cut.depth)
-        elif self.chooser.request_depths is not None:  # each temperature band its own depth
+        elif self._band_depths and self.chooser.request_depths is not None:  # each temperature band its own depth
             depth = self.chooser.request_depths
         if self._schedule is not None:
             cycle = np.asarray(self._schedule)
