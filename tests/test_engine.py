@@ -5,6 +5,7 @@ Every engine runs in a fresh subprocess (``engine_job.run_engines``).
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -386,6 +387,37 @@ def test_tree_auto_chooses_for_itself(models):
     assert sum(sizer["requests_at_depth"].values()) >= 80  # a choice per request-step
     # Two shapes (the chain 1x3 and 2x3), each with a correction per depth 0..3 and hazards per depth 1..3.
     assert [len(c) for c in sizer["cost_correction"]] == [4, 4] and [len(h[0]) for h in sizer["hazards"]] == [3, 3]
+
+
+def test_tree_auto_gives_each_temperature_band_its_own_depth(models):
+    """tree "auto" choosing for itself on a batch of greedy and T = 1 requests,
+    with acceptance fixed per temperature band (``VLLM_UNIVER_AUTO_HAZARDS``:
+    greedy drafts always kept, sampled ones never): the sampled requests run
+    plain while the greedy ones speculate in the same steps, and the greedy
+    output is still the target's."""
+    target, draft = models
+    texts = prompts(4, seed=9)
+    greedy = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+    sampled = {"temperature": 1.0, "max_tokens": 48, "ignore_eos": True}
+    mixed = {"prompts": texts, "params": [greedy, sampled] * 2}
+    per_band = {str(band): [1.0 if band == 0 else 0.0] * 3 for band in range(4)}
+    env = {"VLLM_UNIVER_AUTO_HAZARDS": json.dumps({"1": per_band, "2": per_band})}
+    results = run_engines(
+        [
+            reference(target, [call(texts[::2], **greedy)]),
+            {**engine(target, [mixed], auto(draft, "2x3")), "sizer": True},
+        ],
+        env=env,
+    )
+    assert "error" not in results[1], results[1].get("error")
+    outputs = results[1]["calls"][0]["outputs"]
+    assert_greedy_identical(outputs[::2], results[0]["calls"][0], "auto with a depth per temperature band")
+    sizer = results[1]["sizer"]
+    print("tree auto, greedy and sampled requests:", sizer["requests_at_cut"])
+    steps = sum(sizer["requests_at_depth"].values())
+    plain = sizer["requests_at_depth"].get("0", 0)
+    # Half the request-steps (the sampled requests') plain, most of the others speculating.
+    assert 0.4 * steps <= plain <= 0.65 * steps, sizer
 
 
 def test_tree_auto_learns_the_chain_from_the_trees_it_verifies(models):

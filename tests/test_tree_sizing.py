@@ -489,8 +489,8 @@ def test_a_speculating_cut_must_beat_no_speculation_by_the_margin():
 
 def test_fixed_hazards_hook_sets_the_acceptance_and_freezes_it(monkeypatch):
     """``VLLM_UNIVER_AUTO_HAZARDS`` (``benchmarks/gpu_engine.py`` on random-weight
-    models): each width's acceptance is the given hazards in every band, and
-    verified trees change nothing; a malformed value is a clear error."""
+    models): each width's acceptance is the given hazards in every band (or per
+    band), and verified trees change nothing; a malformed value is a clear error."""
     import json
     from types import SimpleNamespace
 
@@ -507,7 +507,19 @@ def test_fixed_hazards_hook_sets_the_acceptance_and_freezes_it(monkeypatch):
         assert sizer.acceptance[1].expected_tokens([band])[0] == pytest.approx(tree)
     sizer.observe_acceptance(shapes[1], np.array([1.0, 0.0]), [3, 3], [0, 0])
     assert sizer.acceptance[1].expected_tokens([2, 0]) == pytest.approx(np.array([tree, tree]))
-    for bad in ({"2": [0.9, 0.8, 0.5]}, {"1": [0.7, 0.5], "2": [0.9, 0.8, 0.5]}, {"1": [0.7] * 3, "2": [1.2] * 3}):
+    # Per temperature band: greedy requests keep every draft, the others none.
+    per_band = {str(band): [1.0 if band == 0 else 0.0] * 3 for band in range(4)}
+    monkeypatch.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": per_band, "2": per_band}))
+    sizer = TreeSizer(runner, shapes, drafter=None)
+    for model in sizer.acceptance:
+        assert model.expected_tokens([0, 1, 2, 3]) == pytest.approx(np.array([[1, 2, 3, 4]] + [[1, 1, 1, 1]] * 3))
+    bad_bands = ({"1": {"0": [0.7] * 3}, "2": [0.9] * 3}, {"1": {**per_band, "3": [0.7]}, "2": [0.9] * 3})
+    for bad in (
+        {"2": [0.9, 0.8, 0.5]},
+        {"1": [0.7, 0.5], "2": [0.9, 0.8, 0.5]},
+        {"1": [0.7] * 3, "2": [1.2] * 3},
+        *bad_bands,
+    ):
         monkeypatch.setenv(FIXED_HAZARDS_ENV, json.dumps(bad))
         with pytest.raises(ValueError, match="needs 3 hazards in \\[0, 1\\] for width"):
             TreeSizer(runner, shapes, drafter=None)

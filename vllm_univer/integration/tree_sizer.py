@@ -32,6 +32,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..sizing import (
+    NUM_BANDS,
     AcceptanceModel,
     Cut,
     ForwardCost,
@@ -54,7 +55,8 @@ SCHEDULE_ENV = "VLLM_UNIVER_AUTO_DEPTHS"
 # Test hook: a fixed cycle of width cuts, "1,2" -> decision k drafts max_tree.width_cut(widths[k % 2])
 # (shapes that change between steps; depths beyond a shape's own are cut to it).
 WIDTH_SCHEDULE_ENV = "VLLM_UNIVER_AUTO_WIDTHS"
-# Benchmark hook: fixed acceptance hazards per shape width, JSON {"1": [h_1 .. h_D], "2": [...]}:
+# Benchmark and test hook: fixed acceptance hazards per shape width, JSON {"1": [h_1 .. h_D], "2": [...]}
+# (or per temperature band: {"2": {"0": [...], "1": [...], "2": [...], "3": [...]}}):
 # every band's acceptance model starts there and learns nothing (random-weight models
 # accept nothing; ``benchmarks/gpu_engine.py`` gives the choice the real pair's acceptance).
 FIXED_HAZARDS_ENV = "VLLM_UNIVER_AUTO_HAZARDS"
@@ -90,17 +92,32 @@ def _schedule(name: str, value: str | None, low: int, high: int) -> list[int] | 
 
 
 def _fixed_hazards(value: str | None, shapes: list[TreeSpec]) -> list[np.ndarray] | None:
-    """``FIXED_HAZARDS_ENV``: [D] hazards per shape (None: learn them)."""
+    """``FIXED_HAZARDS_ENV``: per shape, [D] hazards for every temperature band or
+    [band, D] (a width given as {"0": [...], ..., "3": [...]}, one list per band);
+    None: learn them."""
     if not value:
         return None
-    by_width = {int(w): np.asarray(h, dtype=np.float64) for w, h in json.loads(value).items()}
+
+    def hazards_of(h) -> np.ndarray | None:
+        if isinstance(h, dict):
+            per_band = [h.get(str(band)) for band in range(NUM_BANDS)]
+            if any(not isinstance(b, list) or len(b) != len(per_band[0]) for b in per_band):
+                return None
+            h = per_band
+        return np.asarray(h, dtype=np.float64)
+
+    by_width = {int(w): hazards_of(h) for w, h in json.loads(value).items()}
     out = []
     for shape in shapes:
         hazards = by_width.get(shape.max_children)
-        if hazards is None or hazards.shape != (shape.max_depth,) or not ((hazards >= 0) & (hazards <= 1)).all():
+        if (
+            hazards is None
+            or hazards.shape not in ((shape.max_depth,), (NUM_BANDS, shape.max_depth))
+            or not ((hazards >= 0) & (hazards <= 1)).all()
+        ):
             raise ValueError(
                 f"{FIXED_HAZARDS_ENV}={value!r}: needs {shape.max_depth} hazards in [0, 1] "
-                f"for width {shape.max_children}"
+                f"for width {shape.max_children} (or such a list for each temperature band 0..{NUM_BANDS - 1})"
             )
         out.append(hazards)
     return out

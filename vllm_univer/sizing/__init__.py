@@ -8,11 +8,19 @@ and the choice that maximises tokens per second for the batch at hand
 drafted, so none of this can change an output distribution.
 """
 
-from .acceptance_model import AcceptanceModel, children_per_node, prior_hazards, share_priors, temperature_band
+from .acceptance_model import (
+    NUM_BANDS,
+    AcceptanceModel,
+    children_per_node,
+    prior_hazards,
+    share_priors,
+    temperature_band,
+)
 from .cost_model import ForwardCost, StepCostModel, StepWork
 from .tree_choice import Cut, ShapeModels, TreeChooser
 
 __all__ = [
+    "NUM_BANDS",
     "AcceptanceModel",
     "Cut",
     "ForwardCost",

@@ -70,7 +70,8 @@ class AcceptanceModel:
     def __init__(
         self, max_depth: int, prior_hazard=0.7, prior_weight: float = 4.0, memory: float = 0.995, children=None
     ):
-        """``prior_hazard``: one h for every depth, or [D] (``prior_hazards``).
+        """``prior_hazard``: one h for every depth, or [D] (``prior_hazards``), or
+        [band, D] (one prior per temperature band).
         ``children``: [D] children per node of the shape (``children_per_node``);
         given, a depth seen little starts from what the depth above it is estimated
         to be, through the per-child model (``same_per_child``), where that is above
@@ -85,8 +86,8 @@ class AcceptanceModel:
         self.reached = np.zeros((NUM_BANDS, max_depth))
         self.accepted = np.zeros((NUM_BANDS, max_depth))
         # The prior, worth ``prior_weight`` observations that decay like the others.
-        self.base_prior = np.broadcast_to(np.asarray(prior_hazard, dtype=np.float64), (max_depth,)).copy()
-        self.prior = np.tile(self.base_prior, (NUM_BANDS, 1))
+        self.base_prior = np.broadcast_to(np.asarray(prior_hazard, dtype=np.float64), (NUM_BANDS, max_depth)).copy()
+        self.prior = self.base_prior.copy()
         self.prior_weight = np.full((NUM_BANDS, max_depth), float(prior_weight))
         self.borrowed = np.zeros((NUM_BANDS, max_depth), dtype=bool)  # where ``prior`` came from another shape
         self._hazards: np.ndarray | None = None  # cached until the counts or the prior change
@@ -144,7 +145,7 @@ class AcceptanceModel:
                     # that a low estimate above does not keep deeper cuts from being tried.
                     above, m_above, m = out[:, j - 1], self.children[j - 1], self.children[j]
                     above = above if m == m_above else same_per_child(above, m_above, m)  # same width: same h
-                    follow = np.maximum(above, self.base_prior[j])
+                    follow = np.maximum(above, self.base_prior[:, j])
                     prior = np.where(self.borrowed[:, j], self.prior[:, j], follow)
                     out[:, j] = (self.accepted[:, j] + weight[:, j] * prior) / (self.reached[:, j] + weight[:, j])
             self._hazards = out
@@ -168,7 +169,7 @@ def share_priors(models: list[AcceptanceModel], children: list[np.ndarray], min_
     for i, model in enumerate(models):
         depth = model.max_depth
         best = np.zeros((NUM_BANDS, depth))
-        prior = np.tile(model.base_prior, (NUM_BANDS, 1))
+        prior = model.base_prior.copy()
         for k, other in enumerate(models):
             if k == i:
                 continue

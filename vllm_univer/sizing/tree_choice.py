@@ -196,7 +196,7 @@ class TreeChooser:
         (``bands`` [G] distinct, ``counts`` [G] requests in each): coordinate
         ascent from ``start.depth`` for every band, each band in turn set to the
         depth that maximises the batch's expected tokens per second given the
-        others', until no band moves (priced like ``rates``)."""
+        others' (the shallower of equals), until no band moves (priced like ``rates``)."""
         cost, acceptance = self.shapes[start.shape]
         tokens = (acceptance.expected_tokens(bands) * counts[:, None]).tolist()  # [G][D+1]
         counts = counts.tolist()
@@ -225,7 +225,10 @@ class TreeChooser:
                     if d == depths[g]:
                         continue
                     trial = depths[:g] + [d] + depths[g + 1 :]
-                    if (r := rate(trial)) > best * (1 + 1e-9):
+                    r = rate(trial)
+                    # At an equal rate the shallower depth: fewer rows for nothing (a band
+                    # whose drafts are never kept, with forwards that cost the same).
+                    if r > best * (1 + 1e-9) or (d < depths[g] and r >= best * (1 - 1e-12)):
                         best, depths, moved = r, trial, True
             if not moved:
                 break
