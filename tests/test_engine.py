@@ -389,6 +389,14 @@ def test_tree_auto_chooses_for_itself(models):
     assert [len(c) for c in sizer["cost_correction"]] == [4, 4] and [len(h[0]) for h in sizer["hazards"]] == [3, 3]
 
 
+def greedy_and_sampled(seed: int) -> tuple[dict, dict]:
+    """Four prompts, greedy and T = 1 in turn, 48 tokens each: (that call, its greedy requests alone)."""
+    texts = prompts(4, seed=seed)
+    greedy = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+    sampled = {"temperature": 1.0, "max_tokens": 48, "ignore_eos": True}
+    return {"prompts": texts, "params": [greedy, sampled] * 2}, call(texts[::2], **greedy)
+
+
 def test_tree_auto_gives_each_temperature_band_its_own_depth(models):
     """tree "auto" choosing for itself on a batch of greedy and T = 1 requests,
     with acceptance fixed per temperature band (``VLLM_UNIVER_AUTO_HAZARDS``:
@@ -396,18 +404,11 @@ def test_tree_auto_gives_each_temperature_band_its_own_depth(models):
     plain while the greedy ones speculate in the same steps, and the greedy
     output is still the target's."""
     target, draft = models
-    texts = prompts(4, seed=9)
-    greedy = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
-    sampled = {"temperature": 1.0, "max_tokens": 48, "ignore_eos": True}
-    mixed = {"prompts": texts, "params": [greedy, sampled] * 2}
+    mixed, only_greedy = greedy_and_sampled(seed=9)
     per_band = {str(band): [1.0 if band == 0 else 0.0] * 3 for band in range(4)}
     env = {"VLLM_UNIVER_AUTO_HAZARDS": json.dumps({"1": per_band, "2": per_band})}
     results = run_engines(
-        [
-            reference(target, [call(texts[::2], **greedy)]),
-            {**engine(target, [mixed], auto(draft, "2x3")), "sizer": True},
-        ],
-        env=env,
+        [reference(target, [only_greedy]), {**engine(target, [mixed], auto(draft, "2x3")), "sizer": True}], env=env
     )
     assert "error" not in results[1], results[1].get("error")
     outputs = results[1]["calls"][0]["outputs"]
@@ -426,11 +427,7 @@ def test_tree_auto_learns_the_chain_from_the_trees_it_verifies(models):
     sampled rows in one batch (``sizing.chain_estimate``), and the greedy rows'
     output is still the target's."""
     target, draft = models
-    texts = prompts(4, seed=8)
-    greedy = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
-    sampled = {"temperature": 1.0, "max_tokens": 48, "ignore_eos": True}
-    mixed = {"prompts": texts, "params": [greedy, sampled] * 2}
-    only_greedy = call(texts[::2], **greedy)
+    mixed, only_greedy = greedy_and_sampled(seed=8)
     env = {"VLLM_UNIVER_AUTO_DEPTHS": "3", "VLLM_UNIVER_AUTO_WIDTHS": "2"}
     results = run_engines(
         [reference(target, [only_greedy]), {**engine(target, [mixed], auto(draft, "2x3")), "sizer": True}], env=env
