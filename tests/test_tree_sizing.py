@@ -529,6 +529,50 @@ def test_fixed_hazards_hook_sets_the_acceptance_and_freezes_it(monkeypatch):
     assert learning.acceptance[1].hazards()[2, 0] < prior_hazards(shapes[1].nodes_per_depth)[0]
 
 
+def test_the_sizer_hands_each_request_its_band_depth(monkeypatch):
+    """``TreeSizer.choose`` on a fake runner (greedy and T = 1 rows in turn, acceptance
+    fixed per band: greedy drafts always kept, sampled ones never; fake forwards):
+    the greedy rows get a tree, the sampled ones none, in the same step; with
+    ``ONE_DEPTH_ENV`` one depth for all, as before."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV, ONE_DEPTH_ENV, TreeSizer
+
+    batch = 4
+    req_ids = [f"r{i}" for i in range(batch)]
+    params = SimpleNamespace(max_tokens=None, structured_outputs=None)
+    runner = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        input_batch=SimpleNamespace(
+            temperature_cpu=np.array([0.0, 1.0] * 2),
+            req_ids=req_ids,
+            num_tokens_no_spec=np.full(batch, 10),
+        ),
+        requests={r: SimpleNamespace(sampling_params=params, output_token_ids=[]) for r in req_ids},
+        query_start_loc=SimpleNamespace(np=np.arange(batch + 1)),
+    )
+    drafter = SimpleNamespace(state=SimpleNamespace(draft_kv_len=dict.fromkeys(req_ids, 10)), forward_tokens=[])
+    per_band = {str(band): [1.0 if band == 0 else 0.0] * 3 for band in range(4)}
+    monkeypatch.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": per_band, "2": per_band}))
+    shapes = TreeSpec.parse("2x3").width_cuts()
+    target = ForwardCost([1, 10_000], [1.02, 1.0 + 10_000 * 0.02])
+    draft = ForwardCost([1, 10_000], [0.1, 0.1])
+    for one_depth in ("0", "1"):
+        monkeypatch.setenv(ONE_DEPTH_ENV, one_depth)
+        sizer = TreeSizer(runner, shapes, drafter)
+        sizer.chooser = TreeChooser(
+            [ShapeModels(StepCostModel(target, draft, s.nodes_per_depth), a) for s, a in zip(shapes, sizer.acceptance)],
+            explore_every=0,
+        )
+        shape, depth = sizer.choose(batch)
+        if one_depth == "1":
+            assert np.ndim(depth) == 0, depth
+            continue
+        assert shape in shapes and depth.tolist() == [depth[0], 0, depth[0], 0] and depth[0] > 0, depth
+        assert sizer.requests_at_depth == {0: 2, int(depth[0]): 2}
+
+
 def test_a_shape_not_yet_drafted_borrows_the_others_acceptance():
     """The chain of a 2x3 is rarely drafted while the 2x3 runs: its prior follows
     what the tree's hazards imply per child (h = 1 - (1 - s)^2), per band, until
