@@ -140,9 +140,7 @@ class StepCostModel:
 
     def work(self, num_requests: int, depth: int) -> StepWork:
         """The forwards a step of ``num_requests`` decodes cut to ``depth`` runs."""
-        r = num_requests
-        draft = [r * int(self.widths[j]) for j in range(depth)]  # level j's forward runs depth-j nodes
-        return StepWork(target_tokens=r * int(self.rows_through[depth]), draft_tokens=draft)
+        return self.mixed_work([depth], [num_requests])
 
     def mixed_work(self, depths: list[int], counts: list[int] | None = None) -> StepWork:
         """The forwards a step runs whose groups of requests are cut to ``depths``
@@ -152,6 +150,7 @@ class StepCostModel:
         counts = [1] * len(depths) if counts is None else counts
         target = sum(n * self._rows_through[d] for d, n in zip(depths, counts))
         drafted = sum(n for d, n in zip(depths, counts) if d > 0)
+        # Level j's forward runs the depth-j nodes of every request with a tree.
         draft = [drafted * self._widths[j] for j in range(max(depths, default=0))]
         return StepWork(target_tokens=target, draft_tokens=draft)
 

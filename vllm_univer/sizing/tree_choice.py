@@ -71,6 +71,13 @@ MAX_BACKOFF = 64
 SPECULATION_MARGIN = 0.10
 
 
+def catch_up_per_step(catch_up_seconds: float, tokens_left: float, num_requests: int, tokens_per_step):
+    """The draft's one-off catch-up spread over the steps a speculating cut that
+    yields ``tokens_per_step`` (the batch's; a float or an array of cuts) takes for
+    the ``tokens_left`` each of the ``num_requests`` requests has left (at least one)."""
+    return catch_up_seconds / np.maximum(tokens_left * num_requests / tokens_per_step, 1.0)
+
+
 class ShapeModels(NamedTuple):
     """What the choice knows about one shape: its step costs and its acceptance."""
 
@@ -116,8 +123,7 @@ class TreeChooser:
         for cost, acceptance in self.shapes:
             tokens = acceptance.expected_tokens(bands).sum(0)
             seconds = np.array([cost.seconds(reqs, d, conservative=True) for d in range(len(tokens))])
-            steps = np.maximum(tokens_left * reqs / tokens, 1.0)
-            seconds[1:] += cost.catch_up_seconds(reqs, backlog) / steps[1:]
+            seconds[1:] += catch_up_per_step(cost.catch_up_seconds(reqs, backlog), tokens_left, reqs, tokens[1:])
             out.append(tokens / seconds)
         return out
 
@@ -146,14 +152,14 @@ class TreeChooser:
             default=None,
         )
         plain = max(r[0] for r in rates)  # no speculation: every shape's model of the same step
-        best_rate, per_request = (rates[best[0]][best[1]], None) if best is not None else (0.0, None)
-        if best is not None:
-            present, counts = np.unique(np.asarray(bands, dtype=np.int64), return_counts=True)
-            if len(present) > 1:
-                band_rate, band_depths = self._band_depths(Cut(*best), present, counts, backlog, tokens_left)
-                if band_rate > best_rate and max(band_depths) > 0:
-                    best, best_rate = (best[0], max(band_depths)), band_rate
-                    per_request = np.asarray(band_depths, dtype=np.int64)[np.searchsorted(present, bands)]
+        best_rate = rates[best[0]][best[1]] if best is not None else 0.0
+        per_request = None
+        present, counts = np.unique(np.asarray(bands, dtype=np.int64), return_counts=True)
+        if best is not None and len(present) > 1:
+            band_rate, band_depths = self._band_depths(Cut(*best), present, counts, backlog, tokens_left)
+            if band_rate > best_rate and max(band_depths) > 0:
+                best, best_rate = (best[0], max(band_depths)), band_rate
+                per_request = np.asarray(band_depths, dtype=np.int64)[np.searchsorted(present, bands)]
         speculate = best is not None and best_rate > plain * (1 + SPECULATION_MARGIN)
         choice = Cut(*best) if speculate else Cut(last, 0)
         if choice.depth == 0 and allowed is not None:
@@ -212,7 +218,7 @@ class TreeChooser:
                 deepest = max(depths)
                 seconds = prices[deepest](cost.mixed_work(depths, counts))
                 if deepest:
-                    seconds += catch_up / max(tokens_left * reqs / expected, 1.0)
+                    seconds += catch_up_per_step(catch_up, tokens_left, reqs, expected)
                 rates[key] = expected / seconds
             return rates[key]
 
