@@ -19,7 +19,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from test_fused_verify import _interpret
+from triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -146,4 +146,4 @@ DRAFT_CHECK = textwrap.dedent("""
 
 def test_fused_draft_children_follow_the_schemes_in_interpreter():
     pytest.importorskip("vllm")
-    _interpret(DRAFT_CHECK, "DRAFTER OK")
+    run_interpreted(DRAFT_CHECK, "DRAFTER OK")

@@ -12,12 +12,10 @@ checks the kernel on the CUDA layouts).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 pytest.importorskip("vllm")
@@ -106,13 +104,7 @@ SCRIPT = textwrap.dedent("""
 def test_engine_on_the_fused_paths_keeps_greedy_outputs(tiny_pair):
     from engine_job import ENV
 
-    env = {**os.environ, **ENV, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, *tiny_pair, str(CUDA_STEP_BUDGET)],
-        capture_output=True,
-        text=True,
-        env={**env, "VLLM_UNIVER_OP_COUNTS": "1"},
-        timeout=1500,
+    out = run_interpreted(
+        SCRIPT, "FUSED ENGINE OK", *tiny_pair, str(CUDA_STEP_BUDGET), env={**ENV, "VLLM_UNIVER_OP_COUNTS": "1"}
     )
-    print(proc.stdout[-600:])
-    assert proc.returncode == 0 and "FUSED ENGINE OK" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-5000:])
+    print(out[-600:])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from test_fused_verify import _interpret
+from triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -96,4 +96,4 @@ CHECK = textwrap.dedent("""
 
 
 def test_fused_kv_moves_equal_the_gather_scatter_moves_in_interpreter():
-    _interpret(CHECK, "KV MOVES OK")
+    run_interpreted(CHECK, "KV MOVES OK")

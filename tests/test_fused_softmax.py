@@ -10,7 +10,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from test_fused_verify import _interpret
+from triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -41,4 +41,4 @@ CHECK = textwrap.dedent("""
 
 
 def test_fused_temperature_softmax_equals_the_pytorch_rows_in_interpreter():
-    _interpret(CHECK, "SOFTMAX OK")
+    run_interpreted(CHECK, "SOFTMAX OK")
