@@ -11,7 +11,9 @@ always and every branch of the verifiers (accept, reject, residual) runs.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -152,10 +154,18 @@ def grammar_masked(logits, generated, pattern: str, token_texts: list[str], stop
 
 def exact_law_of_tokens(model_path: str, prompt: list[int], params: dict, length: int = 4) -> np.ndarray:
     """P(t1 .. t_length | prompt) as an array [VOCAB] * length (float64); a text
-    that ended on a stop token continues with that token (``counts_of`` pads so)."""
+    that ended on a stop token continues with that token (``counts_of`` pads so).
+    Computed once per (model, prompt, params, length) in a process: several
+    cases share their laws (read-only arrays)."""
+    return _exact_law(model_path, tuple(prompt), json.dumps(params, sort_keys=True), length)
+
+
+@functools.cache
+def _exact_law(model_path: str, prompt: tuple[int, ...], params_json: str, length: int) -> np.ndarray:
     import torch
     from transformers import LlamaForCausalLM
 
+    prompt, params = list(prompt), json.loads(params_json)
     model = LlamaForCausalLM.from_pretrained(model_path).double().eval()
     kw = {
         "temperature": params["temperature"],
@@ -183,7 +193,9 @@ def exact_law_of_tokens(model_path: str, prompt: list[int], params: dict, length
                 ended = (generated == stop).any(-1)
                 probs[ended] = torch.nn.functional.one_hot(torch.tensor(stop), VOCAB).double()
             law = law.view(-1, 1) * probs  # [V**step, V]
-    return law.view([VOCAB] * length).numpy()
+    law = law.view([VOCAB] * length).numpy()
+    law.flags.writeable = False
+    return law
 
 
 def counts_of(outputs: list[list[int]], length: int = 4) -> np.ndarray:
