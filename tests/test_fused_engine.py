@@ -105,6 +105,11 @@ def test_engine_on_the_fused_paths_keeps_greedy_outputs(tiny_pair):
     from engine_job import ENV
 
     out = run_interpreted(
-        SCRIPT, "FUSED ENGINE OK", *tiny_pair, str(CUDA_STEP_BUDGET), env={**ENV, "VLLM_UNIVER_OP_COUNTS": "1"}
+        SCRIPT,
+        "FUSED ENGINE OK",
+        *tiny_pair,
+        str(CUDA_STEP_BUDGET),
+        env={**ENV, "VLLM_UNIVER_OP_COUNTS": "1"},
+        timeout=1500,
     )
     print(out[-600:])

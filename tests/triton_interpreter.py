@@ -3,11 +3,11 @@ TRITON_INTERPRET must be set before Triton decorates the kernels.
 
 The interpreter re-patches ``triton.language`` (an ``inspect.getmembers`` walk
 over every module it patches) at each call of a ``@triton.jit`` helper from a
-kernel, although the launch has already patched the same modules: 40-50 % of
-the interpreter's time in this package's kernels, which call their row helpers
+kernel, although the launch has already patched the same modules: 41 % of
+the interpreter's time (cProfile, univer on an irregular tree) in this package's kernels, which call their row helpers
 per node and block. ``skip_repeated_lang_patches`` skips a repeat within one
 launch (the modules it would patch are patched already, with the same
-members), so kernels run exactly as before, about twice as fast.
+members), so kernels run exactly as before, 1.8x as fast there.
 """
 
 from __future__ import annotations
