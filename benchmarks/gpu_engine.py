@@ -104,17 +104,18 @@ PAIRS = {
 }
 
 # (row name, speculative config without the draft model, (study tree, study method) for tau)
+# Most telling first: a run cut short by --deadline keeps the rows that decide the goal.
 ROWS = [
     ("no speculation", None, None),
     ("vLLM chain k=3", {"method": "draft_model", "num_speculative_tokens": 3}, ("1x3", "token")),
-    ("vLLM chain k=5", {"method": "draft_model", "num_speculative_tokens": 5}, ("1x5", "token")),
     ("univer 2x3", {"method": "univer", "tree": "2x3"}, ("2x3", "univer")),
-    ("univer 2x5", {"method": "univer", "tree": "2x5"}, ("2x5", "univer")),
-    ("univer 3x3", {"method": "univer", "tree": "3x3"}, ("3x3", "univer")),
-    ("traversal 2x5", {"method": "univer", "tree": "2x5", "verifier": "traversal"}, ("2x5", "traversal")),
     # tree auto (max_tree 2x5): its choice runs on this machine's costs and on the study's
     # acceptance (fixed hazards, ``auto_hazards``); tau: the study's, over the cuts it drafted.
     ("univer auto", {"method": "univer", "tree": "auto"}, ("auto", "univer")),
+    ("vLLM chain k=5", {"method": "draft_model", "num_speculative_tokens": 5}, ("1x5", "token")),
+    ("univer 2x5", {"method": "univer", "tree": "2x5"}, ("2x5", "univer")),
+    ("univer 3x3", {"method": "univer", "tree": "3x3"}, ("3x3", "univer")),
+    ("traversal 2x5", {"method": "univer", "tree": "2x5", "verifier": "traversal"}, ("2x5", "traversal")),
     ("traversal auto", {"method": "univer", "tree": "auto", "verifier": "traversal"}, ("auto", "traversal")),
 ]
 AUTO_WIDTHS = (1, 2)  # the width cuts of max_tree 2x5: its chain 1x5 and 2x5 itself
@@ -250,15 +251,24 @@ def run_one_engine(job: dict) -> dict:
 
 
 # ------------------------------------------------------------------ the matrix
-def run(args) -> list[dict]:
+def run(args, save) -> list[dict]:
+    """Every (pair, row) engine in turn; ``save(results)`` after each, so a run stopped
+    from outside keeps what it measured. Rows not started before ``args.deadline``
+    seconds are listed as skipped. Should the first engine fail under CUDA graphs,
+    that row and every later one run eager (``enforce_eager``), and the report says so."""
     root = Path(args.work)
     results = []
     tau = study_tau()
+    start_all = time.perf_counter()
     for pair in args.pairs:
         target_shape, draft_shape = PAIRS[pair]
         target, draft = write_config(root, target_shape), write_config(root, draft_shape)
         for name, spec, study in ROWS:
             if args.rows and name not in args.rows:
+                continue
+            row = {"pair": pair, "name": name, "study": study}
+            if args.deadline and time.perf_counter() - start_all > args.deadline:
+                results.append({**row, "error": f"skipped: past the {args.deadline:.0f} s deadline"})
                 continue
             env = {**os.environ, **ENV}
             if study and study[0] == "auto":
@@ -272,10 +282,16 @@ def run(args) -> list[dict]:
                 "eager": args.eager,
                 "attention_backend": args.attention_backend,
             }
-            print(f"[gpu_engine] {pair} {name} ...", flush=True)
+            print(f"[gpu_engine] {pair} {name}{' (eager)' if args.eager else ''} ...", flush=True)
             start = time.perf_counter()
             result, stderr = run_json_job([__file__, "--one"], job, env, timeout=args.engine_timeout)
-            row = {"pair": pair, "name": name, "study": study, "engine_s": time.perf_counter() - start}
+            if result is None and not args.eager and not results:
+                print(f"[gpu_engine] failed under CUDA graphs, every row now eager:\n{stderr[-3000:]}", flush=True)
+                args.eager = True
+                args.graphs_error = stderr[-1500:]
+                job["eager"] = True
+                result, stderr = run_json_job([__file__, "--one"], job, env, timeout=args.engine_timeout)
+            row.update(engine_s=time.perf_counter() - start, eager=args.eager)
             if result is None:
                 row["error"] = stderr[-3000:]
                 print(row["error"], flush=True)
@@ -283,6 +299,7 @@ def run(args) -> list[dict]:
                 row.update(result)
                 print(json.dumps(row["cells"]), flush=True)
             results.append(row)
+            save(results)
     return results
 
 
@@ -327,7 +344,8 @@ def report(results: list[dict], command: str, device: str) -> str:
                 ]
     for row in results:
         if "error" in row:
-            lines.append(f"| {row['pair']} | {row['name']} | - | failed: see the JSON | | | | | | | | |")
+            what = row["error"] if row["error"].startswith("skipped") else "failed: see the JSON"
+            lines.append(f"| {row['pair']} | {row['name']} | - | {what} | | | | | | | | |")
             continue
         for cell in row["cells"]:
             rates = by_cell[(row["pair"], cell["batch"])]
@@ -382,6 +400,8 @@ def main() -> None:
     ap.add_argument("--engine-timeout", type=float, default=300)
     ap.add_argument("--work", default="/tmp/vllm-univer-gpu-engine", help="where the config folders go")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--stem", default="gpu_engine", help="result file names: STEM.md, STEM.json")
+    ap.add_argument("--deadline", type=float, default=None, help="start no engine after this many seconds")
     ap.add_argument("--rows", nargs="+", default=None, metavar="NAME", help="only these rows (default: all)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -391,15 +411,23 @@ def main() -> None:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke test; not the benchmark)"
-    results = run(args)
     command = "python benchmarks/gpu_engine.py " + " ".join(sys.argv[1:])
-    text = report(results, command.strip(), device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "gpu_engine" if torch.cuda.is_available() else "gpu_engine_cpu_smoke"
-    (out / f"{stem}.json").write_text(json.dumps({"command": command, "device": device, "rows": results}, indent=1))
-    (out / f"{stem}.md").write_text(text)
-    print(text)
+    stem = args.stem if torch.cuda.is_available() else f"{args.stem}_cpu_smoke"
+    args.graphs_error = None
+
+    def save(results: list[dict]) -> str:
+        mode = "enforce_eager" if args.eager else "vLLM's piecewise CUDA graphs"
+        if args.graphs_error:
+            mode += " (CUDA graphs failed on the first engine; see the JSON)"
+        text = report(results, command.strip(), f"{device}; {mode}")
+        data = {"command": command, "device": device, "graphs_error": args.graphs_error, "rows": results}
+        (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+        (out / f"{stem}.md").write_text(text)
+        return text
+
+    print(save(run(args, save)))
 
 
 if __name__ == "__main__":
