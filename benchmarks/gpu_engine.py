@@ -263,9 +263,8 @@ def run(args, save) -> list[dict]:
     for pair in args.pairs:
         target_shape, draft_shape = PAIRS[pair]
         target, draft = write_config(root, target_shape), write_config(root, draft_shape)
-        for name, spec, study in ROWS:
-            if args.rows and name not in args.rows:
-                continue
+        by_name = {row[0]: row for row in ROWS}
+        for name, spec, study in [by_name[n] for n in args.rows] if args.rows else ROWS:
             row = {"pair": pair, "name": name, "study": study}
             if args.deadline and time.perf_counter() - start_all > args.deadline:
                 results.append({**row, "error": f"skipped: past the {args.deadline:.0f} s deadline"})
@@ -402,9 +401,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--stem", default="gpu_engine", help="result file names: STEM.md, STEM.json")
     ap.add_argument("--deadline", type=float, default=None, help="start no engine after this many seconds")
-    ap.add_argument("--rows", nargs="+", default=None, metavar="NAME", help="only these rows (default: all)")
+    ap.add_argument(
+        "--rows", nargs="+", default=None, metavar="NAME", help="only these rows, in this order (default: all)"
+    )
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rows and set(args.rows) - {row[0] for row in ROWS}:
+        ap.error(f"unknown rows {sorted(set(args.rows) - {row[0] for row in ROWS})}; rows: {[r[0] for r in ROWS]}")
     if args.one:
         print_result(run_one_engine(json.load(sys.stdin)))
         return

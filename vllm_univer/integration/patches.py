@@ -291,9 +291,19 @@ def patch_proposer_dummy_run() -> None:
 def patch_worker_warm_up() -> None:
     """``Worker.compile_or_warm_up_model`` (GPU) and ``CPUWorker``'s own: after
     vLLM's warm-up, ``tree: auto`` times the target's and the draft's forwards
-    (``TreeRunner.calibrate``), so the server is calibrated before it answers."""
-    from vllm.v1.worker.cpu_worker import CPUWorker
+    (``TreeRunner.calibrate``), so the server is calibrated before it answers.
+
+    ``CPUWorker`` is imported on vLLM's CPU platform only: importing vLLM's CPU
+    worker replaces ``torch.cuda.Event`` / ``Stream`` process-wide with no-op
+    stand-ins, which on a GPU breaks Inductor's autotuning and vLLM's own sampler."""
+    from vllm.platforms import current_platform
     from vllm.v1.worker.gpu_worker import Worker
+
+    workers = [Worker]
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        workers.append(CPUWorker)
 
     def make(original):
         def compile_or_warm_up_model(self, *args, **kwargs):
@@ -305,7 +315,7 @@ def patch_worker_warm_up() -> None:
 
         return compile_or_warm_up_model
 
-    for worker in (Worker, CPUWorker):
+    for worker in workers:
         if "compile_or_warm_up_model" in worker.__dict__:
             _wraps_once(worker, "compile_or_warm_up_model", make)
 

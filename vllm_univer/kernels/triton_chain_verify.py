@@ -37,8 +37,10 @@ import triton.language as tl
 
 from .triton_rows import RESIDUAL_CLIPPED, block_size, clipped_ratio, continue_prob, draw_residual, first_argmax
 
-TOKEN, BLOCK = 0, 1
-RULES = {"token": TOKEN, "block": BLOCK}
+# Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
+# interpreter does not); host code passes their ``.value``.
+TOKEN, BLOCK = tl.constexpr(0), tl.constexpr(1)
+RULES = {"token": TOKEN.value, "block": BLOCK.value}
 
 
 @triton.jit

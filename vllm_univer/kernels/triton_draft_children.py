@@ -32,8 +32,10 @@ import triton.language as tl
 
 from .triton_rows import block_size, draw_excluding, slot_block, top_token
 
-CHAIN, IID, WOR, TOPK1 = 0, 1, 2, 3
-SCHEMES = {"chain": CHAIN, "iid": IID, "wor": WOR, "topk1": TOPK1}
+# Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
+# interpreter does not); host code passes their ``.value``.
+CHAIN, IID, WOR, TOPK1 = (tl.constexpr(v) for v in range(4))
+SCHEMES = {"chain": CHAIN.value, "iid": IID.value, "wor": WOR.value, "topk1": TOPK1.value}
 
 
 @triton.jit

@@ -43,12 +43,12 @@ from .triton_rows import (
 
 # method: (decided in post-order, residual row, rejected tokens leave Q)
 RESIDUALS = {
-    "univer": (True, RESIDUAL_CLIPPED, False),
-    "greedy": (False, RESIDUAL_CLIPPED, False),
-    "target_only": (False, RESIDUAL_P, False),
-    "rrs": (False, RESIDUAL_REPLAY, False),
-    "rrsw": (False, RESIDUAL_REPLAY, True),
-    "traversal": (True, RESIDUAL_REPLAY, True),
+    "univer": (True, RESIDUAL_CLIPPED.value, False),
+    "greedy": (False, RESIDUAL_CLIPPED.value, False),
+    "target_only": (False, RESIDUAL_P.value, False),
+    "rrs": (False, RESIDUAL_REPLAY.value, False),
+    "rrsw": (False, RESIDUAL_REPLAY.value, True),
+    "traversal": (True, RESIDUAL_REPLAY.value, True),
 }
 
 
@@ -158,7 +158,9 @@ def _finish_kernel(
         uniform = tl.load(uniform_ptr + b * stride_ub + num_nodes)
         p_row = p_ptr + b * stride_pb + end * stride_pn
         q_row = q_ptr + b * stride_qb + end * stride_qn
-        choice, _ = draw_residual(
+        # Not ``_``: compiled Triton types a name once across both branches of the ``if``,
+        # and the greedy branch's loop counter is an int32 ``_``.
+        choice, _residual_mass = draw_residual(
             p_row, q_row, tok, slot, scale, q_scale, a_vec, c_vec, uniform, vocab, RESIDUAL, REMOVES, True, BLOCK_V
         )
 

@@ -31,8 +31,10 @@ import triton.language as tl
 
 from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob, replay_row, safe_ratio, slot_block
 
-RRS, RRSW, TRAVERSAL = 0, 1, 2
-RULES = {"rrs": RRS, "rrsw": RRSW, "traversal": TRAVERSAL}
+# Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
+# interpreter does not); host code passes their ``.value``.
+RRS, RRSW, TRAVERSAL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+RULES = {"rrs": RRS.value, "rrsw": RRSW.value, "traversal": TRAVERSAL.value}
 
 
 @triton.jit

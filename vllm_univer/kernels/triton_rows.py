@@ -46,10 +46,12 @@ def continue_prob(mass, scale):
     return tl.minimum(tl.maximum(stop, 0.0), 1.0)
 
 
-RESIDUAL_CLIPPED, RESIDUAL_P, RESIDUAL_REPLAY = 0, 1, 2
+# Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
+# interpreter does not); host code passes their ``.value``.
+RESIDUAL_CLIPPED, RESIDUAL_P, RESIDUAL_REPLAY = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 # safe_ratio's clamp: a coefficient that may multiply zeros is never inf.
-FLOAT64_MAX = 1.7976931348623157e308
+FLOAT64_MAX = tl.constexpr(1.7976931348623157e308)
 
 
 @triton.jit

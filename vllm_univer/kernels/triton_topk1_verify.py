@@ -30,8 +30,10 @@ import triton.language as tl
 
 from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob, slot_block
 
-UNIVER, GREEDY, TARGET_ONLY = 0, 1, 2
-RULES = {"univer": UNIVER, "greedy": GREEDY, "target_only": TARGET_ONLY}
+# Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
+# interpreter does not); host code passes their ``.value``.
+UNIVER, GREEDY, TARGET_ONLY = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+RULES = {"univer": UNIVER.value, "greedy": GREEDY.value, "target_only": TARGET_ONLY.value}
 
 
 @triton.jit
