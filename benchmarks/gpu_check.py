@@ -25,6 +25,7 @@ Writes gpu_check.md into DIR (default benchmarks/results).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from law_utils import scheme_outcomes  # noqa: E402
 from verifier_overhead import make_inputs  # noqa: E402
 
 from vllm_univer import METHODS, TreeSpec, outcome_law, verify  # noqa: E402
+from vllm_univer.compiled_rules import CUDA_CHECK_ENV  # noqa: E402
 from vllm_univer.kernels import tree_attention  # noqa: E402
 from vllm_univer.kernels.tree_attention import gather_paged  # noqa: E402
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue  # noqa: E402
@@ -505,6 +507,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
+    # univer_wor's compiled rule is refused on CUDA after a failed law check here: check it again.
+    os.environ[CUDA_CHECK_ENV] = "1"
     device = torch.device("cuda")
     lines = [
         f"# GPU check ({time.strftime('%Y-%m-%d')})",

@@ -11,7 +11,7 @@ import torch
 from law_utils import PathModel, batch_tensors, enumerate_trees
 
 from vllm_univer import TreeSpec, draft_children, outcome_law, verify
-from vllm_univer.compiled_rules import COMPILE_ENV, compile_by_default
+from vllm_univer.compiled_rules import COMPILE_ENV, compile_by_default, node_rule_for
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue
 
 # Three children at the root (subtrees of 4, 2 and 1 nodes: uneven pairs, weighed by
@@ -104,3 +104,8 @@ def test_compiled_rule_is_asked_for_clearly(monkeypatch):
     assert not compile_by_default("univer_wor")
     monkeypatch.setenv(COMPILE_ENV, "1")
     assert compile_by_default("univer_wor") and not compile_by_default("univer")
+    # Refused on CUDA (a failed law check on an H200): not by default, an error when asked.
+    assert not compile_by_default("univer_wor", torch.device("cuda"))
+    with pytest.raises(ValueError, match="refused on CUDA"):
+        node_rule_for("univer_wor", True, torch.device("cuda"))
+    assert node_rule_for("univer_wor", False, "cuda") is None

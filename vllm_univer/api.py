@@ -90,10 +90,10 @@ def verify(
     elif fused and method not in FUSED_METHODS:
         raise ValueError(f"no fused kernels for {method!r}; they exist for {', '.join(FUSED_METHODS)}")
     if compiled is None:
-        compiled = not fused and compile_by_default(method)
+        compiled = not fused and compile_by_default(method, target_probs.device)
     elif compiled and fused:
         raise ValueError("compiled=True compiles the PyTorch node rule: pass fused=False with it")
-    rule = node_rule_for(method, compiled)
+    rule = node_rule_for(method, compiled, target_probs.device)
     device = target_probs.device
     tt = tree.on(device)
     dtype = _work_dtype(target_probs)
@@ -199,7 +199,7 @@ def outcome_law(
     tokens = draft_token_ids.long()
     p = target_probs.double()
     q = draft_probs.double()
-    rule = node_rule_for(method, compiled)
+    rule = node_rule_for(method, compiled, p.device)
     weight, stop = allocate(verifier, tt, tokens, p, q, rule)
     end_law = end_node_law(verifier, tt, weight, stop)
     all_nodes = torch.arange(tree.num_nodes + 1, device=p.device).expand(tokens.shape[0], -1)

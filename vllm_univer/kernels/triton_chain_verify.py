@@ -118,12 +118,13 @@ def _chain_verify_kernel(
             end_has_child = tl.where(hit, has_child, end_has_child)
             scale = child
         tl.store(weight_ptr + b * stride_wb + i + 1, child, mask=i + 1 < num_nodes)
-        if greedy_walking:
-            argmax = first_argmax(p_row, vocab, BLOCK_V)
-            match = has_child & (x == argmax)
-            greedy_end = tl.where(match, greedy_end, i)
-            greedy_next = tl.where(match, greedy_next, argmax)
-            greedy_walking = match
+        if HAS_GREEDY:  # compiled out without greedy rows: Triton 3.6's TritonGPUCoalesce crashes on it
+            if greedy_walking:
+                argmax = first_argmax(p_row, vocab, BLOCK_V)
+                match = has_child & (x == argmax)
+                greedy_end = tl.where(match, greedy_end, i)
+                greedy_next = tl.where(match, greedy_next, argmax)
+                greedy_walking = match
         alive = has_child
 
     choice = greedy_next

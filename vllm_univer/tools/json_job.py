@@ -12,10 +12,15 @@ MARK = "RESULT "
 
 
 def run_json_job(args: list[str], job, env: dict, timeout: float | None = None) -> tuple[object | None, str]:
-    """``python <args>`` with ``job`` on stdin -> (its result, or None if it printed none; its stderr)."""
-    proc = subprocess.run(
-        [sys.executable, *args], input=json.dumps(job), text=True, capture_output=True, env=env, timeout=timeout
-    )
+    """``python <args>`` with ``job`` on stdin -> (its result, or None if it printed none
+    or ran past ``timeout`` seconds; its stderr)."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, *args], input=json.dumps(job), text=True, capture_output=True, env=env, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as exc:  # killed; a job past its time is a failed job, not a crash
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        return None, f"{err}\n[json_job] timed out after {timeout:.0f} s"
     line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith(MARK)), None)
     return (None if line is None else json.loads(line[len(MARK) :])), proc.stderr
 
