@@ -20,14 +20,16 @@ from vllm_univer.tree import TreeSpec  # noqa: E402
 BLOCK_SIZE = 4
 
 
-def _step(tree: TreeSpec, depth: int, device="cpu"):
+def _step(tree: TreeSpec, depth: int, device="cpu", level_reqs=None):
     rng = np.random.default_rng(0)
     root_pos = np.array([5, 12, 3], dtype=np.int64)
     start = np.array([5, 0, 1], dtype=np.int64)  # one root only, a whole prompt, a catch-up
     level0 = [rng.integers(0, 1000, r - s + 1).tolist() for s, r in zip(start, root_pos)]
     block_rows = torch.from_numpy(rng.permutation(100)[:60].reshape(3, 20).astype(np.int32))
     spans = _Shape(tree, torch.device("cpu")).level_span
-    step = build_draft_step_inputs(level0, start, root_pos, spans, depth, block_rows, BLOCK_SIZE, torch.device(device))
+    step = build_draft_step_inputs(
+        level0, start, root_pos, spans, depth, block_rows, BLOCK_SIZE, torch.device(device), level_reqs
+    )
     return step, level0, start, root_pos, block_rows, spans
 
 
@@ -35,10 +37,21 @@ def _slot(block_rows, r, pos):
     return int(block_rows[r, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE
 
 
-@pytest.mark.parametrize("shape,depth", [("2x3", 3), ("3x2", 2), ("2x3", 1), ("1x4", 4)])
-def test_every_level_places_each_token_where_the_drafter_runs_it(shape, depth):
+@pytest.mark.parametrize(
+    "shape,depth,level_reqs",
+    [
+        ("2x3", 3, None),
+        ("3x2", 2, None),
+        ("2x3", 1, None),
+        ("1x4", 4, None),
+        # Requests cut shallower drop out of the deeper levels (cuts 3, 3, 1 and 4, 2, 2, 1).
+        ("2x3", 3, [3, 2, 2]),
+        ("1x4", 4, [3, 3, 1, 1]),
+    ],
+)
+def test_every_level_places_each_token_where_the_drafter_runs_it(shape, depth, level_reqs):
     tree = TreeSpec.parse(shape)
-    step, level0, start, root_pos, block_rows, spans = _step(tree, depth)
+    step, level0, start, root_pos, block_rows, spans = _step(tree, depth, level_reqs=level_reqs)
     assert len(step.levels) == depth
     assert step.context_lens.tolist() == root_pos.tolist()
     assert step.root_tokens.tolist() == [chunk[-1] for chunk in level0]
@@ -58,14 +71,15 @@ def test_every_level_places_each_token_where_the_drafter_runs_it(shape, depth):
     for d in range(1, depth):  # nodes of depth d at RoPE position root + d, slot root + node
         first, last = spans[d]
         nodes = range(first, last + 1)
+        n = 3 if level_reqs is None else level_reqs[d]  # the level's requests: the first n
         level = step.levels[d]
         assert level.token_ids is None
-        assert level.positions.tolist() == [int(root_pos[r]) + d for r in range(3) for _ in nodes]
-        slots = [_slot(block_rows, r, int(root_pos[r]) + j) for r in range(3) for j in nodes]
+        assert level.positions.tolist() == [int(root_pos[r]) + d for r in range(n) for _ in nodes]
+        slots = [_slot(block_rows, r, int(root_pos[r]) + j) for r in range(n) for j in nodes]
         assert level.slot_mapping.tolist() == slots
-        assert level.query_start_loc.tolist() == [r * len(nodes) for r in range(4)]
-        assert level.seq_lens.tolist() == (root_pos + last + 1).tolist() == level.seq_lens_cpu.tolist()
-        assert (level.max_query_len, level.max_seq_len) == (len(nodes), int(root_pos.max()) + last + 1)
+        assert level.query_start_loc.tolist() == [r * len(nodes) for r in range(n + 1)]
+        assert level.seq_lens.tolist() == (root_pos[:n] + last + 1).tolist() == level.seq_lens_cpu.tolist()
+        assert (level.max_query_len, level.max_seq_len) == (len(nodes), int(root_pos[:n].max()) + last + 1)
 
 
 class _Transfers(TorchDispatchMode):

@@ -180,10 +180,11 @@ def test_choice_weighs_each_request_by_its_band():
         assert depths.tolist() == best.tolist() and cut.depth == best.max(), (mix, cut, depths, best)
 
 
-def test_mixed_work_runs_each_request_its_own_rows_and_drafts_to_the_deepest():
+def test_mixed_work_runs_each_request_its_own_rows_and_drafts_to_its_cut():
     model = StepCostModel(ForwardCost([1, 1000], [0.0, 1.0]), ForwardCost([1, 1000], [0.0, 0.5]), WIDTHS_2X3)
-    # Rows per request at cuts 0..3: 1, 3, 7, 15; the request at depth 0 drafts nothing.
-    assert model.mixed_work([0, 2, 3, 1]) == StepWork(target_tokens=26, draft_tokens=[3, 6, 12])
+    # Rows per request at cuts 0..3: 1, 3, 7, 15; the request at depth 0 drafts nothing;
+    # draft level j (widths 1, 2, 4) runs the requests cut below j: 3, 2, 1 of them.
+    assert model.mixed_work([0, 2, 3, 1]) == StepWork(target_tokens=26, draft_tokens=[3, 4, 4])
     assert model.mixed_work([0, 2], counts=[5, 2]) == StepWork(target_tokens=5 + 14, draft_tokens=[2, 4])
     assert model.mixed_work([0] * 4) == model.work(4, 0)
     for depth in range(4):

@@ -62,6 +62,7 @@ def build_draft_step_inputs(
     block_rows: torch.Tensor,
     block_size: int,
     device: torch.device,
+    level_reqs: list[int] | None = None,
 ) -> DraftStepInputs:
     """Inputs of the ``depth`` draft forwards of one step.
 
@@ -69,10 +70,12 @@ def build_draft_step_inputs(
         start[r] .. root_pos[r] (the last one is the root).
     start, root_pos: int64 [R]. level_span[d]: (first, last) node of depth d.
     block_rows: the requests' block-table rows, int32 [R, blocks], on the host.
-    Level d >= 1 runs nodes first..last of every request at RoPE position
-    root_pos + d, written to slot root_pos + node.
+    Level d >= 1 runs nodes first..last of the first ``level_reqs[d]`` requests
+    (None: of every request; requests cut shallower come last and drop out) at
+    RoPE position root_pos + d, written to slot root_pos + node.
     """
     reqs = len(root_pos)
+    level_reqs = level_reqs or [reqs] * depth
     lens = root_pos - start + 1
     query_start0 = np.concatenate([[0], np.cumsum(lens)])
     flat_pos = np.repeat(start, lens) + np.arange(query_start0[-1]) - np.repeat(query_start0[:-1], lens)
@@ -86,14 +89,14 @@ def build_draft_step_inputs(
     levels = [(flat_pos, slots(np.repeat(np.arange(reqs), lens), flat_pos), query_start0, root_pos + 1)]
     for d in range(1, depth):
         first, last = level_span[d]
-        width = last - first + 1
-        slot_pos = (root_pos[:, None] + np.arange(first, last + 1)[None]).ravel()
+        width, n = last - first + 1, level_reqs[d]
+        slot_pos = (root_pos[:n, None] + np.arange(first, last + 1)[None]).ravel()
         levels.append(
             (
-                np.repeat(root_pos + d, width),
-                slots(np.repeat(np.arange(reqs), width), slot_pos),
-                np.arange(reqs + 1) * width,
-                root_pos + last + 1,
+                np.repeat(root_pos[:n] + d, width),
+                slots(np.repeat(np.arange(n), width), slot_pos),
+                np.arange(n + 1) * width,
+                root_pos[:n] + last + 1,
             )
         )
 

@@ -94,6 +94,8 @@ class TreeDrafter:
         drafts: list[list[int]] = [[] for _ in range(batch)]
         if active.size == 0:
             return drafts
+        # Deepest cuts first: the forward of level d runs the requests cut below d, a prefix.
+        active = active[np.argsort(-depths[active], kind="stable")]
         cut = depths[active]
 
         root_pos = root_pos[active]
@@ -121,7 +123,7 @@ class TreeDrafter:
             greedy,
             sampling_metadata.generators,
             banned,
-            int(cut.max()),
+            cut,
         )
         self._cut(tokens, q, cut)
         for r, req_id in zip(root_pos.tolist(), active_ids):
@@ -148,16 +150,22 @@ class TreeDrafter:
         return split_greedy(torch.from_numpy(self.runner.input_batch.temperature_cpu[active].astype(np.float32)))
 
     def _draft_levels(
-        self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned, depth
+        self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned, cut
     ):
+        """The levels of every active request's tree, each request to its ``cut``
+        (int64 [R], deepest first): level d's forward runs the requests cut below d only."""
         tree, runner = self.tree, self.runner
         device = runner.device
         reqs = len(active)
         n1 = tree.num_nodes + 1
+        depth = int(cut[0])
+        level_reqs = [int((cut > d).sum()) for d in range(depth)]
 
         # Level 0: the tokens whose draft KV is missing, causally, up to the root.
         # Every level's inputs are built and sent to the device here, once per step.
-        step = build_draft_step_inputs(level0, start, root_pos, self.level_span, depth, block_rows, block_size, device)
+        step = build_draft_step_inputs(
+            level0, start, root_pos, self.level_span, depth, block_rows, block_size, device, level_reqs
+        )
         level = step.levels[0]
         hidden = self._forward(level.token_ids, level, step.block_table, plan=None)
         root_logits = self._logits(hidden[level.query_start_loc[1:] - 1])
@@ -190,26 +198,28 @@ class TreeDrafter:
 
         for d in range(1, depth):
             first, last = self.level_span[d]
-            width = last - first + 1
-            node_ids = tokens[:, first : last + 1].clamp(min=0).flatten()  # stays on the device
+            width, n = last - first + 1, level_reqs[d]  # the first n requests are cut below d
+            node_ids = tokens[:n, first : last + 1].clamp(min=0).flatten()  # stays on the device
             # A chain's node at depth d (position and slot R + d) sees the context and
             # its ancestors, the slots just below it: causal attention, vLLM's kernel.
             plan = None
             if not tree.is_chain:
                 plan = TreeAttentionPlan(
-                    query_rows=torch.arange(reqs * width, device=device).view(reqs, width),
+                    query_rows=torch.arange(n * width, device=device).view(n, width),
                     row_valid=None,
-                    request_index=torch.arange(reqs, device=device),
-                    context_lens=step.context_lens,
+                    request_index=torch.arange(n, device=device),
+                    context_lens=step.context_lens[:n],
                     mask=self._shapes[tree].level_masks[d],
                     covers_all_rows=True,
-                    max_context_len=int(root_pos.max()),
+                    max_context_len=int(root_pos[:n].max()),
                 )
-            hidden = self._forward(node_ids, step.levels[d], step.block_table, plan=plan)
-            logits = self._logits(hidden).view(reqs, width, vocab)
-            self._draw_children(
-                d, tokens, self._level_rows(q, d, logits, temp.unsqueeze(-1), banned), greedy, generators, active
+            hidden = self._forward(node_ids, step.levels[d], step.block_table[:n], plan=plan)
+            logits = self._logits(hidden).view(n, width, vocab)
+            rows = self._level_rows(
+                None if q is None else q[:n], d, logits, temp[:n].unsqueeze(-1), None if banned is None else banned[:n]
             )
+            # Views of the first n rows: the draws land in ``tokens`` itself.
+            self._draw_children(d, tokens[:n], rows, greedy.first(n), generators, active[:n])
         return tokens, q
 
     def _level_rows(self, q, depth: int, logits: torch.Tensor, temp: torch.Tensor, banned) -> torch.Tensor:
@@ -353,6 +363,13 @@ class GreedyRows(NamedTuple):
     host: torch.Tensor
     any: bool
     all: bool
+
+    def first(self, n: int) -> GreedyRows:
+        """The first ``n`` rows (a level that runs the requests cut deeper only)."""
+        if n == len(self.host):
+            return self
+        host = self.host[:n]
+        return GreedyRows(self.rows[:n], host, bool(host.any()), bool(host.all()))
 
 
 def _masked(logits: torch.Tensor, banned: torch.Tensor | None) -> torch.Tensor:

@@ -10,8 +10,9 @@ requests does
 * the verifier and the package's bookkeeping, which the correction absorbs.
 
 Requests of one step may be cut to different depths (``mixed_work``): the
-target runs each request's own rows, the drafter every request with a tree
-down to the deepest cut, and the step is corrected as a step of its deepest cut.
+target runs each request's own rows, the drafter's level j the requests cut
+below j (``TreeDrafter`` drops a request from the levels under its cut), and
+the step is corrected as a step of its deepest cut.
 
 Each forward's time is a piecewise-linear function of its number of query
 tokens, measured at start-up at a few sizes (``ForwardCost``); a correction
@@ -145,13 +146,13 @@ class StepCostModel:
     def mixed_work(self, depths: list[int], counts: list[int] | None = None) -> StepWork:
         """The forwards a step runs whose groups of requests are cut to ``depths``
         [G] (0: no tree), ``counts`` [G] requests in each (None: one each): the
-        target runs each request's own rows, the drafter every request that gets
-        a tree down to the deepest cut."""
+        target runs each request's own rows, the drafter's level j the requests
+        cut below j."""
         counts = [1] * len(depths) if counts is None else counts
         target = sum(n * self._rows_through[d] for d, n in zip(depths, counts))
-        drafted = sum(n for d, n in zip(depths, counts) if d > 0)
-        # Level j's forward runs the depth-j nodes of every request with a tree.
-        draft = [drafted * self._widths[j] for j in range(max(depths, default=0))]
+        # Level j's forward runs the depth-j nodes of the requests whose cut is deeper than j.
+        deepest = max(depths, default=0)
+        draft = [sum(n for d, n in zip(depths, counts) if d > j) * self._widths[j] for j in range(deepest)]
         return StepWork(target_tokens=target, draft_tokens=draft)
 
     def raw_seconds(self, work: StepWork) -> float:

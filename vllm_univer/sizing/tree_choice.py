@@ -41,7 +41,7 @@ the hot ones run plain. From the best cut of one depth for all, each band's
 depth in turn is set to the one that maximises the batch's rate given the
 others' (coordinate ascent over a few bands and depths), priced like the rates
 above (``StepCostModel.mixed_work``: each request's own target rows, the
-drafter down to the deepest cut, that cut's correction). Trials keep one
+drafter's levels down to each request's cut, the deepest cut's correction). Trials keep one
 depth for all: they measure the cut.
 
 A cut is committed to on the cost model's conservative
