@@ -8,7 +8,9 @@ round once per arm, so every arm sees the same machine within a minute:
 * ``auto``: the sizer chooses, as in serving;
 * ``plain``: every step cut to depth 0 (no speculation, in this engine);
 * ``dN``: every request drafts max_tree cut to depth N (``d3`` is the tree 2x3);
-* ``cN``: the chain of first children (width cut 1) cut to depth N.
+* ``cN``: the chain of first children (width cut 1) cut to depth N;
+* ``mA.B..``: max_tree, the batch's requests cut to depths A, B, .. in turn
+  (``m5.1.1.1``: every fourth request drafts the whole 2x5, the others depth 1).
 
 Forced arms go through ``TreeSizer.set_schedule`` (the choice is overridden, its
 measurements still run: ``auto`` keeps learning from them, as it would from its
@@ -45,7 +47,12 @@ def schedule(arm: str) -> tuple[str | None, str | None]:
         return "0", None
     if arm[0] in "dc" and arm[1:].isdigit():
         return arm[1:], "2" if arm[0] == "d" else "1"
-    raise SystemExit(f"unknown arm {arm!r}: auto, plain, dN (2x5 cut to depth N) or cN (chain 1x5 cut to N)")
+    if arm[0] == "m" and all(x.isdigit() for x in arm[1:].split(".")):
+        return arm[1:].replace(".", ","), "2"
+    raise SystemExit(
+        f"unknown arm {arm!r}: auto, plain, dN (2x5 cut to depth N), cN (chain 1x5 cut to N) "
+        "or mA.B.. (2x5, the batch's requests cut to A, B, .. in turn)"
+    )
 
 
 def main() -> None:
