@@ -33,7 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV
-from vllm_univer.tools.json_job import print_result, run_json_job
+from vllm_univer.tools.json_job import TIMED_OUT, print_result, run_json_job
 
 HERE = Path(__file__).resolve().parent
 STUDY = HERE / "results" / "acceptance.jsonl"
@@ -258,7 +258,8 @@ def run(args, save) -> list[dict]:
     """Every (pair, row) engine in turn; ``save(results)`` after each, so a run stopped
     from outside keeps what it measured. Rows not started before ``args.deadline``
     seconds are listed as skipped. Should the first engine fail under CUDA graphs,
-    that row and every later one run eager (``enforce_eager``), and the report says so."""
+    that row and every later one run eager (``enforce_eager``), and the report says so;
+    one that ran out of time (a cold compile) is reported as failed and the rest keep graphs."""
     root = Path(args.work)
     results = []
     tau = study_tau()
@@ -287,7 +288,9 @@ def run(args, save) -> list[dict]:
             print(f"[gpu_engine] {pair} {name}{' (eager)' if args.eager else ''} ...", flush=True)
             start = time.perf_counter()
             result, stderr = run_json_job([__file__, "--one"], job, env, timeout=args.engine_timeout)
-            if result is None and not args.eager and not results:
+            # A first engine that fails under CUDA graphs (not one that ran out of time compiling)
+            # would fail every row alike: the rest run eager.
+            if result is None and not args.eager and not results and TIMED_OUT not in stderr:
                 print(f"[gpu_engine] failed under CUDA graphs, every row now eager:\n{stderr[-3000:]}", flush=True)
                 args.eager = True
                 args.graphs_error = stderr[-1500:]

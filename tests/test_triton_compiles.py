@@ -82,7 +82,7 @@ CHECK = textwrap.dedent("""
         try:
             fn()
         except CompileFailed:
-            pass  # recorded in failures
+            failures[-1] = f"{what}: {failures[-1]}"  # which call and variant
         except Exception:  # noqa: BLE001 - host code reading outputs that were never computed
             pass
 
@@ -90,11 +90,12 @@ CHECK = textwrap.dedent("""
     batch, vocab = 3, 40
     for method in [m for m in METHODS if m != "univer_wor"]:
         shapes = ("1x3",) if method in ("token", "block") else ("2x2", "irregular")
-        for shape in shapes:
+        # A small vocabulary (one small block), and a large one (the largest block, MAX_BLOCK_V).
+        for shape, v in [(shape, 40) for shape in shapes] + [(shapes[0], 5000)]:
             tree = TreeSpec.parse([[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0]] if shape == "irregular" else shape)
-            tokens, p, q = make_inputs(method, tree, batch, vocab, seed=1)
+            tokens, p, q = make_inputs(method, tree, batch, v, seed=1)
             for greedy in (None, torch.tensor([True, False, False])):
-                attempt(f"verify {method} {shape}", lambda: verify(
+                attempt(f"verify {method} {shape} V={v} greedy={greedy is not None}", lambda: verify(
                     method, tree, tokens, p, q, greedy=greedy, fused=True, validate=False
                 ))
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 MARK = "RESULT "
+TIMED_OUT = "[json_job] timed out"  # in the stderr of a job killed at its timeout
 
 
 def run_json_job(args: list[str], job, env: dict, timeout: float | None = None) -> tuple[object | None, str]:
@@ -20,7 +21,7 @@ def run_json_job(args: list[str], job, env: dict, timeout: float | None = None) 
         )
     except subprocess.TimeoutExpired as exc:  # killed; a job past its time is a failed job, not a crash
         err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
-        return None, f"{err}\n[json_job] timed out after {timeout:.0f} s"
+        return None, f"{err}\n{TIMED_OUT} after {timeout:.0f} s"
     line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith(MARK)), None)
     return (None if line is None else json.loads(line[len(MARK) :])), proc.stderr
 
