@@ -83,10 +83,13 @@ def paged_kernel_error(device, dtype, gen, num_splits=None) -> float:
     return float((output[rows].double() - ref).abs().max())
 
 
+LAW_DRAWS = 50000  # verify draws per tree in the law checks
+
+
 def law_check(method, tree, tokens, p, q, device, compiled) -> tuple[bool, str]:
-    """Sampled outcomes (end node, next token) of ``verify`` against ``outcome_law``, 4 trees x 50000."""
+    """Sampled outcomes (end node, next token) of ``verify`` against ``outcome_law``, 4 trees x LAW_DRAWS."""
     law = outcome_law(method, tree, tokens, p, q)  # float64, on the GPU
-    reps = 50000
+    reps = LAW_DRAWS
     gen = torch.Generator(device=device).manual_seed(0)
     out = verify(
         method,
@@ -122,7 +125,7 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
             good, detail = False, f"{type(exc).__name__}: {str(exc)[:300]}"
         ok &= good
         lines.append(
-            f"| verify `{method}`{' compiled' if compiled else ''} vs outcome_law (4 trees x 50000) | "
+            f"| verify `{method}`{' compiled' if compiled else ''} vs outcome_law (4 trees x {LAW_DRAWS}) | "
             f"{'ok' if good else 'FAIL'}: {detail} |".replace("\n", " ")
         )
         print(lines[-1], flush=True)

@@ -118,6 +118,7 @@ ROWS = [
     ("traversal 2x5", {"method": "univer", "tree": "2x5", "verifier": "traversal"}, ("2x5", "traversal")),
     ("traversal auto", {"method": "univer", "tree": "auto", "verifier": "traversal"}, ("auto", "traversal")),
 ]
+ROW_BY_NAME = {row[0]: row for row in ROWS}
 AUTO_WIDTHS = (1, 2)  # the width cuts of max_tree 2x5: its chain 1x5 and 2x5 itself
 PROMPT_LEN = 128
 
@@ -264,11 +265,11 @@ def run(args, save) -> list[dict]:
     results = []
     tau = study_tau()
     start_all = time.perf_counter()
+    rows = [ROW_BY_NAME[n] for n in args.rows] if args.rows else ROWS
     for pair in args.pairs:
         target_shape, draft_shape = PAIRS[pair]
         target, draft = write_config(root, target_shape), write_config(root, draft_shape)
-        by_name = {row[0]: row for row in ROWS}
-        for name, spec, study in [by_name[n] for n in args.rows] if args.rows else ROWS:
+        for name, spec, study in rows:
             row = {"pair": pair, "name": name, "study": study}
             if args.deadline and time.perf_counter() - start_all > args.deadline:
                 results.append({**row, "error": f"skipped: past the {args.deadline:.0f} s deadline"})
@@ -412,8 +413,8 @@ def main() -> None:
     )
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.rows and set(args.rows) - {row[0] for row in ROWS}:
-        ap.error(f"unknown rows {sorted(set(args.rows) - {row[0] for row in ROWS})}; rows: {[r[0] for r in ROWS]}")
+    if unknown := set(args.rows or ()) - ROW_BY_NAME.keys():
+        ap.error(f"unknown rows {sorted(unknown)}; rows: {list(ROW_BY_NAME)}")
     if args.one:
         print_result(run_one_engine(json.load(sys.stdin)))
         return

@@ -18,15 +18,12 @@ image has 3.6, whose TritonGPUCoalesce pass crashed on a kernel 3.9 compiles).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from triton_interpreter import run_compiled
 
 pytest.importorskip("triton")
-
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 CHECK = textwrap.dedent("""
     import sys
@@ -156,16 +153,5 @@ CHECK = textwrap.dedent("""
 def test_every_kernel_compiles_for_sm90():
     # VLLM_UNIVER_TRITON_SITE: a folder holding another Triton release, checked instead of
     # the installed one (scripts/check_triton_compiles.sh: the H200 image's Triton 3.6).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    paths = [env.get("VLLM_UNIVER_TRITON_SITE", ""), os.path.dirname(TESTS_DIR), TESTS_DIR, env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(x for x in paths if x)
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK],
-        cwd=os.path.dirname(TESTS_DIR),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0 and "COMPILES OK" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-6000:]
-    print(next(line for line in proc.stdout.splitlines() if "with Triton" in line))  # shown by pytest -s
+    stdout = run_compiled(CHECK, "COMPILES OK", site=os.environ.get("VLLM_UNIVER_TRITON_SITE"))
+    print(next(line for line in stdout.splitlines() if "with Triton" in line))  # shown by pytest -s

@@ -1,5 +1,6 @@
-"""Run a test script under Triton's interpreter (CPU), in a subprocess:
-TRITON_INTERPRET must be set before Triton decorates the kernels.
+"""Run a test script in a subprocess under Triton's interpreter (CPU;
+TRITON_INTERPRET must be set before Triton decorates the kernels), or with
+Triton compiling (``run_compiled``, ``test_triton_compiles``).
 
 The interpreter re-patches ``triton.language`` (an ``inspect.getmembers`` walk
 over every module it patches) at each call of a ``@triton.jit`` helper from a
@@ -17,6 +18,7 @@ import subprocess
 import sys
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(TESTS_DIR)
 PRELUDE = "import triton_interpreter\ntriton_interpreter.skip_repeated_lang_patches()\n"
 
 
@@ -60,8 +62,21 @@ def run_interpreted(script: str, marker: str, *argv: str, env: dict | None = Non
     above; assert it exits 0 and prints ``marker``. Returns its stdout."""
     path = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
     full_env = {**os.environ, **(env or {}), "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    return _run(PRELUDE + script, marker, argv, full_env, timeout)
+
+
+def run_compiled(script: str, marker: str, site: str | None = None, timeout: int = 1200) -> str:
+    """Run ``script`` (``python -c``) with Triton compiling (TRITON_INTERPRET unset),
+    ``site`` (a folder holding another Triton release) first on the path; assert it
+    exits 0 and prints ``marker``. Returns its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, TESTS_DIR, os.environ.get("PYTHONPATH")]))
+    return _run(script, marker, (), env, timeout)
+
+
+def _run(script: str, marker: str, argv, env: dict, timeout: int) -> str:
     proc = subprocess.run(
-        [sys.executable, "-c", PRELUDE + script, *argv], capture_output=True, text=True, env=full_env, timeout=timeout
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO_DIR
     )
     assert proc.returncode == 0 and marker in proc.stdout, (proc.stdout[-2000:], proc.stderr[-5000:])
     return proc.stdout

@@ -125,7 +125,7 @@ class TreeDrafter:
             banned,
             cut,
         )
-        self._cut(tokens, q, cut)
+        self._clear_q_below_cuts(q, cut)
         for r, req_id in zip(root_pos.tolist(), active_ids):
             self.state.draft_kv_len[req_id] = r + 1  # the context and the root
         self.state.add(DraftedTrees(active_ids, tokens, q, tree))
@@ -134,15 +134,14 @@ class TreeDrafter:
             drafts[i] = node_tokens[row][: self.level_span[d][1]]
         return drafts
 
-    def _cut(self, tokens: torch.Tensor, q: torch.Tensor | None, cut: np.ndarray) -> None:
-        """Rows drafted deeper than their cut (the batch ran to the deepest cut):
-        nodes below the cut removed, their q rows zero (the cut's leaves are read, never drawn from)."""
-        for d in np.unique(cut)[:-1].tolist():
-            rows = upload(np.nonzero(cut == d)[0], tokens.device)
-            first_below = self.level_span[d][1] + 1
-            tokens[rows, first_below:] = -1
-            if q is not None:
-                q[rows, self.level_span[d][0] :] = 0.0
+    def _clear_q_below_cuts(self, q: torch.Tensor | None, cut: np.ndarray) -> None:
+        """Zero the q rows a request's levels never wrote (the buffer is reused across
+        steps): those of its cut's leaves (read at a leaf end node, never drawn from)
+        and below. Its nodes below the cut were never drawn: -1 already."""
+        if q is None:
+            return
+        for d in np.unique(cut)[:-1].tolist():  # the deepest cut's leaf rows: zeroed in _draft_levels
+            q[upload(np.nonzero(cut == d)[0], q.device), self.level_span[d][0] :] = 0.0
 
     def _draft_temperature(self, active: np.ndarray):
         """(temperature [R], greedy [R]) of the active rows, from vLLM's host copy
