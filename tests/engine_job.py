@@ -10,7 +10,7 @@ Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...
 string or a list of token ids. Result (the last stdout line, after ``RESULT``):
 per engine {"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs":
 [[{token: logprob}]] per output, when asked for, "margins" and "top2" with
-``margins``} | {"error": str}], "spec": {counter: value}, "rank_decisions":
+``margins``} | {"error": str, "traceback": str}], "spec": {counter: value}, "rank_decisions":
 [{"steps", "digest"} per worker] with ``"rank_decisions": true``}.
 
 An engine with ``"margins": true`` is a greedy reference: it samples from
@@ -48,7 +48,26 @@ def run_engines(engines: list[dict], timeout: float = 1200, env: dict | None = N
     result, stderr = run_json_job([__file__], {"engines": engines}, {**os.environ, **ENV, **(env or {})}, timeout)
     if result is None:
         raise RuntimeError(f"engine job failed:\n{stderr[-6000:]}")
+    for engine in result:
+        engine["calls"] = [Call(c, stderr) for c in engine.get("calls", [])]
     return result
+
+
+class Call(dict):
+    """One call's result; reading a key a failed call lacks (its "outputs") fails
+    with the call's error and the engine job's stderr tail (the worker's traceback)."""
+
+    def __init__(self, result: dict, stderr: str):
+        super().__init__(result)
+        self._stderr = stderr
+
+    def __missing__(self, key):
+        if "error" not in self:
+            raise KeyError(key)
+        tail = self._stderr[-8000:]
+        raise AssertionError(
+            f"the call failed: {self.get('traceback', self['error'])}\n--- engine job stderr (tail) ---\n{tail}"
+        )
 
 
 def _prompt(p):
@@ -142,8 +161,8 @@ def _run_engine(engine: dict) -> dict:
             if any(a is not None for a in asked):
                 entry["logprobs"] = logprobs
             calls.append(entry)
-        except Exception as exc:  # noqa: BLE001
-            calls.append({"error": f"{type(exc).__name__}: {exc}"})
+        except Exception as exc:  # noqa: BLE001 - the error and where it came from are the result
+            calls.append({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
     result = {"calls": calls, "spec": spec_counters(llm, ("vllm:spec_decode", "vllm:num_preemptions", "vllm:univer"))}
     if engine.get("rank_decisions"):
         result["rank_decisions"] = llm.collective_rpc(_decisions_digest)

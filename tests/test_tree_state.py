@@ -53,3 +53,30 @@ def test_trees_drafted_to_different_depths_gather_with_zero_deeper_rows():
     assert got_q.shape == (2, 3, 5)
     assert torch.equal(got_q[0, :2], shallow[0]) and (got_q[0, 2] == 0).all()
     assert torch.equal(got_q[1], deep[0])
+
+
+def test_a_greedy_tree_deeper_than_every_tree_with_q_gets_rows_to_its_depth():
+    """tree "auto" drafted every request to depth 1 (q rows down to depth 1), then
+    only the greedy ones, deeper and without q, while a sampled request the
+    scheduler skipped keeps its shallow tree: the step verifies the shape cut to
+    depth 2, and q must have its rows (the greedy ones flagged, filled with p)."""
+    state = TreeState()
+    shallow = torch.rand(1, 2, 5)
+    state.add(DraftedTrees(["skipped"], torch.tensor([[3, 0, -1]]), shallow, TREE_1X2))
+    state.add(DraftedTrees(["greedy"], torch.tensor([[4, 1, 2]]), None, TREE_1X2))
+    tokens, got_q, found, q_missing = state.gather(["greedy", "skipped"], TREE_1X2, num_rows=3)
+    assert found == [True, True] and q_missing.tolist() == [True, False]
+    assert got_q.shape == (2, 3, 5)
+    assert torch.equal(got_q[1, :2], shallow[0]) and (got_q[1, 2] == 0).all()
+    _, got_q, _, _ = state.gather(["skipped"], TREE_1X2, num_rows=1)  # and cut to the rows asked for
+    assert torch.equal(got_q, shallow[:, :1])
+
+
+def test_forgotten_trees_are_not_gathered():
+    """A request of the batch that gets no tree this step (cut to depth 0) drops its
+    older tree: the next step verifies none for it."""
+    state = TreeState()
+    state.add(DraftedTrees(["plain", "other"], torch.tensor([[3, 0, 1], [4, 1, 2]]), None, TREE_1X2))
+    state.forget(["plain", "absent"])
+    tokens, _, found, _ = state.gather(["plain", "other"], TREE_1X2)
+    assert found == [False, True] and tokens.tolist() == [[-1, -1, -1], [4, 1, 2]]

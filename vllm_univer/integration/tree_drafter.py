@@ -92,6 +92,9 @@ class TreeDrafter:
         # A request cut to depth 0 gets no tree; the draft cache catches up when a later step drafts.
         active = np.nonzero(got_token & fits & (depths > 0))[0]
         drafts: list[list[int]] = [[] for _ in range(batch)]
+        # The batch's other requests get no tree: an older one of theirs is never verified again.
+        with_tree = set(active.tolist())
+        self.state.forget([r for i, r in enumerate(req_ids) if i not in with_tree])
         if active.size == 0:
             return drafts
         # Deepest cuts first: the forward of level d runs the requests cut below d, a prefix.

@@ -97,8 +97,8 @@ class TreeVerificationSampler:
         if temperature is None:  # all greedy
             temperature = torch.zeros(batch, device=device)
 
-        tokens, q, q_missing = self._trees_for(req_ids, num_draft_list, tree_logits, shape)
-        tokens, q = tokens[:, :n1], (q[:, :n1] if q is not None else None)
+        tokens, q, q_missing = self._trees_for(req_ids, num_draft_list, tree_logits, shape, n1)
+        tokens = tokens[:, :n1]
         exists = tree.depth.unsqueeze(0) <= keep_depth.unsqueeze(1)
         tokens = tokens.masked_fill(~upload(exists, device), -1)
         transforms = self._path_transforms(tree, tokens, sampling_metadata, batch)
@@ -231,10 +231,10 @@ class TreeVerificationSampler:
         # Padding (-1) entries are dropped by vLLM's parse_output; any valid id will do here.
         return self.runner.sampler.gather_logprobs(logprobs, num_logprobs, output.flatten().clamp(min=0))
 
-    def _trees_for(self, req_ids: list[str], num_draft: list[int], like: torch.Tensor, shape: TreeSpec):
-        """Tokens [B, N+1], q [B, N+1, V] (or None) and the rows drafted without q,
+    def _trees_for(self, req_ids: list[str], num_draft: list[int], like: torch.Tensor, shape: TreeSpec, n1: int):
+        """Tokens [B, N+1], q [B, n1, V] (or None) and the rows drafted without q,
         for the trees of ``shape`` (a tree of another shape: none, the root alone)."""
-        tokens, q, _, q_missing = self.state.gather(req_ids, shape)
+        tokens, q, _, q_missing = self.state.gather(req_ids, shape, n1)
         orphans = [r for r, n in zip(req_ids, num_draft) if n > 0 and r not in self.state.trees]
         if orphans:
             # Should not happen; rejecting every draft (Y ~ p at the root) stays lossless.

@@ -52,10 +52,10 @@ class TreeState:
         for row, req_id in enumerate(drafted.req_ids):
             self.trees[req_id] = (drafted, row)
 
-    def gather(self, req_ids: list[str], tree: TreeSpec | None = None):
+    def gather(self, req_ids: list[str], tree: TreeSpec | None = None, num_rows: int | None = None):
         """Trees of ``req_ids`` (of shape ``tree`` when given; others count as
-        absent) -> (tokens [B, N+1], q [B, M, V] or None (M: the most rows any of
-        them has), found [B], q_missing BoolTensor [B] or None).
+        absent) -> (tokens [B, N+1], q [B, M, V] or None (M: ``num_rows`` when
+        given, else the most rows any of them has), found [B], q_missing BoolTensor [B] or None).
 
         One gather when the requests were drafted together (the usual case);
         requests without a tree get tokens -1 (only the root exists) and q rows
@@ -102,8 +102,16 @@ class TreeState:
 
                 q = torch.stack([rows_of(b, i) for b, i in rows])
                 q_missing = torch.tensor([b.draft_probs is None for b, _ in rows], device=tokens.device)
+        if q is not None and num_rows is not None:
+            # A tree drafted without q (all greedy) may reach deeper than every tree with one.
+            q = torch.nn.functional.pad(q[:, :num_rows], (0, 0, 0, max(num_rows - q.shape[1], 0)))
         missing = torch.tensor([not f for f in found], device=tokens.device)
         return tokens.masked_fill(missing.unsqueeze(1), -1), q, found, q_missing
+
+    def forget(self, req_ids) -> None:
+        """Drop the trees of ``req_ids``: they got no tree this step, so theirs is never verified again."""
+        for req_id in req_ids:
+            self.trees.pop(req_id, None)
 
     def forget_except(self, live_req_ids: list[str]) -> None:
         live = set(live_req_ids)
