@@ -424,6 +424,33 @@ def test_tree_auto_gives_each_temperature_band_its_own_depth(models):
     assert plain >= 0.4 * steps, sizer
 
 
+def test_greedy_trees_deeper_than_a_sampled_tree_left_from_the_step_before(models):
+    """Greedy, T = 1 and greedy requests cut by the cycle "1,1,0,2" (row i at
+    decision k: depths[(k + i) % 4]): at one step the sampled request drafts to
+    depth 1 (its q rows down to depth 1) with the first greedy one, at the next
+    only the greedy ones draft, one of them to depth 2, without q (all greedy).
+    The sampled request's tree is not verified again, and the step's q has rows
+    down to depth 2 (a CI run once failed here, the verifier finding 3 rows of q
+    for 7 of p: the chooser's trials made the same sequence by chance). Greedy
+    output is the target's."""
+    target, draft = models
+    texts = prompts(3, seed=11)
+    greedy = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+    mixed = {"prompts": texts, "params": [greedy, {**greedy, "temperature": 1.0}, greedy]}
+    env = {"VLLM_UNIVER_AUTO_DEPTHS": "1,1,0,2", "VLLM_UNIVER_AUTO_WIDTHS": "2"}
+    results = run_engines(
+        [
+            reference(target, [call(texts[::2], **greedy)]),
+            {**engine(target, [mixed], auto(draft, "2x3")), "sizer": True},
+        ],
+        env=env,
+    )
+    assert "error" not in results[1], results[1].get("error")
+    outputs = results[1]["calls"][0]["outputs"]
+    assert_greedy_identical(outputs[::2], results[0]["calls"][0], "greedy trees after a sampled one")
+    assert results[1]["sizer"]["requests_at_cut"].keys() >= {"2x1", "2x2"}, results[1]["sizer"]
+
+
 def test_tree_auto_learns_the_chain_from_the_trees_it_verifies(models):
     """tree "auto" held on the full 2x3 (schedule hooks): the chain 1x3 is never
     drafted, yet its acceptance model learns from every verified tree, greedy and

@@ -18,6 +18,7 @@ from vllm_univer.sizing import (
     TreeChooser,
     prior_hazards,
     temperature_band,
+    tree_choice,
 )
 from vllm_univer.sizing.tree_choice import SPECULATION_MARGIN
 from vllm_univer.tree import TreeSpec
@@ -160,7 +161,11 @@ def by_hand_rate(chooser, bands, depths) -> float:
     return tokens / (1 + 0.02 * np.cumsum(WIDTHS_2X3)[depths].sum() + 0.1 * depths.max())
 
 
-def test_choice_weighs_each_request_by_its_band():
+@pytest.mark.parametrize("exhaustive_mixes", [tree_choice.EXHAUSTIVE_MIXES, 1], ids=["every-mix", "ascent"])
+def test_choice_weighs_each_request_by_its_band(monkeypatch, exhaustive_mixes):
+    """Each band's depth, priced over every mix at once or (more bands and depths
+    than ``EXHAUSTIVE_MIXES`` mixes) by coordinate ascent: the best mix here."""
+    monkeypatch.setattr(tree_choice, "EXHAUSTIVE_MIXES", exhaustive_mixes)
     chooser = greedy_and_hot_chooser()
     # Greedy: tokens 4 * (1, 2, 3, 4) over 1.08, 1.34, 1.76, 2.50 s: depth 2 (6.8/s) beats 3 (6.4/s).
     assert chooser.choose([0] * 4).depth == 2 and chooser.request_depths is None
@@ -189,7 +194,33 @@ def test_mixed_work_runs_each_request_its_own_rows_and_drafts_to_its_cut():
     assert model.mixed_work([0] * 4) == model.work(4, 0)
     for depth in range(4):
         assert model.mixed_work([depth], counts=[3]) == model.work(3, depth)
-        assert model.pricing(3, depth)(model.work(3, depth)) == model.seconds(3, depth)
+
+
+def test_every_mix_is_priced_as_the_step_it_runs():
+    """``mixes_seconds`` prices each row of a [K, G] mix of depths as the step
+    ``mixed_work`` says it runs, at its deepest cut's correction; conservatively,
+    at a batch size unseen, no less than the plain correction plus the seconds per
+    tree row measured elsewhere."""
+    target, draft = ForwardCost([1, 8, 64], [1.0, 1.2, 3.0]), ForwardCost([1, 8, 64], [0.1, 0.15, 0.6])
+    for tokens in (0, 1, 5, 8, 30, 64, 100):
+        assert target.many(np.array([tokens]))[0] == pytest.approx(target(tokens), rel=1e-12)
+    cost = StepCostModel(target, draft, WIDTHS_2X3)
+    cost.observe(0, cost.work(1, 0), 1.1)
+    cost.observe(2, cost.work(1, 2), 2.0)
+    extra = (2.0 - cost.raw_seconds(cost.work(1, 2)) * 1.1) / 6  # beyond a plain step's correction, per tree row
+    counts = [3, 1, 2]
+    mixes = np.array(list(itertools.product(range(4), repeat=3)))
+    for conservative in (False, True):
+        got = cost.mixes_seconds(mixes, counts, conservative)
+        for mix, seconds in zip(mixes.tolist(), got):
+            work = cost.mixed_work(mix, counts)
+            want = cost.raw_seconds(work) * cost.factor(max(mix), 6)
+            if conservative and max(mix):
+                want = max(want, cost.raw_seconds(work) * 1.1 + extra * (work.target_tokens - 6))
+            assert seconds == pytest.approx(want, rel=1e-12), (mix, conservative)
+    # New forward timings: nothing priced before is kept.
+    cost.target = ForwardCost([1, 64], [2.0, 2.0])
+    assert cost.mixes_seconds(np.array([[0, 0, 0]]), counts)[0] == pytest.approx(2.0 * 1.1 / 1.0 * 1.0)
 
 
 def test_each_temperature_band_gets_its_own_depth():

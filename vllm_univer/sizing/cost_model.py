@@ -35,7 +35,6 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import fmean, median
 
@@ -69,6 +68,11 @@ class ForwardCost:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
+    def many(self, tokens: np.ndarray) -> np.ndarray:
+        """The same function over an array of token counts, any shape."""
+        xs, ys = self.tokens, self.seconds
+        return np.where(tokens >= xs[-1], ys[-1] + self._slope * (tokens - xs[-1]), np.interp(tokens, xs, ys))
+
 
 @dataclass
 class StepWork:
@@ -76,6 +80,10 @@ class StepWork:
 
     target_tokens: int
     draft_tokens: list[int] = field(default_factory=list)
+
+
+# Mixes of depths whose forward seconds ``StepCostModel`` keeps (batch compositions x grids).
+FORWARDS_CACHE_SIZE = 64
 
 
 def batch_bucket(num_requests: int) -> int:
@@ -99,6 +107,7 @@ class StepCostModel:
     """
 
     def __init__(self, target: ForwardCost, draft: ForwardCost, depth_widths: list[int], window: int = 9):
+        self._forwards_cache: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.target = target
         self.draft = draft
         self.widths = np.asarray(depth_widths, dtype=np.int64)
@@ -116,6 +125,11 @@ class StepCostModel:
         # beyond its forwards (tree attention, drafting, verification) is much the
         # same share for every shape, so an unseen cut borrows their evidence too.
         self.peers: list[StepCostModel] = []
+
+    def __setattr__(self, name, value):
+        if name in ("target", "draft"):  # new forward timings: every cached mix is stale
+            self._forwards_cache.clear()
+        super().__setattr__(name, value)
 
     def _pooled(self, depth: int) -> list[float]:
         return [x for (d, _), r in self.ratios.items() if d == depth for x in r]
@@ -156,6 +170,7 @@ class StepCostModel:
         return StepWork(target_tokens=target, draft_tokens=draft)
 
     def raw_seconds(self, work: StepWork) -> float:
+        """Seconds of ``work``'s forwards as timed at start-up."""
         return self.target(work.target_tokens) + sum(self.draft(n) for n in work.draft_tokens)
 
     def floor_seconds(self, num_requests: int, depth: int) -> float:
@@ -168,28 +183,47 @@ class StepCostModel:
         """Predicted seconds of a step of ``num_requests`` cut to ``depth``;
         ``conservative``: for a speculating cut unseen at this batch size, the
         larger of the two estimates (module docstring)."""
-        return self.pricing(num_requests, depth, conservative)(self.work(num_requests, depth))
+        return float(self.mixes_seconds(np.array([[depth]]), [num_requests], conservative)[0])
 
-    def pricing(self, num_requests: int, depth: int, conservative: bool = False) -> Callable[[StepWork], float]:
-        """Predicted seconds of a step of ``num_requests`` whose deepest cut is
-        ``depth``, as a function of the work it runs (``seconds``; requests cut
-        to different depths: ``mixed_work``). The corrections are looked up once,
-        for pricing many mixes of depths."""
-        factor = self.factor(depth, num_requests)
-        extra = None
-        if conservative and depth and (depth, batch_bucket(num_requests)) not in self.ratios:
-            extra = self._row_extra(depth)
-        plain = self.factor(0, num_requests) if extra is not None else 0.0
-        raw_seconds = self.raw_seconds
+    def mixes_seconds(self, depths: np.ndarray, counts, conservative: bool = False) -> np.ndarray:
+        """[K] predicted seconds of K steps whose G groups of requests (``counts`` [G]
+        requests each) are cut to ``depths`` [K, G] (``mixed_work`` of each row, priced
+        like ``seconds`` at the row's deepest cut), in a few array operations: the
+        choice prices every mix of its temperature bands' depths at once."""
+        counts = np.asarray(counts, dtype=np.int64)
+        num_requests = int(counts.sum())
+        raw, tree_rows, deepest = self._mixes_forwards(depths, counts)
+        max_depth = len(self._widths) - 1
+        # The corrections of each deepest cut, looked up once.
+        factor = np.array([self.factor(d, num_requests) for d in range(max_depth + 1)])
+        seconds = raw * factor[deepest]
+        if conservative:  # unseen speculating cuts: the larger of the two estimates
+            bucket = batch_bucket(num_requests)
+            extra = [
+                e if d and (d, bucket) not in self.ratios and (e := self._row_extra(d)) is not None else np.nan
+                for d in range(max_depth + 1)
+            ]
+            if not np.isnan(extra).all():
+                per_row = factor[0] * raw + np.array(extra)[deepest] * tree_rows
+                seconds = np.where(np.isnan(per_row), seconds, np.fmax(seconds, per_row))
+        return seconds
 
-        def price(work: StepWork) -> float:
-            raw = raw_seconds(work)
-            if extra is None:
-                return raw * factor
-            tree_rows = work.target_tokens - num_requests
-            return max(raw * factor, raw * plain + extra * tree_rows)
-
-        return price
+    def _mixes_forwards(self, depths: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """([K] seconds of the forwards as timed at start-up, [K] tree rows, [K] deepest
+        cut) of ``mixes_seconds``'s mixes: fixed by the start-up timings, so kept per
+        mix and batch composition (the same bands step after step)."""
+        key = (depths.tobytes(), depths.shape, counts.tobytes())
+        if (hit := self._forwards_cache.get(key)) is not None:
+            return hit
+        max_depth = len(self._widths) - 1
+        target = (self.rows_through[depths] * counts).sum(1)  # [K]
+        # Level j's forward runs the depth-j nodes of the requests cut deeper than j (none: no forward).
+        draft = ((depths[:, :, None] > np.arange(max_depth)) * counts[:, None]).sum(1) * self.widths[:max_depth]
+        raw = self.target.many(target) + np.where(draft > 0, self.draft.many(draft), 0.0).sum(1)
+        if len(self._forwards_cache) >= FORWARDS_CACHE_SIZE:
+            self._forwards_cache.pop(next(iter(self._forwards_cache)))
+        self._forwards_cache[key] = out = (raw, target - int(counts.sum()), depths.max(1))
+        return out
 
     def _row_extra(self, depth: int) -> float | None:
         """Seconds a speculating step took beyond its prediction, per tree row: this

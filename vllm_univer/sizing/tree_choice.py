@@ -37,12 +37,13 @@ off for good).
 A batch of several temperature bands gives each band its own depth
 (``request_depths``): greedy requests, whose drafts the target keeps more
 often, may go deeper than hot ones in the same step, or speculate alone while
-the hot ones run plain. From the best cut of one depth for all, each band's
-depth in turn is set to the one that maximises the batch's rate given the
-others' (coordinate ascent over a few bands and depths), priced like the rates
-above (``StepCostModel.mixed_work``: each request's own target rows, the
-drafter's levels down to each request's cut, the deepest cut's correction). Trials keep one
-depth for all: they measure the cut.
+the hot ones run plain. In the shape of the best cut of one depth for all, the
+mix of band depths that maximises the batch's rate is found among every mix
+(at most 4 bands: 1296 mixes for a depth-5 tree, priced in one pass of array
+operations; coordinate ascent beyond ``EXHAUSTIVE_MIXES``), priced like the
+rates above (``StepCostModel.mixes_seconds``: each request's own target rows,
+the drafter's levels down to each request's cut, the deepest cut's
+correction). Trials keep one depth for all: they measure the cut.
 
 A cut is committed to on the cost model's conservative
 estimate (``StepCostModel.seconds``), and only if it beats no speculation by
@@ -52,6 +53,7 @@ forwards' time alone (``StepCostModel.floor_seconds``).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -69,6 +71,9 @@ MAX_BACKOFF = 64
 # +4-6 % per step (+2-3 % as run), -14 to -25 % end to end; where trees pay (batch 1) the
 # predicted gain is +20-40 %.
 SPECULATION_MARGIN = 0.10
+# A batch's temperature bands get the best mix of depths of all when there are at most
+# this many (4 bands x a depth-5 tree: 6^4 = 1296, priced in one pass), else coordinate ascent.
+EXHAUSTIVE_MIXES = 4096
 
 
 def catch_up_per_step(catch_up_seconds: float, tokens_left: float, num_requests: int, tokens_per_step):
@@ -122,7 +127,7 @@ class TreeChooser:
         out = []
         for cost, acceptance in self.shapes:
             tokens = acceptance.expected_tokens(bands).sum(0)
-            seconds = np.array([cost.seconds(reqs, d, conservative=True) for d in range(len(tokens))])
+            seconds = cost.mixes_seconds(np.arange(len(tokens))[:, None], [reqs], conservative=True)
             seconds[1:] += catch_up_per_step(cost.catch_up_seconds(reqs, backlog), tokens_left, reqs, tokens[1:])
             out.append(tokens / seconds)
         return out
@@ -199,46 +204,46 @@ class TreeChooser:
 
     def _band_depths(self, start: Cut, bands, counts, backlog: int, tokens_left: float) -> tuple[float, list[int]]:
         """(rate, [G] depths) of ``start``'s shape with a depth per temperature band
-        (``bands`` [G] distinct, ``counts`` [G] requests in each): coordinate
-        ascent from ``start.depth`` for every band, each band in turn set to the
-        depth that maximises the batch's expected tokens per second given the
-        others' (the shallower of equals), until no band moves (priced like ``rates``)."""
+        (``bands`` [G] distinct, ``counts`` [G] requests in each) that maximises the
+        batch's expected tokens per second (priced like ``rates``; of equal rates,
+        the fewest target rows: no rows for nothing, for a band whose drafts are
+        never kept). Every mix of depths is priced at once when there are at most
+        ``EXHAUSTIVE_MIXES``; beyond, coordinate ascent from ``start.depth`` for
+        every band, each band in turn set to its best depth given the others'."""
         cost, acceptance = self.shapes[start.shape]
-        tokens = (acceptance.expected_tokens(bands) * counts[:, None]).tolist()  # [G][D+1]
-        counts = counts.tolist()
-        reqs = sum(counts)
+        tokens = acceptance.expected_tokens(bands) * counts[:, None]  # [G, D+1]
+        num_bands, depths_per_band = tokens.shape
+        reqs = int(counts.sum())
         catch_up = cost.catch_up_seconds(reqs, backlog)
-        prices = [cost.pricing(reqs, d, conservative=True) for d in range(len(tokens[0]))]
-        rates: dict[tuple[int, ...], float] = {}  # sweeps revisit mixes
+        rows = cost.rows_through * counts[:, None]  # [G, D+1] target rows of each band at each depth
 
-        def rate(depths: list[int]) -> float:
-            key = tuple(depths)
-            if key not in rates:
-                expected = sum(t[d] for t, d in zip(tokens, depths))
-                deepest = max(depths)
-                seconds = prices[deepest](cost.mixed_work(depths, counts))
-                if deepest:
-                    seconds += catch_up_per_step(catch_up, tokens_left, reqs, expected)
-                rates[key] = expected / seconds
-            return rates[key]
+        def best_of(mixes: np.ndarray) -> tuple[float, np.ndarray]:
+            """The best of ``mixes`` [K, G]: (its rate, its depths [G])."""
+            expected = np.take_along_axis(tokens, mixes.T, 1).sum(0)  # [K]
+            seconds = cost.mixes_seconds(mixes, counts, conservative=True)
+            seconds += np.where(mixes.max(1) > 0, catch_up_per_step(catch_up, tokens_left, reqs, expected), 0.0)
+            rate = expected / seconds
+            near_best = rate >= rate.max() * (1 - 1e-9)
+            target_rows = np.take_along_axis(rows, mixes.T, 1).sum(0)
+            k = int(np.argmin(np.where(near_best, target_rows, np.iinfo(np.int64).max)))
+            return float(rate[k]), mixes[k]
 
-        depths = [start.depth] * len(counts)
-        best = rate(depths)
-        for _ in range(len(counts) + 1):
+        if depths_per_band**num_bands <= EXHAUSTIVE_MIXES:
+            best, depths = best_of(_all_mixes(num_bands, depths_per_band))
+            return best, depths.tolist()
+        depths = np.full(num_bands, start.depth)
+        best, _ = best_of(depths[None])
+        for _ in range(num_bands + 1):
             moved = False
-            for g in range(len(counts)):
-                for d in range(len(tokens[g])):
-                    if d == depths[g]:
-                        continue
-                    trial = depths[:g] + [d] + depths[g + 1 :]
-                    r = rate(trial)
-                    # At an equal rate the shallower depth: fewer rows for nothing (a band
-                    # whose drafts are never kept, with forwards that cost the same).
-                    if r > best * (1 + 1e-9) or (d < depths[g] and r >= best * (1 - 1e-12)):
-                        best, depths, moved = r, trial, True
+            for g in range(num_bands):
+                candidates = np.repeat(depths[None], depths_per_band, 0)
+                candidates[:, g] = np.arange(depths_per_band)
+                rate, mix = best_of(candidates)
+                if rate > best * (1 + 1e-9) or (mix[g] < depths[g] and rate >= best * (1 - 1e-9)):
+                    best, depths, moved = rate, mix, True
             if not moved:
                 break
-        return best, depths
+        return best, depths.tolist()
 
     def _exploration_candidates(self, choice: Cut, rates: list[np.ndarray]) -> list[Cut]:
         """No speculation, the next deeper cut of the chosen shape, each other shape's best cut."""
@@ -249,3 +254,9 @@ class TreeChooser:
             if s != choice.shape and len(r) > 1:
                 candidates.append(Cut(s, int(np.argmax(r[1:])) + 1))
         return candidates
+
+
+@functools.cache
+def _all_mixes(num_bands: int, depths_per_band: int) -> np.ndarray:
+    """[depths_per_band ** num_bands, num_bands]: every mix of depths."""
+    return np.indices((depths_per_band,) * num_bands).reshape(num_bands, -1).T.copy()

@@ -1,0 +1,124 @@
+"""Host time of ``tree: "auto"``'s choice per step (``TreeChooser.choose``).
+
+The choice runs on the host between the verifier and the drafter, once per
+engine step, with the device idle: on an H200 a 7B decode step takes about 7 ms,
+so every 0.1 ms of choice is about 1.4 % of the step. This times the choice on
+the sizer's own models as served: ``max_tree`` 2x5 and its chain (the two
+shapes ``auto`` switches among), forward costs shaped like an H200's (flat up
+to a few hundred rows), acceptance and costs learning from every step (what a
+serving engine does between two choices; timed apart), for a batch of one
+temperature band and for a batch mixing all four (a depth per band: every mix
+of depths priced, or coordinate ascent: ``tree_choice.EXHAUSTIVE_MIXES``),
+side by side in one run.
+
+    python benchmarks/sizer_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from vllm_univer.sizing import (
+    AcceptanceModel,
+    ForwardCost,
+    ShapeModels,
+    StepCostModel,
+    TreeChooser,
+    children_per_node,
+    prior_hazards,
+    tree_choice,
+)
+from vllm_univer.tree import TreeSpec
+
+RESULTS = Path(__file__).parent / "results"
+STEP_MS_H200_7B = 7.0  # a Qwen2.5-7B decode step on one H200, for scale (issue 12)
+
+
+def serving_chooser(max_tree: str) -> TreeChooser:
+    tree = TreeSpec.parse(max_tree)
+    shapes = [tree.width_cut(1), tree]
+    # Seconds: flat to 256 rows, then linear (memory-bound decode on a large GPU).
+    target = ForwardCost([1, 256, 4096], [7e-3, 7.4e-3, 60e-3])
+    draft = ForwardCost([1, 256, 4096], [1.2e-3, 1.3e-3, 6e-3])
+    return TreeChooser(
+        [
+            ShapeModels(
+                StepCostModel(target, draft, s.nodes_per_depth),
+                AcceptanceModel(
+                    s.max_depth, prior_hazards(s.nodes_per_depth), children=children_per_node(s.nodes_per_depth)
+                ),
+            )
+            for s in shapes
+        ]
+    )
+
+
+def time_steps(chooser: TreeChooser, bands: np.ndarray, steps: int, seed: int) -> tuple[float, float]:
+    """(median ms of a choice, median ms of the learning between two choices) over ``steps`` served steps."""
+    rng = np.random.default_rng(seed)
+    choose_ms, learn_ms = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        cut = chooser.choose(bands, None, 0, 200.0)
+        choose_ms.append(1e3 * (time.perf_counter() - start))
+        start = time.perf_counter()
+        cost, acceptance = chooser.shapes[cut.shape]
+        depths = chooser.request_depths if chooser.request_depths is not None else np.full(len(bands), cut.depth)
+        acceptance.observe(bands, depths, np.minimum(depths, rng.integers(0, acceptance.max_depth + 1, len(bands))))
+        work = cost.mixed_work(depths.tolist())
+        cost.observe(cut.depth, work, cost.raw_seconds(work) * rng.uniform(1.0, 1.3), len(bands))
+        learn_ms.append(1e3 * (time.perf_counter() - start))
+    return float(np.median(choose_ms[steps // 10 :])), float(np.median(learn_ms[steps // 10 :]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tree", default="2x5")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    args = parser.parse_args()
+
+    rows = []
+    for batch in args.batches:
+        for mixed in (False, True):
+            if mixed and batch < 4:
+                continue
+            bands = np.arange(batch) % 4 if mixed else np.full(batch, 2)
+            for search, limit in (("every mix", tree_choice.EXHAUSTIVE_MIXES), ("coordinate ascent", 1)):
+                if not mixed and search != "every mix":
+                    continue  # one band: no mix to search
+                tree_choice.EXHAUSTIVE_MIXES = limit
+                choose, learn = time_steps(serving_chooser(args.max_tree), bands, args.steps, seed=batch)
+                rows.append((batch, "4 bands" if mixed else "1 band", search, choose, learn))
+                print(rows[-1], flush=True)
+
+    lines = [
+        "# Host time of tree auto's choice per step",
+        "",
+        f"`python benchmarks/sizer_overhead.py --max-tree {args.max_tree} --steps {args.steps}` on "
+        f"{platform.processor() or platform.machine()} ({platform.platform()}), Python "
+        f"{sys.version.split()[0]}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. Medians over served steps "
+        f"(choice, then the acceptance and cost models learning from the step); share: of a "
+        f"{STEP_MS_H200_7B:.0f} ms H200 7B decode step, for scale.",
+        "",
+        "| batch | temperatures | band depths | choose (ms) | learn (ms) | share of a 7 ms step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for batch, kind, search, choose, learn in rows:
+        share = 100 * (choose + learn) / STEP_MS_H200_7B
+        search = search if kind != "1 band" else "-"
+        lines.append(f"| {batch} | {kind} | {search} | {choose:.3f} | {learn:.3f} | {share:.1f} % |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "sizer_overhead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
