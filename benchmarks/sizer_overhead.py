@@ -6,9 +6,10 @@ so every 0.1 ms of choice is about 1.4 % of the step. This times the choice on
 the sizer's own models as served: ``max_tree`` 2x5 and its chain (the two
 shapes ``auto`` switches among), forward costs shaped like an H200's (flat up
 to a few hundred rows), acceptance and costs learning from every step (what a
-serving engine does between two choices; timed apart), for a batch of one
-temperature band and for a batch mixing all four (a depth per band: every mix
-of depths priced, or coordinate ascent: ``tree_choice.EXHAUSTIVE_MIXES``),
+serving engine does between two choices; timed apart), each request with an
+acceptance of its own (so requests form groups with depths of their own), for
+a batch of one temperature band and for a batch mixing all four (every mix of
+group depths priced, or coordinate ascent: ``tree_choice.EXHAUSTIVE_MIXES``),
 side by side in one run.
 
     python benchmarks/sizer_overhead.py
@@ -63,15 +64,18 @@ def serving_chooser(max_tree: str) -> TreeChooser:
 def time_steps(chooser: TreeChooser, bands: np.ndarray, steps: int, seed: int) -> tuple[float, float]:
     """(median ms of a choice, median ms of the learning between two choices) over ``steps`` served steps."""
     rng = np.random.default_rng(seed)
+    req_ids = [f"request-{i}" for i in range(len(bands))]
+    skill = rng.uniform(0.3, 1.0, len(bands))  # each request's own acceptance: groups of their own depths
     choose_ms, learn_ms = [], []
     for _ in range(steps):
         start = time.perf_counter()
-        cut = chooser.choose(bands, None, 0, 200.0)
+        cut = chooser.choose(bands, None, 0, 200.0, req_ids)
         choose_ms.append(1e3 * (time.perf_counter() - start))
         start = time.perf_counter()
         cost, acceptance = chooser.shapes[cut.shape]
         depths = chooser.request_depths if chooser.request_depths is not None else np.full(len(bands), cut.depth)
-        acceptance.observe(bands, depths, np.minimum(depths, rng.integers(0, acceptance.max_depth + 1, len(bands))))
+        accepted = rng.geometric(1.0 - skill * 0.95) - 1
+        acceptance.observe(bands, depths, np.minimum(depths, accepted), req_ids)
         work = cost.mixed_work(depths.tolist())
         cost.observe(cut.depth, work, cost.raw_seconds(work) * rng.uniform(1.0, 1.3), len(bands))
         learn_ms.append(1e3 * (time.perf_counter() - start))
@@ -86,14 +90,15 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
+    exhaustive = tree_choice.EXHAUSTIVE_MIXES
     for batch in args.batches:
         for mixed in (False, True):
             if mixed and batch < 4:
                 continue
             bands = np.arange(batch) % 4 if mixed else np.full(batch, 2)
-            for search, limit in (("every mix", tree_choice.EXHAUSTIVE_MIXES), ("coordinate ascent", 1)):
-                if not mixed and search != "every mix":
-                    continue  # one band: no mix to search
+            for search, limit in (("every mix", exhaustive), ("coordinate ascent", 1)):
+                if batch == 1 and search != "every mix":
+                    continue  # one request: no mix to search
                 tree_choice.EXHAUSTIVE_MIXES = limit
                 choose, learn = time_steps(serving_chooser(args.max_tree), bands, args.steps, seed=batch)
                 rows.append((batch, "4 bands" if mixed else "1 band", search, choose, learn))
@@ -108,12 +113,12 @@ def main() -> None:
         f"(choice, then the acceptance and cost models learning from the step); share: of a "
         f"{STEP_MS_H200_7B:.0f} ms H200 7B decode step, for scale.",
         "",
-        "| batch | temperatures | band depths | choose (ms) | learn (ms) | share of a 7 ms step |",
+        "| batch | temperatures | group depths | choose (ms) | learn (ms) | share of a 7 ms step |",
         "|---|---|---|---|---|---|",
     ]
     for batch, kind, search, choose, learn in rows:
         share = 100 * (choose + learn) / STEP_MS_H200_7B
-        search = search if kind != "1 band" else "-"
+        search = search if batch > 1 else "-"
         lines.append(f"| {batch} | {kind} | {search} | {choose:.3f} | {learn:.3f} | {share:.1f} % |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sizer_overhead.md").write_text("\n".join(lines) + "\n")

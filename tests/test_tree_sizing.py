@@ -16,10 +16,12 @@ from vllm_univer.sizing import (
     StepCostModel,
     StepWork,
     TreeChooser,
+    acceptance_model,
     prior_hazards,
     temperature_band,
     tree_choice,
 )
+from vllm_univer.sizing.cost_model import DepthMixes
 from vllm_univer.sizing.tree_choice import SPECULATION_MARGIN
 from vllm_univer.tree import TreeSpec
 
@@ -197,7 +199,7 @@ def test_mixed_work_runs_each_request_its_own_rows_and_drafts_to_its_cut():
 
 
 def test_every_mix_is_priced_as_the_step_it_runs():
-    """``mixes_seconds`` prices each row of a [K, G] mix of depths as the step
+    """``mixes_seconds`` prices each mix of depths (``DepthMixes``) as the step
     ``mixed_work`` says it runs, at its deepest cut's correction; conservatively,
     at a batch size unseen, no less than the plain correction plus the seconds per
     tree row measured elsewhere."""
@@ -209,18 +211,19 @@ def test_every_mix_is_priced_as_the_step_it_runs():
     cost.observe(2, cost.work(1, 2), 2.0)
     extra = (2.0 - cost.raw_seconds(cost.work(1, 2)) * 1.1) / 6  # beyond a plain step's correction, per tree row
     counts = [3, 1, 2]
-    mixes = np.array(list(itertools.product(range(4), repeat=3)))
+    mixes = DepthMixes.every(3, 4)
+    assert sorted(map(tuple, mixes.depths.tolist())) == list(itertools.product(range(4), repeat=3))
     for conservative in (False, True):
         got = cost.mixes_seconds(mixes, counts, conservative)
-        for mix, seconds in zip(mixes.tolist(), got):
+        for mix, seconds in zip(mixes.depths.tolist(), got):
             work = cost.mixed_work(mix, counts)
             want = cost.raw_seconds(work) * cost.factor(max(mix), 6)
             if conservative and max(mix):
                 want = max(want, cost.raw_seconds(work) * 1.1 + extra * (work.target_tokens - 6))
             assert seconds == pytest.approx(want, rel=1e-12), (mix, conservative)
-    # New forward timings: nothing priced before is kept.
-    cost.target = ForwardCost([1, 64], [2.0, 2.0])
-    assert cost.mixes_seconds(np.array([[0, 0, 0]]), counts)[0] == pytest.approx(2.0 * 1.1 / 1.0 * 1.0)
+    some = DepthMixes(np.array([[3, 0, 1], [0, 0, 0]]), 4)  # any list of mixes
+    assert some.deepest.tolist() == [3, 0]
+    assert cost.mixes_seconds(some, counts).tolist() == [cost.mixes_seconds(mixes, counts)[k] for k in (49, 0)]
 
 
 def test_each_temperature_band_gets_its_own_depth():
@@ -561,23 +564,21 @@ def test_fixed_hazards_hook_sets_the_acceptance_and_freezes_it(monkeypatch):
     assert learning.acceptance[1].hazards()[2, 0] < prior_hazards(shapes[1].nodes_per_depth)[0]
 
 
-def test_the_sizer_hands_each_request_its_band_depth(monkeypatch):
-    """``TreeSizer.choose`` on a fake runner (greedy and T = 1 rows in turn, acceptance
-    fixed per band: greedy drafts always kept, sampled ones never; fake forwards):
-    the greedy rows get a tree, the sampled ones none, in the same step; with
-    ``ONE_DEPTH_ENV`` one depth for all, as before."""
-    import json
+def sizer_on_a_fake_runner(temperatures) -> tuple:
+    """(``TreeSizer`` of 2x3 and its chain on a fake runner whose batch has one request
+    per temperature, forwards that cost 1 + 0.02 s per target row and 0.1 s per draft
+    forward, exploration off; the batch's request ids)."""
     from types import SimpleNamespace
 
-    from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV, ONE_DEPTH_ENV, TreeSizer
+    from vllm_univer.integration.tree_sizer import TreeSizer
 
-    batch = 4
+    batch = len(temperatures)
     req_ids = [f"r{i}" for i in range(batch)]
     params = SimpleNamespace(max_tokens=None, structured_outputs=None)
     runner = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         input_batch=SimpleNamespace(
-            temperature_cpu=np.array([0.0, 1.0] * 2),
+            temperature_cpu=np.asarray(temperatures, dtype=np.float64),
             req_ids=req_ids,
             num_tokens_no_spec=np.full(batch, 10),
         ),
@@ -585,24 +586,100 @@ def test_the_sizer_hands_each_request_its_band_depth(monkeypatch):
         query_start_loc=SimpleNamespace(np=np.arange(batch + 1)),
     )
     drafter = SimpleNamespace(state=SimpleNamespace(draft_kv_len=dict.fromkeys(req_ids, 10)), forward_tokens=[])
-    per_band = {str(band): [1.0 if band == 0 else 0.0] * 3 for band in range(4)}
-    monkeypatch.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": per_band, "2": per_band}))
     shapes = TreeSpec.parse("2x3").width_cuts()
+    sizer = TreeSizer(runner, shapes, drafter)
     target = ForwardCost([1, 10_000], [1.02, 1.0 + 10_000 * 0.02])
     draft = ForwardCost([1, 10_000], [0.1, 0.1])
+    sizer.chooser = TreeChooser(
+        [ShapeModels(StepCostModel(target, draft, s.nodes_per_depth), a) for s, a in zip(shapes, sizer.acceptance)],
+        explore_every=0,
+    )
+    return sizer, req_ids
+
+
+def test_the_sizer_hands_each_request_its_band_depth(monkeypatch):
+    """``TreeSizer.choose`` on a fake runner (greedy and T = 1 rows in turn, acceptance
+    fixed per band: greedy drafts always kept, sampled ones never; fake forwards):
+    the greedy rows get a tree, the sampled ones none, in the same step; with
+    ``ONE_DEPTH_ENV`` one depth for all, as before."""
+    import json
+
+    from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV, ONE_DEPTH_ENV
+
+    per_band = {str(band): [1.0 if band == 0 else 0.0] * 3 for band in range(4)}
+    monkeypatch.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": per_band, "2": per_band}))
     for one_depth in ("0", "1"):
         monkeypatch.setenv(ONE_DEPTH_ENV, one_depth)
-        sizer = TreeSizer(runner, shapes, drafter)
-        sizer.chooser = TreeChooser(
-            [ShapeModels(StepCostModel(target, draft, s.nodes_per_depth), a) for s, a in zip(shapes, sizer.acceptance)],
-            explore_every=0,
-        )
-        shape, depth = sizer.choose(batch)
+        sizer, _ = sizer_on_a_fake_runner([0.0, 1.0] * 2)
+        shape, depth = sizer.choose(4)
         if one_depth == "1":
             assert np.ndim(depth) == 0, depth
             continue
-        assert shape in shapes and depth.tolist() == [depth[0], 0, depth[0], 0] and depth[0] > 0, depth
+        assert shape in sizer.shapes and depth.tolist() == [depth[0], 0, depth[0], 0] and depth[0] > 0, depth
         assert sizer.requests_at_depth == {0: 2, int(depth[0]): 2}
+
+
+def test_each_request_learns_its_own_acceptance_from_its_band():
+    """Requests of one band: a request's hazards are its band's until its own trees
+    are seen, then move towards what they accepted (the band's worth
+    REQUEST_PRIOR_WEIGHT trees); without ids, the band's; a finished request's
+    counts are dropped and its slot reused."""
+    model = AcceptanceModel(3, prior_hazard=0.5, prior_weight=1.0)
+    model.observe([2] * 4, [3] * 4, [3, 0, 3, 0], req_ids=["easy", "hard", "easy", "hard"])
+    band = model.expected_tokens([2])[0]
+    ids = ["easy", "hard", "new"]
+    easy, hard, new = model.expected_tokens([2] * 3, ids)
+    assert np.array_equal(new, band) and np.array_equal(model.expected_tokens([2] * 3)[0], band)
+    h = model.hazards()[2]
+    w = acceptance_model.REQUEST_PRIOR_WEIGHT
+    easy_h = (2.0 + w * h) / (2 + w)  # 2 trees, both accepted to depth 3
+    assert easy[1:] == pytest.approx(1 + np.cumsum(np.cumprod(easy_h)))
+    hard_h = np.array([w * h[0] / (2 + w), h[1], h[2]])  # 2 trees at risk at depth 1, none passed
+    assert hard[1:] == pytest.approx(1 + np.cumsum(np.cumprod(hard_h)))
+    assert easy[-1] > band[-1] > hard[-1]
+    model.forget_requests_except({"hard": None})
+    assert np.array_equal(model.expected_tokens([2], ["easy"])[0], band)
+    model.observe([2], [3], [3], req_ids=["other"])  # takes the freed slot, from zero
+    assert model.expected_tokens([2], ["other"])[0][-1] > model.expected_tokens([2])[0][-1]
+    assert model._request_counts.shape[1] == 2
+
+
+def test_acceptance_groups_split_at_the_largest_gaps():
+    groups = tree_choice.acceptance_groups
+    assert groups(np.array([1.0, 1.0, 1.0])).tolist() == [0, 0, 0]
+    assert groups(np.array([3.0, 1.0, 3.02, 1.01])).tolist() == [1, 0, 1, 0]  # gaps under 0.05: one group
+    expected = np.array([4.0, 1.0, 2.0, 3.9, 2.1, 1.1, 6.0])  # sorted, gaps .1 .9 .1 1.8 .1 2.0
+    assert groups(expected).tolist() == [2, 0, 1, 2, 1, 0, 3]  # at the 3 largest: 4 groups at most
+    assert groups(expected, max_groups=2).tolist() == [0, 0, 0, 0, 0, 0, 1]
+    assert groups(np.array([4.0, 1.0]), max_groups=1).tolist() == [0, 0]
+
+
+def test_requests_of_one_band_get_depths_of_their_own():
+    """One temperature band, requests whose drafts are always kept beside ones whose
+    drafts never are (each learnt from its own trees): the first speculate, the
+    others run plain, in the same step; valued by the band alone, one depth for all."""
+    chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7)
+    acceptance = chooser.shapes[0].acceptance
+    ids = ["easy0", "hard0", "easy1", "hard1"]
+    for _ in range(50):
+        acceptance.observe([2] * 4, [3] * 4, [3, 0, 3, 0], req_ids=ids)
+    cut = chooser.choose([2] * 4, req_ids=ids)
+    depths = chooser.request_depths
+    assert depths is not None and depths.tolist() == [cut.depth, 0, cut.depth, 0] and cut.depth > 0, depths
+    chooser.choose([2] * 4)
+    assert chooser.request_depths is None
+
+
+def test_the_sizer_learns_each_requests_acceptance():
+    """``TreeSizer`` on a fake runner, one temperature band: verified trees of each
+    request teach the choice that two of them accept everything and two nothing;
+    the next choice drafts for the first two only."""
+    sizer, req_ids = sizer_on_a_fake_runner([1.0] * 4)
+    for shape in sizer.shapes:
+        for _ in range(50):
+            sizer.observe_acceptance(shape, np.full(4, 1.0), [3] * 4, [3, 0, 3, 0], req_ids)
+    _, depth = sizer.choose(4)
+    assert np.ndim(depth) == 1 and depth.tolist() == [depth[0], 0, depth[0], 0] and depth[0] > 0, depth
 
 
 def test_a_shape_not_yet_drafted_borrows_the_others_acceptance():

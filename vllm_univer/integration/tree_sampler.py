@@ -280,7 +280,10 @@ class TreeVerificationSampler:
         if self.sizer is not None and len(req_ids) == len(num_draft):  # not vLLM's profile run (no requests)
             drafted = np.asarray(num_draft) > 0
             temperature = self.runner.input_batch.temperature_cpu[: len(req_ids)]
-            self.sizer.observe_acceptance(shape, temperature[drafted], keep_depth[drafted], accepted[drafted])
+            drafted_ids = [r for r, d in zip(req_ids, drafted) if d]
+            self.sizer.observe_acceptance(
+                shape, temperature[drafted], keep_depth[drafted], accepted[drafted], drafted_ids
+            )
             if chain is not None:
                 self.sizer.observe_chain(temperature[drafted], keep_depth[drafted], chain[drafted])
         for i, (req_id, n, k, cut) in enumerate(zip(req_ids, num_draft, accepted.tolist(), keep_depth.tolist())):

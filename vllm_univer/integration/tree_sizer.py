@@ -60,8 +60,8 @@ WIDTH_SCHEDULE_ENV = "VLLM_UNIVER_AUTO_WIDTHS"
 # every band's acceptance model starts there and learns nothing (random-weight models
 # accept nothing; ``benchmarks/gpu_engine.py`` gives the choice the real pair's acceptance).
 FIXED_HAZARDS_ENV = "VLLM_UNIVER_AUTO_HAZARDS"
-# Benchmark hook: "1" gives every request of a step the chosen cut's depth (no depth per
-# temperature band): ``benchmarks/engine_ab.py``'s row "univer auto one depth".
+# Benchmark hook: "1" gives every request of a step the chosen cut's depth (no depths of their own,
+# per group of requests): ``benchmarks/engine_ab.py``'s row "univer auto one depth".
 ONE_DEPTH_ENV = "VLLM_UNIVER_AUTO_ONE_DEPTH"
 # Forwards are timed at start-up up to this many query tokens (compute-bound beyond: linear).
 CALIBRATION_MAX_TOKENS = 128
@@ -146,7 +146,7 @@ class TreeSizer:
         self._last: tuple[float, Cut] | None = None  # (time, cut with the deepest depth) of the last choice
         self.set_schedule(os.environ.get(SCHEDULE_ENV), os.environ.get(WIDTH_SCHEDULE_ENV))
         self._decisions = 0
-        self._band_depths = os.environ.get(ONE_DEPTH_ENV, "0") != "1"
+        self._own_depths = os.environ.get(ONE_DEPTH_ENV, "0") != "1"
         self._tp_group = _tp_group(runner)
         # (shape's width = max children, depth cut) -> request-steps drafted at it (depth 0: plain steps).
         self.requests_at_cut = Counter()
@@ -233,13 +233,17 @@ class TreeSizer:
         allowed = None if len(self.shapes) == 1 or not self._has_structured_output(batch) else {len(self.shapes) - 1}
         backlog, tokens_left = self._draft_backlog(batch)
         bands = _bands(temperature)
-        cut = self.chooser.choose(bands, allowed, backlog, tokens_left)
+        req_ids = self.runner.input_batch.req_ids[:batch]
+        live = self.runner.requests
+        for acceptance in self.acceptance:
+            acceptance.forget_requests_except(live)
+        cut = self.chooser.choose(bands, allowed, backlog, tokens_left, req_ids)
         self._decisions += 1
         depth = cut.depth
         if self._width_schedule is not None:
             width = self._width_schedule[self._decisions % len(self._width_schedule)]
             cut = Cut(self._shape_index[self.tree.width_cut(width)] if allowed is None else cut.shape, cut.depth)
-        elif self._band_depths and self.chooser.request_depths is not None:  # each temperature band its own depth
+        elif self._own_depths and self.chooser.request_depths is not None:  # requests of their own depths
             depth = self.chooser.request_depths
         if self._schedule is not None:
             cycle = np.asarray(self._schedule)
@@ -276,11 +280,12 @@ class TreeSizer:
             for r in self.runner.input_batch.req_ids[:batch]
         )
 
-    def observe_acceptance(self, shape: TreeSpec, temperature, cut_depths, accepted) -> None:
-        """Verified trees of ``shape``: their requests' temperatures, cut depths and accepted depths."""
+    def observe_acceptance(self, shape: TreeSpec, temperature, cut_depths, accepted, req_ids=None) -> None:
+        """Verified trees of ``shape``: their requests' temperatures, cut depths and
+        accepted depths, and the requests (each learns its own acceptance)."""
         index = self._shape_index.get(shape)
         if index is not None and self._fixed_hazards is None:
-            self.acceptance[index].observe(_bands(temperature), cut_depths, accepted)
+            self.acceptance[index].observe(_bands(temperature), cut_depths, accepted, req_ids)
 
     def estimates_chain(self, shape: TreeSpec) -> bool:
         """Whether the chain's acceptance is to be estimated from verified trees of

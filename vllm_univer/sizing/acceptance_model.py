@@ -17,6 +17,12 @@ A cut tree's node-level acceptance is not exactly the full tree's (UniVer's
 stop rule at a node looks at its subtree); the estimate pools cuts, which is
 what the choice needs, and the verifier stays exact whatever is drafted.
 
+Requests of one band differ too (code accepts more than chat): each request
+keeps its own decayed counts, and its hazards are its band's estimate
+updated by them (``expected_tokens(bands, req_ids)``: the band's hazard worth
+``REQUEST_PRIOR_WEIGHT`` observations), so that the choice can cut each
+request to its own depth.
+
 Shapes that are rarely drafted (the chain of a 2x5 while the 2x5 runs) learn
 from the others before their own trials: ``share_priors`` moves each shape's
 prior to what the best-observed other shape implies at the same depth and
@@ -33,6 +39,8 @@ BAND_EDGES = (0.0, 0.5, 1.0)
 NUM_BANDS = len(BAND_EDGES) + 1
 # The prior's weight in observations never decays below this.
 MIN_PRIOR_WEIGHT = 1e-6
+# A request's own hazards: its band's estimate, worth this many observations, updated by its own.
+REQUEST_PRIOR_WEIGHT = 8.0
 
 
 def temperature_band(temperature) -> np.ndarray:
@@ -91,9 +99,13 @@ class AcceptanceModel:
         self.prior_weight = np.full((NUM_BANDS, max_depth), float(prior_weight))
         self.borrowed = np.zeros((NUM_BANDS, max_depth), dtype=bool)  # where ``prior`` came from another shape
         self._hazards: np.ndarray | None = None  # cached until the counts or the prior change
+        # Each request's decayed counts, [slot, D] (reached, accepted), and its slot.
+        self._slot: dict[str, int] = {}
+        self._request_counts = np.zeros((2, 0, max_depth))
 
-    def observe(self, bands, cut_depths, accepted_depths) -> None:
-        """Verified trees: their band, the depth they were cut to, the depth accepted."""
+    def observe(self, bands, cut_depths, accepted_depths, req_ids=None) -> None:
+        """Verified trees: their band, the depth they were cut to, the depth
+        accepted, and (given) their request, to learn each request's own hazards."""
         cut = np.asarray(cut_depths, dtype=np.int64)
         acc = np.asarray(accepted_depths, dtype=np.int64)
         j = np.arange(1, self.max_depth + 1)
@@ -101,6 +113,34 @@ class AcceptanceModel:
         at_risk = (acc[:, None] >= j - 1) & (cut[:, None] >= j)
         passed = at_risk & (acc[:, None] >= j)
         self._add(bands, at_risk, passed)
+        if req_ids is not None and len(req_ids):
+            slots = self._slots(req_ids)
+            counts = self._request_counts
+            counts[:, slots] *= self.memory
+            np.add.at(counts[0], slots, at_risk)
+            np.add.at(counts[1], slots, passed)
+
+    def _slots(self, req_ids) -> np.ndarray:
+        """The rows of ``req_ids`` in the per-request counts (new ones start at zero)."""
+        slot = self._slot
+        new = [r for r in dict.fromkeys(req_ids) if r not in slot]
+        if new:
+            free = sorted(set(range(self._request_counts.shape[1])) - set(slot.values()))
+            needed = len(new) - len(free)
+            if needed > 0:  # grow by doubling: rare, and the counts stay one array
+                grow = max(needed, self._request_counts.shape[1])
+                start = self._request_counts.shape[1]
+                self._request_counts = np.concatenate([self._request_counts, np.zeros((2, grow, self.max_depth))], 1)
+                free += range(start, start + grow)
+            for r, i in zip(new, free):
+                slot[r] = i
+                self._request_counts[:, i] = 0.0
+        return np.fromiter((slot[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+
+    def forget_requests_except(self, live_req_ids) -> None:
+        """Drop the counts of requests no longer served (their slots are reused)."""
+        if len(self._slot) > len(live_req_ids):
+            self._slot = {r: i for r, i in self._slot.items() if r in live_req_ids}
 
     def observe_survival(self, bands, cut_depths, survival) -> None:
         """Trees of this shape that were not drafted, through estimates of what
@@ -151,12 +191,20 @@ class AcceptanceModel:
             self._hazards = out
         return self._hazards
 
-    def expected_tokens(self, bands) -> np.ndarray:
-        """[R, D+1]: E[tokens per step] of each request at every depth cut 0..D."""
+    def expected_tokens(self, bands, req_ids=None) -> np.ndarray:
+        """[R, D+1]: E[tokens per step] of each request at every depth cut 0..D:
+        its band's, or (``req_ids`` given) its own (the band's updated by what
+        the request's own trees accepted)."""
         bands = np.asarray(bands, dtype=np.int64)
-        survival = np.cumprod(self.hazards(), axis=1)  # [band, D]: P(A >= k)
-        per_band = 1.0 + np.concatenate([np.zeros((NUM_BANDS, 1)), np.cumsum(survival, axis=1)], axis=1)
-        return per_band[bands]
+        hazards = self.hazards()[bands]  # [R, D]
+        if req_ids is not None and self._slot:
+            seen = [self._slot.get(r, -1) for r in req_ids]
+            if max(seen) >= 0:
+                rows = np.asarray(seen)
+                reached, accepted = self._request_counts[:, rows] * (rows >= 0)[None, :, None]
+                hazards = (accepted + REQUEST_PRIOR_WEIGHT * hazards) / (reached + REQUEST_PRIOR_WEIGHT)
+        survival = np.cumprod(hazards, axis=1)  # [R, D]: P(A >= k)
+        return 1.0 + np.concatenate([np.zeros((len(bands), 1)), np.cumsum(survival, axis=1)], axis=1)
 
 
 def share_priors(models: list[AcceptanceModel], children: list[np.ndarray], min_evidence: float = 2.0) -> None:

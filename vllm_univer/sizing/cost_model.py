@@ -33,6 +33,7 @@ at the plain steps' correction (``floor_seconds``) to be worth trying.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -82,8 +83,35 @@ class StepWork:
     draft_tokens: list[int] = field(default_factory=list)
 
 
-# Mixes of depths whose forward seconds ``StepCostModel`` keeps (batch compositions x grids).
+# Grids of mixes whose forward seconds ``StepCostModel`` keeps (x batch compositions).
 FORWARDS_CACHE_SIZE = 64
+
+
+class DepthMixes:
+    """K mixes of depth cuts for G groups of requests, ``depths`` [K, G] (cuts
+    0 .. ``depths_per_group`` - 1), in the form that prices them at once: a sum
+    over the groups of a per-group, per-depth quantity is one matrix product
+    with their one-hot form [K, G * depths_per_group]."""
+
+    def __init__(self, depths: np.ndarray, depths_per_group: int, key=None):
+        self.key = key  # names a grid built once (``every``): what its pricing may be kept under
+        self.depths = np.asarray(depths, dtype=np.int64)
+        num_mixes, num_groups = self.depths.shape
+        self.one_hot = np.zeros((num_mixes, num_groups * depths_per_group))
+        self.one_hot[np.arange(num_mixes)[:, None], self.depths + depths_per_group * np.arange(num_groups)] = 1.0
+        self.deepest = self.depths.max(1)
+
+    @staticmethod
+    @functools.cache
+    def every(num_groups: int, depths_per_group: int) -> DepthMixes:
+        """Every mix (``depths_per_group ** num_groups`` of them), built once."""
+        grid = np.indices((depths_per_group,) * num_groups).reshape(num_groups, -1).T
+        return DepthMixes(grid, depths_per_group, key=(num_groups, depths_per_group))
+
+    def total(self, per_group: np.ndarray) -> np.ndarray:
+        """[K, ...]: per mix, the sum over groups g of ``per_group[g, depth_g, ...]`` ([G, D+1, ...])."""
+        out = self.one_hot @ per_group.reshape(self.one_hot.shape[1], -1)
+        return out.reshape(len(out), *per_group.shape[2:])
 
 
 def batch_bucket(num_requests: int) -> int:
@@ -107,11 +135,15 @@ class StepCostModel:
     """
 
     def __init__(self, target: ForwardCost, draft: ForwardCost, depth_widths: list[int], window: int = 9):
-        self._forwards_cache: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.target = target
         self.draft = draft
         self.widths = np.asarray(depth_widths, dtype=np.int64)
         self.rows_through = np.cumsum(self.widths)  # [D+1]: rows per request at depth cut d
+        max_depth = len(depth_widths) - 1
+        # [D+1, D]: rows of draft level j per request cut to depth d (d > j: the widths[j] nodes at depth j).
+        self._deeper_widths = (np.arange(max_depth + 1)[:, None] > np.arange(max_depth)) * self.widths[:max_depth]
+        self._forwards_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._corrections_cache: tuple | None = None
         self._widths, self._rows_through = self.widths.tolist(), self.rows_through.tolist()  # Python ints: host speed
         self.window = window
         # (depth cut, batch bucket) -> the last observed / predicted ratios, and the
@@ -127,7 +159,7 @@ class StepCostModel:
         self.peers: list[StepCostModel] = []
 
     def __setattr__(self, name, value):
-        if name in ("target", "draft"):  # new forward timings: every cached mix is stale
+        if name in ("target", "draft") and hasattr(self, "_forwards_cache"):  # new timings: nothing kept holds
             self._forwards_cache.clear()
         super().__setattr__(name, value)
 
@@ -183,47 +215,63 @@ class StepCostModel:
         """Predicted seconds of a step of ``num_requests`` cut to ``depth``;
         ``conservative``: for a speculating cut unseen at this batch size, the
         larger of the two estimates (module docstring)."""
-        return float(self.mixes_seconds(np.array([[depth]]), [num_requests], conservative)[0])
+        mixes = DepthMixes(np.array([[depth]]), len(self._widths))
+        return float(self.mixes_seconds(mixes, [num_requests], conservative)[0])
 
-    def mixes_seconds(self, depths: np.ndarray, counts, conservative: bool = False) -> np.ndarray:
+    def mixes_seconds(self, mixes: DepthMixes, counts, conservative: bool = False) -> np.ndarray:
         """[K] predicted seconds of K steps whose G groups of requests (``counts`` [G]
-        requests each) are cut to ``depths`` [K, G] (``mixed_work`` of each row, priced
-        like ``seconds`` at the row's deepest cut), in a few array operations: the
-        choice prices every mix of its temperature bands' depths at once."""
-        counts = np.asarray(counts, dtype=np.int64)
+        requests each) are cut to ``mixes`` (``mixed_work`` of each mix, priced like
+        ``seconds`` at its deepest cut), in a few array operations: the choice
+        prices every mix of its groups' depths at once."""
+        counts = np.asarray(counts, dtype=np.float64)
         num_requests = int(counts.sum())
-        raw, tree_rows, deepest = self._mixes_forwards(depths, counts)
-        max_depth = len(self._widths) - 1
-        # The corrections of each deepest cut, looked up once.
-        factor = np.array([self.factor(d, num_requests) for d in range(max_depth + 1)])
-        seconds = raw * factor[deepest]
-        if conservative:  # unseen speculating cuts: the larger of the two estimates
-            bucket = batch_bucket(num_requests)
-            extra = [
-                e if d and (d, bucket) not in self.ratios and (e := self._row_extra(d)) is not None else np.nan
-                for d in range(max_depth + 1)
-            ]
-            if not np.isnan(extra).all():
-                per_row = factor[0] * raw + np.array(extra)[deepest] * tree_rows
-                seconds = np.where(np.isnan(per_row), seconds, np.fmax(seconds, per_row))
+        raw, tree_rows = self._mixes_forwards(mixes, counts)
+        factor, extra = self._corrections(num_requests, conservative)
+        seconds = raw * factor[mixes.deepest]
+        if extra is not None:  # unseen speculating cuts: the larger of the two estimates
+            per_row = factor[0] * raw + extra[mixes.deepest] * tree_rows
+            seconds = np.where(np.isnan(per_row), seconds, np.fmax(seconds, per_row))
         return seconds
 
-    def _mixes_forwards(self, depths: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """([K] seconds of the forwards as timed at start-up, [K] tree rows, [K] deepest
-        cut) of ``mixes_seconds``'s mixes: fixed by the start-up timings, so kept per
-        mix and batch composition (the same bands step after step)."""
-        key = (depths.tobytes(), depths.shape, counts.tobytes())
-        if (hit := self._forwards_cache.get(key)) is not None:
+    def _mixes_forwards(self, mixes: DepthMixes, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([K] seconds of the forwards of ``mixes`` as timed at start-up, [K] their
+        tree rows). Fixed by the start-up timings: kept for the grids of every mix
+        (``DepthMixes.every``) per batch composition, which repeats step after step."""
+        key = None if mixes.key is None else (mixes.key, counts.tobytes())
+        if key is not None and (hit := self._forwards_cache.get(key)) is not None:
             return hit
-        max_depth = len(self._widths) - 1
-        target = (self.rows_through[depths] * counts).sum(1)  # [K]
+        target = mixes.total(self.rows_through * counts[:, None])  # [K]
         # Level j's forward runs the depth-j nodes of the requests cut deeper than j (none: no forward).
-        draft = ((depths[:, :, None] > np.arange(max_depth)) * counts[:, None]).sum(1) * self.widths[:max_depth]
+        draft = mixes.total(counts[:, None, None] * self._deeper_widths)  # [K, D]
         raw = self.target.many(target) + np.where(draft > 0, self.draft.many(draft), 0.0).sum(1)
-        if len(self._forwards_cache) >= FORWARDS_CACHE_SIZE:
-            self._forwards_cache.pop(next(iter(self._forwards_cache)))
-        self._forwards_cache[key] = out = (raw, target - int(counts.sum()), depths.max(1))
+        out = (raw, target - counts.sum())
+        if key is not None:
+            if len(self._forwards_cache) >= FORWARDS_CACHE_SIZE:
+                self._forwards_cache.pop(next(iter(self._forwards_cache)))
+            self._forwards_cache[key] = out
         return out
+
+    def _corrections(self, num_requests: int, conservative: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """([D+1] the correction factor of each deepest cut, [D+1] the conservative
+        seconds per tree row of each (NaN: none), or None), for a batch of
+        ``num_requests``; looked up once per observation of this model or its peers."""
+        stamp = (batch_bucket(num_requests), conservative, self._steps, *(peer._steps for peer in self.peers))
+        if self._corrections_cache is not None and self._corrections_cache[0] == stamp:
+            return self._corrections_cache[1]
+        max_depth = len(self._widths) - 1
+        factor = np.array([self.factor(d, num_requests) for d in range(max_depth + 1)])
+        extra = None
+        if conservative:
+            bucket = stamp[0]
+            extra = np.array(
+                [
+                    e if d and (d, bucket) not in self.ratios and (e := self._row_extra(d)) is not None else np.nan
+                    for d in range(max_depth + 1)
+                ]
+            )
+            extra = None if np.isnan(extra).all() else extra
+        self._corrections_cache = (stamp, (factor, extra))
+        return factor, extra
 
     def _row_extra(self, depth: int) -> float | None:
         """Seconds a speculating step took beyond its prediction, per tree row: this

@@ -34,16 +34,20 @@ second is the one that measures the cut (without it, trials from plain steps
 would never correct a cut's cost, and a slow spell could keep speculation
 off for good).
 
-A batch of several temperature bands gives each band its own depth
-(``request_depths``): greedy requests, whose drafts the target keeps more
-often, may go deeper than hot ones in the same step, or speculate alone while
-the hot ones run plain. In the shape of the best cut of one depth for all, the
-mix of band depths that maximises the batch's rate is found among every mix
-(at most 4 bands: 1296 mixes for a depth-5 tree, priced in one pass of array
-operations; coordinate ascent beyond ``EXHAUSTIVE_MIXES``), priced like the
-rates above (``StepCostModel.mixes_seconds``: each request's own target rows,
-the drafter's levels down to each request's cut, the deepest cut's
-correction). Trials keep one depth for all: they measure the cut.
+Requests that accept differently get depths of their own (``request_depths``):
+greedy requests, whose drafts the target keeps more often, may go deeper than
+hot ones in the same step, or speculate alone while the hot ones run plain;
+within a band, a request whose drafts are kept more often (code beside chat)
+may go deeper than the others. Each request is valued by its own acceptance
+(``AcceptanceModel.expected_tokens`` with its id: its band's, updated by its
+own trees); requests are put in at most ``MAX_GROUPS`` groups of alike
+acceptance (``acceptance_groups``), and in the shape of the best cut of one
+depth for all, the mix of group depths that maximises the batch's rate is
+found among every mix (4 groups: 1296 mixes for a depth-5 tree, priced in one
+pass of array operations; coordinate ascent beyond ``EXHAUSTIVE_MIXES``),
+priced like the rates above (``StepCostModel.mixes_seconds``: each request's
+own target rows, the drafter's levels down to each request's cut, the deepest
+cut's correction). Trials keep one depth for all: they measure the cut.
 
 A cut is committed to on the cost model's conservative
 estimate (``StepCostModel.seconds``), and only if it beats no speculation by
@@ -53,13 +57,12 @@ forwards' time alone (``StepCostModel.floor_seconds``).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
 
 from .acceptance_model import AcceptanceModel, children_per_node, share_priors
-from .cost_model import StepCostModel, batch_bucket
+from .cost_model import DepthMixes, StepCostModel, batch_bucket
 
 # The longest wait between two trials of one cut, in explorations (x explore_every decisions).
 MAX_BACKOFF = 64
@@ -71,8 +74,12 @@ MAX_BACKOFF = 64
 # +4-6 % per step (+2-3 % as run), -14 to -25 % end to end; where trees pay (batch 1) the
 # predicted gain is +20-40 %.
 SPECULATION_MARGIN = 0.10
-# A batch's temperature bands get the best mix of depths of all when there are at most
-# this many (4 bands x a depth-5 tree: 6^4 = 1296, priced in one pass), else coordinate ascent.
+# Requests get a depth per group of alike acceptance: at most this many groups.
+MAX_GROUPS = 4
+# Requests whose expected tokens per step at the full depth differ by less never split into groups.
+GROUP_GAP = 0.05
+# A batch's groups of requests get the best mix of depths of all when there are at most
+# this many (4 groups x a depth-5 tree: 6^4 = 1296, priced in one pass), else coordinate ascent.
 EXHAUSTIVE_MIXES = 4096
 
 
@@ -112,32 +119,43 @@ class TreeChooser:
         self._backoff: dict[tuple[int, Cut], int] = {}
         self._eligible_from: dict[tuple[int, Cut], int] = {}
         self._follow_up: tuple[int, Cut] | None = None  # (batch bucket, cut): a trial's second step
-        # [R]: each request's depth in the last choice (temperature bands of their own
+        # [R]: each request's depth in the last choice (groups of requests of their own
         # depths), or None: every request at the cut's depth (one band, no speculation, a trial).
         self.request_depths: np.ndarray | None = None
 
-    def rates(self, bands, backlog: int = 0, tokens_left: float = np.inf) -> list[np.ndarray]:
+    def rates(self, bands, backlog: int = 0, tokens_left: float = np.inf, req_ids=None) -> list[np.ndarray]:
         """Per shape, [D+1]: expected tokens per second of the batch at every depth
         cut, on the conservative step costs, each speculating cut charged the
         draft's catch-up over ``backlog`` tokens spread over the steps that
-        ``tokens_left`` (per request) take at that cut."""
-        reqs = len(bands)
+        ``tokens_left`` (per request) take at that cut. ``req_ids``: each
+        request valued by its own acceptance (None: its band's)."""
+        return self._rates(self._request_tokens(bands, req_ids), backlog, tokens_left)
+
+    def _request_tokens(self, bands, req_ids) -> list[np.ndarray]:
+        """Per shape, [R, D+1]: each request's expected tokens per step at every depth cut."""
         if len(self.shapes) > 1:  # a shape rarely drafted learns from the others first
             share_priors([a for _, a in self.shapes], [children_per_node(c.widths) for c, _ in self.shapes])
+        return [acceptance.expected_tokens(bands, req_ids) for _, acceptance in self.shapes]
+
+    def _rates(self, request_tokens: list[np.ndarray], backlog: int, tokens_left: float) -> list[np.ndarray]:
         out = []
-        for cost, acceptance in self.shapes:
-            tokens = acceptance.expected_tokens(bands).sum(0)
-            seconds = cost.mixes_seconds(np.arange(len(tokens))[:, None], [reqs], conservative=True)
+        for (cost, _), per_request in zip(self.shapes, request_tokens):
+            reqs = len(per_request)
+            tokens = per_request.sum(0)
+            seconds = cost.mixes_seconds(DepthMixes.every(1, len(tokens)), [reqs], conservative=True)
             seconds[1:] += catch_up_per_step(cost.catch_up_seconds(reqs, backlog), tokens_left, reqs, tokens[1:])
             out.append(tokens / seconds)
         return out
 
-    def choose(self, bands, allowed: set[int] | None = None, backlog: int = 0, tokens_left: float = np.inf) -> Cut:
+    def choose(
+        self, bands, allowed: set[int] | None = None, backlog: int = 0, tokens_left: float = np.inf, req_ids=None
+    ) -> Cut:
         """The cut for a step whose requests are in temperature ``bands``, among
         the shapes ``allowed`` (indices; None: all). ``backlog``: tokens the
         draft has not seen beyond one per request (what speculating now must
         first run through it); ``tokens_left``: tokens each request has left to
-        generate, as far as known (typical of the batch)."""
+        generate, as far as known (typical of the batch); ``req_ids``: the
+        requests, each valued by its own acceptance (None: by its band's)."""
         reqs = len(bands)
         last = len(self.shapes) - 1
         if reqs == 0:
@@ -148,7 +166,8 @@ class TreeChooser:
             self.decisions += 1  # a trial's second step, at the batch size it was tried at
             self.request_depths = None
             return follow_up[1]
-        rates = self.rates(bands, backlog, tokens_left)
+        request_tokens = self._request_tokens(bands, req_ids)
+        rates = self._rates(request_tokens, backlog, tokens_left)
         if allowed is not None:
             rates = [r if s in allowed else r[:1] for s, r in enumerate(rates)]  # depth 0 is any shape's
         best = max(
@@ -159,12 +178,19 @@ class TreeChooser:
         plain = max(r[0] for r in rates)  # no speculation: every shape's model of the same step
         best_rate = rates[best[0]][best[1]] if best is not None else 0.0
         per_request = None
-        present, counts = np.unique(np.asarray(bands, dtype=np.int64), return_counts=True)
-        if best is not None and len(present) > 1:
-            band_rate, band_depths = self._band_depths(Cut(*best), present, counts, backlog, tokens_left)
-            if band_rate > best_rate and max(band_depths) > 0:
-                best, best_rate = (best[0], max(band_depths)), band_rate
-                per_request = np.asarray(band_depths, dtype=np.int64)[np.searchsorted(present, bands)]
+        if best is not None and reqs > 1:
+            # Requests that accept alike share a depth: at most MAX_GROUPS groups.
+            tokens = request_tokens[best[0]]
+            group = acceptance_groups(tokens[:, -1])
+            if group.max() > 0:
+                num_groups = int(group.max()) + 1
+                group_tokens = np.zeros((num_groups, tokens.shape[1]))
+                np.add.at(group_tokens, group, tokens)
+                counts = np.bincount(group, minlength=num_groups)
+                group_rate, depths = self._group_depths(Cut(*best), group_tokens, counts, backlog, tokens_left)
+                if group_rate > best_rate and max(depths) > 0:
+                    best, best_rate = (best[0], max(depths)), group_rate
+                    per_request = np.asarray(depths, dtype=np.int64)[group]
         speculate = best is not None and best_rate > plain * (1 + SPECULATION_MARGIN)
         choice = Cut(*best) if speculate else Cut(last, 0)
         if choice.depth == 0 and allowed is not None:
@@ -202,43 +228,44 @@ class TreeChooser:
                     self._backoff[bucket, trial] = min(2 * wait, MAX_BACKOFF)
         return choice
 
-    def _band_depths(self, start: Cut, bands, counts, backlog: int, tokens_left: float) -> tuple[float, list[int]]:
-        """(rate, [G] depths) of ``start``'s shape with a depth per temperature band
-        (``bands`` [G] distinct, ``counts`` [G] requests in each) that maximises the
-        batch's expected tokens per second (priced like ``rates``; of equal rates,
-        the fewest target rows: no rows for nothing, for a band whose drafts are
+    def _group_depths(
+        self, start: Cut, tokens: np.ndarray, counts: np.ndarray, backlog: int, tokens_left: float
+    ) -> tuple[float, list[int]]:
+        """(rate, [G] depths) of ``start``'s shape with a depth per group of requests
+        (``tokens`` [G, D+1] their expected tokens per step at each cut, summed
+        over the ``counts`` [G] requests of each) that maximises the batch's
+        expected tokens per second (priced like ``rates``; of equal rates, the
+        fewest target rows: no rows for nothing, for a group whose drafts are
         never kept). Every mix of depths is priced at once when there are at most
         ``EXHAUSTIVE_MIXES``; beyond, coordinate ascent from ``start.depth`` for
-        every band, each band in turn set to its best depth given the others'."""
-        cost, acceptance = self.shapes[start.shape]
-        tokens = acceptance.expected_tokens(bands) * counts[:, None]  # [G, D+1]
-        num_bands, depths_per_band = tokens.shape
+        every group, each in turn set to its best depth given the others'."""
+        cost, _ = self.shapes[start.shape]
+        num_groups, depths_per_group = tokens.shape
         reqs = int(counts.sum())
         catch_up = cost.catch_up_seconds(reqs, backlog)
-        rows = cost.rows_through * counts[:, None]  # [G, D+1] target rows of each band at each depth
+        rows = cost.rows_through * counts[:, None]  # [G, D+1] target rows of each group at each depth
 
-        def best_of(mixes: np.ndarray) -> tuple[float, np.ndarray]:
-            """The best of ``mixes`` [K, G]: (its rate, its depths [G])."""
-            expected = np.take_along_axis(tokens, mixes.T, 1).sum(0)  # [K]
+        def best_of(mixes: DepthMixes) -> tuple[float, np.ndarray]:
+            """The best of ``mixes``: (its rate, its depths [G])."""
+            expected = mixes.total(tokens)  # [K]
             seconds = cost.mixes_seconds(mixes, counts, conservative=True)
-            seconds += np.where(mixes.max(1) > 0, catch_up_per_step(catch_up, tokens_left, reqs, expected), 0.0)
+            seconds += np.where(mixes.deepest > 0, catch_up_per_step(catch_up, tokens_left, reqs, expected), 0.0)
             rate = expected / seconds
             near_best = rate >= rate.max() * (1 - 1e-9)
-            target_rows = np.take_along_axis(rows, mixes.T, 1).sum(0)
-            k = int(np.argmin(np.where(near_best, target_rows, np.iinfo(np.int64).max)))
-            return float(rate[k]), mixes[k]
+            k = int(np.argmin(np.where(near_best, mixes.total(rows), np.inf)))
+            return float(rate[k]), mixes.depths[k]
 
-        if depths_per_band**num_bands <= EXHAUSTIVE_MIXES:
-            best, depths = best_of(_all_mixes(num_bands, depths_per_band))
+        if depths_per_group**num_groups <= EXHAUSTIVE_MIXES:
+            best, depths = best_of(DepthMixes.every(num_groups, depths_per_group))
             return best, depths.tolist()
-        depths = np.full(num_bands, start.depth)
-        best, _ = best_of(depths[None])
-        for _ in range(num_bands + 1):
+        depths = np.full(num_groups, start.depth)
+        best, _ = best_of(DepthMixes(depths[None], depths_per_group))
+        for _ in range(num_groups + 1):
             moved = False
-            for g in range(num_bands):
-                candidates = np.repeat(depths[None], depths_per_band, 0)
-                candidates[:, g] = np.arange(depths_per_band)
-                rate, mix = best_of(candidates)
+            for g in range(num_groups):
+                candidates = np.repeat(depths[None], depths_per_group, 0)
+                candidates[:, g] = np.arange(depths_per_group)
+                rate, mix = best_of(DepthMixes(candidates, depths_per_group))
                 if rate > best * (1 + 1e-9) or (mix[g] < depths[g] and rate >= best * (1 - 1e-9)):
                     best, depths, moved = rate, mix, True
             if not moved:
@@ -256,7 +283,17 @@ class TreeChooser:
         return candidates
 
 
-@functools.cache
-def _all_mixes(num_bands: int, depths_per_band: int) -> np.ndarray:
-    """[depths_per_band ** num_bands, num_bands]: every mix of depths."""
-    return np.indices((depths_per_band,) * num_bands).reshape(num_bands, -1).T.copy()
+def acceptance_groups(expected: np.ndarray, max_groups: int = MAX_GROUPS, min_gap: float = GROUP_GAP) -> np.ndarray:
+    """[R] group (0 .. G-1, in increasing ``expected``) of each request, from
+    ``expected`` [R], its expected tokens per step at the full depth: the
+    requests in that order, split at the ``max_groups - 1`` largest gaps wider
+    than ``min_gap``."""
+    order = np.argsort(expected, kind="stable")
+    gaps = np.diff(expected[order])
+    splits = np.argsort(-gaps, kind="stable")[: max_groups - 1]
+    splits = splits[gaps[splits] > min_gap]
+    starts = np.zeros(len(expected), dtype=np.int64)
+    starts[splits + 1] = 1
+    group = np.empty(len(expected), dtype=np.int64)
+    group[order] = np.cumsum(starts)
+    return group
