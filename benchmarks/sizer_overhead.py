@@ -42,12 +42,14 @@ RESULTS = Path(__file__).parent / "results"
 STEP_MS_H200_7B = 7.0  # a Qwen2.5-7B decode step on one H200, for scale (issue 12)
 
 
-def serving_chooser(max_tree: str) -> TreeChooser:
+def serving_chooser(max_tree: str, draft_pays: bool = True) -> TreeChooser:
+    """The sizer's chooser: ``max_tree`` and its chain, forwards flat to 256 rows, then
+    linear (memory-bound decode on a large GPU); the draft a sixth of the target, or
+    (``draft_pays`` False) as slow as the target: no cut pays, every step is plain."""
     tree = TreeSpec.parse(max_tree)
     shapes = [tree.width_cut(1), tree]
-    # Seconds: flat to 256 rows, then linear (memory-bound decode on a large GPU).
     target = ForwardCost([1, 256, 4096], [7e-3, 7.4e-3, 60e-3])
-    draft = ForwardCost([1, 256, 4096], [1.2e-3, 1.3e-3, 6e-3])
+    draft = ForwardCost([1, 256, 4096], [1.2e-3, 1.3e-3, 6e-3]) if draft_pays else target
     return TreeChooser(
         [
             ShapeModels(
@@ -62,7 +64,8 @@ def serving_chooser(max_tree: str) -> TreeChooser:
 
 
 def time_steps(chooser: TreeChooser, bands: np.ndarray, steps: int, seed: int) -> tuple[float, float]:
-    """(median ms of a choice, median ms of the learning between two choices) over ``steps`` served steps."""
+    """(mean ms of a choice, mean ms of the learning between two choices) over ``steps`` served steps
+    (means: a choice kept without pricing is fast, one priced again is not)."""
     rng = np.random.default_rng(seed)
     req_ids = [f"request-{i}" for i in range(len(bands))]
     skill = rng.uniform(0.3, 1.0, len(bands))  # each request's own acceptance: groups of their own depths
@@ -74,12 +77,15 @@ def time_steps(chooser: TreeChooser, bands: np.ndarray, steps: int, seed: int) -
         start = time.perf_counter()
         cost, acceptance = chooser.shapes[cut.shape]
         depths = chooser.request_depths if chooser.request_depths is not None else np.full(len(bands), cut.depth)
-        accepted = rng.geometric(1.0 - skill * 0.95) - 1
-        acceptance.observe(bands, depths, np.minimum(depths, accepted), req_ids)
+        drafted = depths > 0  # the engine verifies (and learns from) drafted requests only
+        if drafted.any():
+            accepted = rng.geometric(1.0 - skill[drafted] * 0.95) - 1
+            ids = [r for r, d in zip(req_ids, drafted) if d]
+            acceptance.observe(bands[drafted], depths[drafted], np.minimum(depths[drafted], accepted), ids)
         work = cost.mixed_work(depths.tolist())
         cost.observe(cut.depth, work, cost.raw_seconds(work) * rng.uniform(1.0, 1.3), len(bands))
         learn_ms.append(1e3 * (time.perf_counter() - start))
-    return float(np.median(choose_ms[steps // 10 :])), float(np.median(learn_ms[steps // 10 :]))
+    return float(np.mean(choose_ms[steps // 10 :])), float(np.mean(learn_ms[steps // 10 :]))
 
 
 def main() -> None:
@@ -103,13 +109,26 @@ def main() -> None:
                 choose, learn = time_steps(serving_chooser(args.max_tree), bands, args.steps, seed=batch)
                 rows.append((batch, "4 bands" if mixed else "1 band", search, choose, learn))
                 print(rows[-1], flush=True)
+        tree_choice.EXHAUSTIVE_MIXES = exhaustive
+        # No cut pays: every step plain, the choice settled between pricings (``SETTLED_DECISIONS``).
+        choose, learn = time_steps(serving_chooser(args.max_tree, draft_pays=False), bands, args.steps, seed=batch)
+        rows.append(
+            (
+                batch,
+                "4 bands, drafting cannot pay" if batch >= 4 else "1 band, drafting cannot pay",
+                "every mix",
+                choose,
+                learn,
+            )
+        )
+        print(rows[-1], flush=True)
 
     lines = [
         "# Host time of tree auto's choice per step",
         "",
         f"`python benchmarks/sizer_overhead.py --max-tree {args.max_tree} --steps {args.steps}` on "
         f"{platform.processor() or platform.machine()} ({platform.platform()}), Python "
-        f"{sys.version.split()[0]}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. Medians over served steps "
+        f"{sys.version.split()[0]}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. Means over served steps "
         f"(choice, then the acceptance and cost models learning from the step); share: of a "
         f"{STEP_MS_H200_7B:.0f} ms H200 7B decode step, for scale.",
         "",

@@ -125,6 +125,29 @@ def test_choice_is_no_speculation_when_drafting_cannot_pay():
     ] * 20  # exploration never tries a cut that cannot pay
 
 
+def test_a_clear_no_speculation_is_kept_without_pricing(monkeypatch):
+    """Drafting far from paying: the cuts are priced once, then no speculation is kept
+    for SETTLED_DECISIONS decisions without pricing anything (a plain step must cost
+    what a plain engine's does); a new temperature band in the batch, a model that
+    learns from a speculating step, or an exploration prices them again at once."""
+    chooser = chooser_with(target_per_token=1.0, target_fixed=0.0, draft_per_forward=1.0, hazard=0.9, explore=64)
+    priced = []
+    rates = chooser._rates
+    monkeypatch.setattr(chooser, "_rates", lambda *args: priced.append(chooser.decisions) or rates(*args))
+    assert [chooser.choose([2, 2]).depth for _ in range(20)] == [0] * 20
+    assert priced == [0, 1 + tree_choice.SETTLED_DECISIONS, 2 + 2 * tree_choice.SETTLED_DECISIONS]
+    priced.clear()
+    chooser.choose([0, 2])  # a greedy request joins
+    chooser.shapes[0].acceptance.observe([2], [1], [0])
+    chooser.choose([0, 2])
+    chooser.shapes[0].cost.observe(0, chooser.shapes[0].cost.work(2, 0), 2.0, 2)  # plain periods: not evidence
+    chooser.choose([0, 2])
+    assert len(priced) == 2, priced
+    chooser.explore_every = chooser.decisions + 1  # the next decision explores
+    chooser.choose([0, 2])
+    assert len(priced) == 3, priced
+
+
 def test_choice_is_the_full_tree_when_rows_and_drafts_are_nearly_free():
     chooser = chooser_with(target_per_token=1e-6, target_fixed=1.0, draft_per_forward=1e-3, hazard=0.8)
     assert chooser.choose([2] * 8).depth == 3

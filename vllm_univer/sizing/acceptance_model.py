@@ -99,6 +99,7 @@ class AcceptanceModel:
         self.prior_weight = np.full((NUM_BANDS, max_depth), float(prior_weight))
         self.borrowed = np.zeros((NUM_BANDS, max_depth), dtype=bool)  # where ``prior`` came from another shape
         self._hazards: np.ndarray | None = None  # cached until the counts or the prior change
+        self.observations = 0  # calls that added trees
         # Each request's decayed counts, [slot, D] (reached, accepted), and its slot.
         self._slot: dict[str, int] = {}
         self._request_counts = np.zeros((2, 0, max_depth))
@@ -168,6 +169,7 @@ class AcceptanceModel:
         np.add.at(self.reached, bands, at_risk.astype(np.float64))
         np.add.at(self.accepted, bands, passed.astype(np.float64))
         self._hazards = None
+        self.observations += 1
 
     def set_prior(self, prior: np.ndarray, borrowed: np.ndarray) -> None:
         """[band, D] prior hazards, and where they were borrowed from another shape."""

@@ -152,6 +152,7 @@ class StepCostModel:
         self.row_extras: dict[tuple[int, int], deque] = {}
         # Steps observed so far, and the step at which each (depth cut, batch bucket) was last.
         self._steps = 0
+        self.speculating_steps = 0  # of them, steps that speculated
         self._last_step: dict[tuple[int, int], int] = {}
         # The other shapes' models (``TreeChooser``): what a speculating step adds
         # beyond its forwards (tree attention, drafting, verification) is much the
@@ -305,6 +306,7 @@ class StepCostModel:
                 self.ratios.pop(key, None)
                 self.row_extras.pop(key, None)
             self._last_step[key] = self._steps
+            self.speculating_steps += depth > 0
             self.ratios.setdefault(key, deque(maxlen=self.window)).append(seconds / predicted)
             tree_rows = work.target_tokens - num_requests
             if depth > 0 and tree_rows > 0:

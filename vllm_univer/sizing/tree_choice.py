@@ -74,6 +74,14 @@ MAX_BACKOFF = 64
 # +4-6 % per step (+2-3 % as run), -14 to -25 % end to end; where trees pay (batch 1) the
 # predicted gain is +20-40 %.
 SPECULATION_MARGIN = 0.10
+# A choice of no speculation with every speculating cut's rate below this share of a
+# plain step's is kept for up to SETTLED_DECISIONS decisions without pricing anything
+# (unless the batch's size bucket or temperature bands change, a model learns from a
+# speculating step, or an exploration is due): on a GPU a plain step takes a few ms, and
+# pricing every cut again (some 0.4 ms of host time) would make tree "auto" slower than
+# no speculation exactly where it does not speculate.
+SETTLED_BELOW = 0.9
+SETTLED_DECISIONS = 8
 # Requests get a depth per group of alike acceptance: at most this many groups.
 MAX_GROUPS = 4
 # Requests whose expected tokens per step at the full depth differ by less never split into groups.
@@ -119,9 +127,18 @@ class TreeChooser:
         self._backoff: dict[tuple[int, Cut], int] = {}
         self._eligible_from: dict[tuple[int, Cut], int] = {}
         self._follow_up: tuple[int, Cut] | None = None  # (batch bucket, cut): a trial's second step
+        # (batch bucket, bands, allowed shapes, evidence; the decision it holds until; the
+        # cut): a clear "no speculation" kept without pricing (``SETTLED_DECISIONS``).
+        self._settled: tuple | None = None
         # [R]: each request's depth in the last choice (groups of requests of their own
         # depths), or None: every request at the cut's depth (one band, no speculation, a trial).
         self.request_depths: np.ndarray | None = None
+
+    def _evidence(self) -> tuple[int, ...]:
+        """Counts that change when a model learns what a speculating step says:
+        the acceptance models' observations and the cost models' speculating steps
+        (plain steps' periods, measured every plain step, are left out)."""
+        return tuple(a.observations for _, a in self.shapes) + tuple(c.speculating_steps for c, _ in self.shapes)
 
     def rates(self, bands, backlog: int = 0, tokens_left: float = np.inf, req_ids=None) -> list[np.ndarray]:
         """Per shape, [D+1]: expected tokens per second of the batch at every depth
@@ -166,6 +183,14 @@ class TreeChooser:
             self.decisions += 1  # a trial's second step, at the batch size it was tried at
             self.request_depths = None
             return follow_up[1]
+        settled = (bucket, frozenset(np.asarray(bands).tolist()), allowed and frozenset(allowed), self._evidence())
+        exploring = self.explore_every and (self.decisions + 1) % self.explore_every == 0
+        if self._settled is not None and self._settled[0] == settled and self.decisions < self._settled[1]:
+            if not exploring:  # a clear "no speculation", nothing learnt since: priced again later
+                self.decisions += 1
+                self.request_depths = None
+                return self._settled[2]
+        self._settled = None
         request_tokens = self._request_tokens(bands, req_ids)
         rates = self._rates(request_tokens, backlog, tokens_left)
         if allowed is not None:
@@ -196,6 +221,8 @@ class TreeChooser:
         if choice.depth == 0 and allowed is not None:
             choice = Cut(min(allowed), 0)
         rate = best_rate if choice.depth else plain
+        if choice.depth == 0 and best_rate < plain * SETTLED_BELOW:
+            self._settled = (settled, self.decisions + 1 + SETTLED_DECISIONS, choice)
         self.request_depths = per_request if speculate else None
         self._backoff.pop((bucket, choice), None)  # a cut that pays is tried freely again once it stops paying
         self.decisions += 1
@@ -221,7 +248,7 @@ class TreeChooser:
                         # the cost model does not measure (``is_decode_step``): its second
                         # step is the one that says what the cut costs.
                         self._follow_up = (bucket, trial)
-                    choice, self.request_depths = trial, None
+                    choice, self.request_depths, self._settled = trial, None, None
                 if trial.depth > 0:
                     wait = self._backoff.get((bucket, trial), 1)
                     self._eligible_from[bucket, trial] = self.decisions + wait * self.explore_every
