@@ -49,6 +49,14 @@ priced like the rates above (``StepCostModel.mixes_seconds``: each request's
 own target rows, the drafter's levels down to each request's cut, the deepest
 cut's correction). Trials keep one depth for all: they measure the cut.
 
+A clear "no speculation" (every cut, every mix of group depths, at least
+10 % below a plain step's rate: ``SETTLED_BELOW``) is kept for
+``SETTLED_DECISIONS`` decisions without pricing anything, while the batch's
+size bucket, temperature bands and allowed shapes stay, no model learns from
+a speculating step and no exploration is due: a plain step must cost what a
+plain engine's does (on a GPU a few ms, against some 0.4 ms of host time to
+price every cut).
+
 A cut is committed to on the cost model's conservative
 estimate (``StepCostModel.seconds``), and only if it beats no speculation by
 ``SPECULATION_MARGIN``; it is tried if it could beat the choice with its
@@ -183,9 +191,9 @@ class TreeChooser:
             self.decisions += 1  # a trial's second step, at the batch size it was tried at
             self.request_depths = None
             return follow_up[1]
-        settled = (bucket, frozenset(np.asarray(bands).tolist()), allowed and frozenset(allowed), self._evidence())
+        situation = (bucket, frozenset(np.asarray(bands).tolist()), allowed and frozenset(allowed), self._evidence())
         exploring = self.explore_every and (self.decisions + 1) % self.explore_every == 0
-        if self._settled is not None and self._settled[0] == settled and self.decisions < self._settled[1]:
+        if self._settled is not None and self._settled[0] == situation and self.decisions < self._settled[1]:
             if not exploring:  # a clear "no speculation", nothing learnt since: priced again later
                 self.decisions += 1
                 self.request_depths = None
@@ -222,7 +230,7 @@ class TreeChooser:
             choice = Cut(min(allowed), 0)
         rate = best_rate if choice.depth else plain
         if choice.depth == 0 and best_rate < plain * SETTLED_BELOW:
-            self._settled = (settled, self.decisions + 1 + SETTLED_DECISIONS, choice)
+            self._settled = (situation, self.decisions + 1 + SETTLED_DECISIONS, choice)
         self.request_depths = per_request if speculate else None
         self._backoff.pop((bucket, choice), None)  # a cut that pays is tried freely again once it stops paying
         self.decisions += 1
