@@ -10,7 +10,9 @@ serving engine does between two choices; timed apart), each request with an
 acceptance of its own (so requests form groups with depths of their own), for
 a batch of one temperature band and for a batch mixing all four (every mix of
 group depths priced, or coordinate ascent: ``tree_choice.EXHAUSTIVE_MIXES``),
-side by side in one run.
+side by side in one run. A priced choice is kept for a few decisions of the
+same batch (``tree_choice.REPRICE_EVERY``): the mean per step, and apart the
+mean of the steps that priced.
 
     python benchmarks/sizer_overhead.py
 """
@@ -63,14 +65,18 @@ def serving_chooser(max_tree: str, draft_pays: bool = True) -> TreeChooser:
     )
 
 
-def time_steps(chooser: TreeChooser, bands: np.ndarray, steps: int, seed: int) -> tuple[float, float]:
-    """(mean ms of a choice, mean ms of the learning between two choices) over ``steps`` served steps
-    (means: a choice kept without pricing is fast, one priced again is not)."""
+def time_steps(chooser: TreeChooser, bands: np.ndarray, steps: int, seed: int) -> tuple[float, float, float]:
+    """(mean ms of a choice, mean ms of a choice that priced the cuts, mean ms of the learning
+    between two choices) over ``steps`` served steps (means: a choice kept without pricing
+    is fast, one priced again is not)."""
     rng = np.random.default_rng(seed)
     req_ids = [f"request-{i}" for i in range(len(bands))]
     skill = rng.uniform(0.3, 1.0, len(bands))  # each request's own acceptance: groups of their own depths
-    choose_ms, learn_ms = [], []
+    choose_ms, learn_ms, priced = [], [], []
+    rates = chooser._rates
+    chooser._rates = lambda *args: priced.__setitem__(-1, True) or rates(*args)
     for _ in range(steps):
+        priced.append(False)
         start = time.perf_counter()
         cut = chooser.choose(bands, None, 0, 200.0, req_ids)
         choose_ms.append(1e3 * (time.perf_counter() - start))
@@ -85,7 +91,9 @@ def time_steps(chooser: TreeChooser, bands: np.ndarray, steps: int, seed: int) -
         work = cost.mixed_work(depths.tolist())
         cost.observe(cut.depth, work, cost.raw_seconds(work) * rng.uniform(1.0, 1.3), len(bands))
         learn_ms.append(1e3 * (time.perf_counter() - start))
-    return float(np.mean(choose_ms[steps // 10 :])), float(np.mean(learn_ms[steps // 10 :]))
+    choose_ms, priced = np.array(choose_ms[steps // 10 :]), np.array(priced[steps // 10 :])
+    priced_ms = float(choose_ms[priced].mean()) if priced.any() else float("nan")
+    return float(choose_ms.mean()), priced_ms, float(np.mean(learn_ms[steps // 10 :]))
 
 
 def main() -> None:
@@ -106,18 +114,21 @@ def main() -> None:
                 if batch == 1 and search != "every mix":
                     continue  # one request: no mix to search
                 tree_choice.EXHAUSTIVE_MIXES = limit
-                choose, learn = time_steps(serving_chooser(args.max_tree), bands, args.steps, seed=batch)
-                rows.append((batch, "4 bands" if mixed else "1 band", search, choose, learn))
+                choose, priced, learn = time_steps(serving_chooser(args.max_tree), bands, args.steps, seed=batch)
+                rows.append((batch, "4 bands" if mixed else "1 band", search, choose, priced, learn))
                 print(rows[-1], flush=True)
         tree_choice.EXHAUSTIVE_MIXES = exhaustive
         # No cut pays: every step plain, the choice settled between pricings (``SETTLED_DECISIONS``).
-        choose, learn = time_steps(serving_chooser(args.max_tree, draft_pays=False), bands, args.steps, seed=batch)
+        choose, priced, learn = time_steps(
+            serving_chooser(args.max_tree, draft_pays=False), bands, args.steps, seed=batch
+        )
         rows.append(
             (
                 batch,
                 "4 bands, drafting cannot pay" if batch >= 4 else "1 band, drafting cannot pay",
                 "every mix",
                 choose,
+                priced,
                 learn,
             )
         )
@@ -132,13 +143,14 @@ def main() -> None:
         f"(choice, then the acceptance and cost models learning from the step); share: of a "
         f"{STEP_MS_H200_7B:.0f} ms H200 7B decode step, for scale.",
         "",
-        "| batch | temperatures | group depths | choose (ms) | learn (ms) | share of a 7 ms step |",
-        "|---|---|---|---|---|---|",
+        "| batch | temperatures | group depths | choose (ms) | of it, a choice that prices (ms) | learn (ms) "
+        "| share of a 7 ms step |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for batch, kind, search, choose, learn in rows:
+    for batch, kind, search, choose, priced, learn in rows:
         share = 100 * (choose + learn) / STEP_MS_H200_7B
         search = search if batch > 1 else "-"
-        lines.append(f"| {batch} | {kind} | {search} | {choose:.3f} | {learn:.3f} | {share:.1f} % |")
+        lines.append(f"| {batch} | {kind} | {search} | {choose:.3f} | {priced:.3f} | {learn:.3f} | {share:.1f} % |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sizer_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

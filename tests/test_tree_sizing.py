@@ -114,7 +114,10 @@ def chooser_with(target_per_token, target_fixed, draft_per_forward, hazard, widt
     target = ForwardCost([1, 10_000], [target_fixed + target_per_token, target_fixed + 10_000 * target_per_token])
     draft = ForwardCost([1, 10_000], [draft_per_forward, draft_per_forward])
     acceptance = AcceptanceModel(len(widths) - 1, prior_hazard=hazard, prior_weight=1.0)
-    return TreeChooser([ShapeModels(StepCostModel(target, draft, widths), acceptance)], explore_every=explore)
+    # Every decision priced afresh: these tests change the estimates between two decisions.
+    return TreeChooser(
+        [ShapeModels(StepCostModel(target, draft, widths), acceptance)], explore_every=explore, reprice_every=1
+    )
 
 
 def test_choice_is_no_speculation_when_drafting_cannot_pay():
@@ -146,6 +149,56 @@ def test_a_clear_no_speculation_is_kept_without_pricing(monkeypatch):
     chooser.explore_every = chooser.decisions + 1  # the next decision explores
     chooser.choose([0, 2])
     assert len(priced) == 3, priced
+
+
+def test_a_priced_choice_is_kept_for_the_same_batch(monkeypatch):
+    """Pricing every cut and mix of depths again costs some 0.3-0.5 ms of host time a
+    step: a priced choice, its requests' depths with it, is kept for the next
+    REPRICE_EVERY - 1 decisions of the same batch. Other requests, a catch-up to run,
+    other allowed shapes or an exploration price afresh at once; so does a model
+    learning from a speculating step while no speculation is kept."""
+    every = tree_choice.REPRICE_EVERY
+    chooser = chooser_with(target_per_token=0.01, target_fixed=1.0, draft_per_forward=1e-3, hazard=0.8)
+    chooser.reprice_every = every
+    acceptance = chooser.shapes[0].acceptance
+    for _ in range(100):
+        acceptance.observe([2, 0], [3, 3], [3, 3], ["x", "y"])
+    for _ in range(50):  # request c's drafts are never kept: no tree for it
+        acceptance.observe([2], [3], [0], ["c"])
+    priced = []
+    rates = chooser._rates
+    monkeypatch.setattr(chooser, "_rates", lambda *args: priced.append(chooser.decisions) or rates(*args))
+    ids = ["a", "b", "c"]
+    for _ in range(3 * every):
+        assert chooser.choose([0, 2, 2], req_ids=ids) == Cut(0, 3)
+        assert chooser.request_depths.tolist() == [3, 3, 0]
+        acceptance.observe([0, 2], [3, 3], [3, 3], ["a", "b"])  # evidence every step: kept all the same
+    assert priced == [0, every, 2 * every]
+    for changed in (
+        dict(req_ids=["a", "b", "d"]),  # another request
+        dict(req_ids=["a", "b", "d"], backlog=12),  # a catch-up to run
+        dict(req_ids=["a", "b", "d"], allowed={0}),
+    ):
+        priced.clear()
+        chooser.choose([0, 2, 2], **changed)
+        assert priced == [chooser.decisions - 1], changed
+    chooser.explore_every = chooser.decisions + 1  # the next decision explores
+    chooser.choose([0, 2, 2], req_ids=["a", "b", "d"], allowed={0})
+    assert priced[-1] == chooser.decisions - 1
+
+    # No speculation (not clear enough to be settled) is kept too, until a model learns
+    # from a speculating step.
+    monkeypatch.setattr(tree_choice, "SETTLED_BELOW", 0.0)
+    plain = chooser_with(target_per_token=1.0, target_fixed=0.0, draft_per_forward=1.0, hazard=0.9)
+    plain.reprice_every = every
+    priced.clear()
+    rates_plain = plain._rates
+    monkeypatch.setattr(plain, "_rates", lambda *args: priced.append(plain.decisions) or rates_plain(*args))
+    assert [plain.choose([2, 2], req_ids=["a", "b"]).depth for _ in range(every + 1)] == [0] * (every + 1)
+    assert priced == [0, every]
+    plain.shapes[0].acceptance.observe([2], [1], [0])
+    plain.choose([2, 2], req_ids=["a", "b"])
+    assert priced == [0, every, every + 1]
 
 
 def test_choice_is_the_full_tree_when_rows_and_drafts_are_nearly_free():
@@ -284,7 +337,7 @@ def shapes_chooser(target_per_token, target_fixed, draft_per_forward, hazards, e
     for tree, hazard in zip(TreeSpec.parse("2x3").width_cuts(), hazards):
         acceptance = AcceptanceModel(tree.max_depth, prior_hazard=hazard, prior_weight=1.0)
         shapes.append(ShapeModels(StepCostModel(target, draft, tree.nodes_per_depth), acceptance))
-    return TreeChooser(shapes, explore_every=explore)
+    return TreeChooser(shapes, explore_every=explore, reprice_every=1)
 
 
 def test_width_cuts_of_a_tree():

@@ -181,17 +181,29 @@ class AcceptanceModel:
         if self._hazards is None:
             weight = self.prior_weight
             out = (self.accepted + weight * self.prior) / (self.reached + weight)
-            if self.children is not None:  # each depth's prior follows the estimate above it
-                for j in range(1, self.max_depth):
-                    # Never below the shape's own prior: optimistic for what is unseen, so
-                    # that a low estimate above does not keep deeper cuts from being tried.
-                    above, m_above, m = out[:, j - 1], self.children[j - 1], self.children[j]
-                    above = above if m == m_above else same_per_child(above, m_above, m)  # same width: same h
-                    follow = np.maximum(above, self.base_prior[:, j])
-                    prior = np.where(self.borrowed[:, j], self.prior[:, j], follow)
-                    out[:, j] = (self.accepted[:, j] + weight[:, j] * prior) / (self.reached[:, j] + weight[:, j])
+            if self.children is not None and self.max_depth > 1:
+                out = np.array(self._follow_above(out.tolist()))
             self._hazards = out
         return self._hazards
+
+    def _follow_above(self, out: list[list[float]]) -> list[list[float]]:
+        """``out`` [band][D] with each depth's prior (where not borrowed) following the
+        estimate of the depth above, in order of depth. Python floats: a recurrence over
+        a few depths and bands, where NumPy's per-call overhead would be most of the time."""
+        accepted, reached, weight = self.accepted.tolist(), self.reached.tolist(), self.prior_weight.tolist()
+        prior, base, borrowed = self.prior.tolist(), self.base_prior.tolist(), self.borrowed.tolist()
+        children = self.children.tolist()
+        for b, row in enumerate(out):
+            for j in range(1, self.max_depth):
+                above, m_above, m = row[j - 1], children[j - 1], children[j]
+                if m != m_above:  # same width: same h (``same_per_child`` on floats)
+                    single = 1.0 - (1.0 - min(max(above, 0.0), 1.0)) ** (1.0 / m_above)
+                    above = 1.0 - (1.0 - single) ** m
+                # Never below the shape's own prior: optimistic for what is unseen, so
+                # that a low estimate above does not keep deeper cuts from being tried.
+                p = prior[b][j] if borrowed[b][j] else max(above, base[b][j])
+                row[j] = (accepted[b][j] + weight[b][j] * p) / (reached[b][j] + weight[b][j])
+        return out
 
     def expected_tokens(self, bands, req_ids=None) -> np.ndarray:
         """[R, D+1]: E[tokens per step] of each request at every depth cut 0..D:

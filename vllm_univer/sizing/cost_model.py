@@ -150,6 +150,9 @@ class StepCostModel:
         # last observed - predicted seconds per tree row (speculating cuts).
         self.ratios: dict[tuple[int, int], deque] = {}
         self.row_extras: dict[tuple[int, int], deque] = {}
+        # Their medians, kept as they change: the choice reads them for every cut, every step.
+        self._ratio_median: dict[tuple[int, int], float] = {}
+        self._extra_median: dict[tuple[int, int], float] = {}
         # Steps observed so far, and the step at which each (depth cut, batch bucket) was last.
         self._steps = 0
         self.speculating_steps = 0  # of them, steps that speculated
@@ -278,9 +281,7 @@ class StepCostModel:
         """Seconds a speculating step took beyond its prediction, per tree row: this
         shape's evidence at ``depth``, else at any depth, else the other shapes'."""
         for models, same_depth in (([self], True), ([self], False), (self.peers, False)):
-            seen = [
-                median(r) for model in models for (d, _), r in model.row_extras.items() if d == depth or not same_depth
-            ]
+            seen = [m for model in models for (d, _), m in model._extra_median.items() if d == depth or not same_depth]
             if seen:
                 return float(fmean(seen))
         return None
@@ -303,21 +304,25 @@ class StepCostModel:
                 # again after plain steps, or tried): its ratios describe another spell.
                 # A pessimistic one would otherwise outvote the new steps until they fill
                 # half the window, and trials that far apart take hundreds of steps to.
-                self.ratios.pop(key, None)
-                self.row_extras.pop(key, None)
+                for kept in (self.ratios, self.row_extras, self._ratio_median, self._extra_median):
+                    kept.pop(key, None)
             self._last_step[key] = self._steps
             self.speculating_steps += depth > 0
-            self.ratios.setdefault(key, deque(maxlen=self.window)).append(seconds / predicted)
+            ratios = self.ratios.setdefault(key, deque(maxlen=self.window))
+            ratios.append(seconds / predicted)
+            self._ratio_median[key] = float(median(ratios))
             tree_rows = work.target_tokens - num_requests
             if depth > 0 and tree_rows > 0:
                 # Beyond what the same forwards would take in a plain step.
                 extra = seconds - predicted * self.factor(0, num_requests)
-                self.row_extras.setdefault(key, deque(maxlen=self.window)).append(extra / tree_rows)
+                extras = self.row_extras.setdefault(key, deque(maxlen=self.window))
+                extras.append(extra / tree_rows)
+                self._extra_median[key] = float(median(extras))
 
     def factor(self, depth: int, num_requests: int = 1) -> float:
         bucket = batch_bucket(num_requests)
-        if (depth, bucket) in self.ratios:
-            return float(median(self.ratios[depth, bucket]))
+        if (own := self._ratio_median.get((depth, bucket))) is not None:
+            return own
         plain = self._pooled(0)
         # Not run yet at this cut and batch size. A plain step (depth 0): what plain
         # steps of other sizes say, else what the start-up runs timed (1). A
@@ -329,9 +334,9 @@ class StepCostModel:
             return float(median(plain)) if plain else 1.0
         for same_size, models in ((True, [self]), (True, self.peers), (False, [self]), (False, self.peers)):
             seen = [
-                median(r)
+                m
                 for model in models
-                for (d, b), r in model.ratios.items()
+                for (d, b), m in model._ratio_median.items()
                 if d > 0 and (b == bucket or not same_size)
             ]
             if seen:

@@ -55,7 +55,11 @@ A clear "no speculation" (every cut, every mix of group depths, at least
 size bucket, temperature bands and allowed shapes stay, no model learns from
 a speculating step and no exploration is due: a plain step must cost what a
 plain engine's does (on a GPU a few ms, against some 0.4 ms of host time to
-price every cut).
+price every cut). Any priced choice, its requests' depths with it, is kept for
+the next ``REPRICE_EVERY`` - 1 decisions of the same batch (the same requests,
+allowed shapes, no catch-up to run; for no speculation, nothing learnt since
+from a speculating step), unless an exploration is due: the estimates move by
+a fraction of a percent per step.
 
 A cut is committed to on the cost model's conservative
 estimate (``StepCostModel.seconds``), and only if it beats no speculation by
@@ -90,6 +94,13 @@ SPECULATION_MARGIN = 0.10
 # no speculation exactly where it does not speculate.
 SETTLED_BELOW = 0.9
 SETTLED_DECISIONS = 8
+# A priced choice (its cut and its requests' depths) is kept for the next
+# REPRICE_EVERY - 1 decisions of the same batch (the same requests in the same rows,
+# the same allowed shapes), unless an exploration is due: the estimates it rests on
+# move by a fraction of a percent per step (acceptance forgets 0.5 % per tree, cost
+# corrections are medians of several steps), and pricing every cut and mix of depths
+# again costs some 0.3-0.5 ms of host time per step, several % of a GPU decode step.
+REPRICE_EVERY = 4
 # Requests get a depth per group of alike acceptance: at most this many groups.
 MAX_GROUPS = 4
 # Requests whose expected tokens per step at the full depth differ by less never split into groups.
@@ -121,13 +132,14 @@ class Cut(NamedTuple):
 
 
 class TreeChooser:
-    def __init__(self, shapes: list[ShapeModels], explore_every: int = 16):
+    def __init__(self, shapes: list[ShapeModels], explore_every: int = 16, reprice_every: int = REPRICE_EVERY):
         if not shapes:
             raise ValueError("TreeChooser needs at least one shape")
         self.shapes = shapes
         for models in shapes:
             models.cost.peers = [other.cost for other in shapes if other is not models]
         self.explore_every = explore_every
+        self.reprice_every = reprice_every  # 1: every decision priced afresh
         self.decisions = 0
         self._explored = 0  # round-robin index over the exploration candidates
         # Per (batch bucket, speculating cut) tried and not chosen: explorations to wait
@@ -138,6 +150,10 @@ class TreeChooser:
         # (batch bucket, bands, allowed shapes, evidence; the decision it holds until; the
         # cut): a clear "no speculation" kept without pricing (``SETTLED_DECISIONS``).
         self._settled: tuple | None = None
+        # (the batch: requests or bands, allowed shapes; the decision it holds until; the
+        # cut; the requests' depths; for no speculation, the evidence it was priced on):
+        # the last priced choice (``REPRICE_EVERY``).
+        self._recent: tuple | None = None
         # [R]: each request's depth in the last choice (groups of requests of their own
         # depths), or None: every request at the cut's depth (one band, no speculation, a trial).
         self.request_depths: np.ndarray | None = None
@@ -199,6 +215,16 @@ class TreeChooser:
                 self.request_depths = None
                 return self._settled[2]
         self._settled = None
+        # A catch-up to run (new tokens the draft has not seen) prices afresh: it may change the choice.
+        requests = np.asarray(bands).tobytes() if req_ids is None else tuple(req_ids)
+        batch = (requests, allowed and frozenset(allowed), backlog > 0)
+        recent = self._recent
+        if recent is not None and recent[0] == batch and self.decisions < recent[1] and not exploring:
+            if recent[4] in (None, situation[3]):  # priced a step or three ago, for the same requests
+                self.decisions += 1
+                self.request_depths = recent[3]
+                return recent[2]
+        self._recent = None
         request_tokens = self._request_tokens(bands, req_ids)
         rates = self._rates(request_tokens, backlog, tokens_left)
         if allowed is not None:
@@ -234,6 +260,10 @@ class TreeChooser:
         self.request_depths = per_request if speculate else None
         self._backoff.pop((bucket, choice), None)  # a cut that pays is tried freely again once it stops paying
         self.decisions += 1
+        # No speculation is priced again as soon as a model learns from a speculating step (a
+        # trial's): unlike a speculating cut's, its evidence changes rarely.
+        evidence = situation[3] if choice.depth == 0 else None
+        self._recent = (batch, self.decisions + self.reprice_every - 1, choice, self.request_depths, evidence)
         if self.explore_every and self.decisions % self.explore_every == 0:
             candidates = [
                 c
@@ -256,7 +286,7 @@ class TreeChooser:
                         # the cost model does not measure (``is_decode_step``): its second
                         # step is the one that says what the cut costs.
                         self._follow_up = (bucket, trial)
-                    choice, self.request_depths, self._settled = trial, None, None
+                    choice, self.request_depths, self._settled, self._recent = trial, None, None, None
                 if trial.depth > 0:
                     wait = self._backoff.get((bucket, trial), 1)
                     self._eligible_from[bucket, trial] = self.decisions + wait * self.explore_every
