@@ -107,19 +107,22 @@ class AcceptanceModel:
     def observe(self, bands, cut_depths, accepted_depths, req_ids=None) -> None:
         """Verified trees: their band, the depth they were cut to, the depth
         accepted, and (given) their request, to learn each request's own hazards."""
-        cut = np.asarray(cut_depths, dtype=np.int64)
-        acc = np.asarray(accepted_depths, dtype=np.int64)
+        cut = np.asarray(cut_depths, dtype=np.int64)[:, None]
+        acc = np.asarray(accepted_depths, dtype=np.int64)[:, None]
         j = np.arange(1, self.max_depth + 1)
         # Tree t informs h_j when it reached depth j - 1 (acc >= j - 1) and had nodes at depth j (cut >= j).
-        at_risk = (acc[:, None] >= j - 1) & (cut[:, None] >= j)
-        passed = at_risk & (acc[:, None] >= j)
-        self._add(bands, at_risk, passed)
+        both = np.empty((2, len(cut), self.max_depth))  # [at risk, passed]
+        np.logical_and(acc >= j - 1, cut >= j, out=both[0])
+        np.logical_and(both[0], acc >= j, out=both[1])
+        self._add(bands, both)
         if req_ids is not None and len(req_ids):
             slots = self._slots(req_ids)
             counts = self._request_counts
-            counts[:, slots] *= self.memory
-            np.add.at(counts[0], slots, at_risk)
-            np.add.at(counts[1], slots, passed)
+            if len(set(req_ids)) == len(req_ids):  # one tree per request, as verified
+                counts[:, slots] = counts[:, slots] * self.memory + both
+            else:
+                counts[:, slots] *= self.memory
+                np.add.at(counts, (slice(None), slots), both)
 
     def _slots(self, req_ids) -> np.ndarray:
         """The rows of ``req_ids`` in the per-request counts (new ones start at zero)."""
@@ -153,10 +156,11 @@ class AcceptanceModel:
         survival = np.pad(survival, ((0, 0), (0, self.max_depth - survival.shape[1])))
         before = np.concatenate([np.ones_like(survival[:, :1]), survival[:, :-1]], 1)
         informs = cut[:, None] >= np.arange(1, self.max_depth + 1)
-        self._add(bands, informs * before, informs * survival)
+        self._add(bands, np.stack([informs * before, informs * survival]))
 
-    def _add(self, bands, at_risk: np.ndarray, passed: np.ndarray) -> None:
-        """Forget a little, then count [R, D] trees at risk at each depth and passed."""
+    def _add(self, bands, both: np.ndarray) -> None:
+        """Forget a little, then count ``both`` [2, R, D] trees at risk at each depth
+        and passed, of requests in ``bands`` [R]."""
         bands = np.asarray(bands, dtype=np.int64)
         if bands.size == 0:
             return
@@ -166,8 +170,9 @@ class AcceptanceModel:
         # underflows after some 150 000 steps of serving), and 0 / 0 would make the
         # estimate NaN; long unseen, it returns to the prior instead.
         self.prior_weight = np.maximum(self.prior_weight * self.memory, MIN_PRIOR_WEIGHT)
-        np.add.at(self.reached, bands, at_risk.astype(np.float64))
-        np.add.at(self.accepted, bands, passed.astype(np.float64))
+        per_band = (bands == np.arange(NUM_BANDS)[:, None]) @ both  # [2, band, D]: one product, no add.at
+        self.reached += per_band[0]
+        self.accepted += per_band[1]
         self._hazards = None
         self.observations += 1
 
