@@ -375,7 +375,8 @@ def test_greedy_identity_with_tree_auto_cuts(models):
 def test_tree_auto_chooses_for_itself(models):
     """tree "auto" without a schedule, compiled as the main job runs it (no
     enforce_eager: vLLM's profile run then samples through the verifier too):
-    calibrated at start-up, a choice every step, and the greedy output is the target's."""
+    calibrated at start-up, a choice every step, each made while the step's target
+    forward ran (``choose_ahead``), and the greedy output is the target's."""
     target, draft = models
     job = call(prompts(4, seed=5), temperature=0.0, max_tokens=80, ignore_eos=True)
     auto_engine = {**engine(target, [job], auto(draft, "2x3"), enforce_eager=False), "sizer": True}
@@ -385,6 +386,7 @@ def test_tree_auto_chooses_for_itself(models):
     sizer = results[1]["sizer"]
     print("tree auto on the tiny pair:", sizer)
     assert sum(sizer["requests_at_depth"].values()) >= 80  # a choice per request-step
+    assert sizer["decisions_ahead"] == sizer["decisions"] > 20, sizer
     # Two shapes (the chain 1x3 and 2x3), each with a correction per depth 0..3 and hazards per depth 1..3.
     assert [len(c) for c in sizer["cost_correction"]] == [4, 4] and [len(h[0]) for h in sizer["hazards"]] == [3, 3]
 

@@ -56,8 +56,9 @@ def patch_model_runner() -> None:
     """``GPUModelRunner`` (also the base of ``CPUModelRunner``): attach a ``TreeRunner``
     after construction, check the attention layers once the KV cache exists,
     rewrite tree positions after ``_prepare_inputs``, hand the tree attention plan
-    to ``_build_attention_metadata``'s result, and draft trees in
-    ``propose_draft_token_ids``. Its ``rejection_sampler`` becomes the tree verifier."""
+    to ``_build_attention_metadata``'s result, choose the step's trees once
+    ``execute_model`` has launched the target forward (``tree: auto``), and draft
+    trees in ``propose_draft_token_ids``. Its ``rejection_sampler`` becomes the tree verifier."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from .speculative_config import is_univer
@@ -96,6 +97,15 @@ def patch_model_runner() -> None:
 
         return _build_attention_metadata
 
+    def make_execute_model(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            output = original(self, scheduler_output, *args, **kwargs)
+            if getattr(self, "univer", None) is not None and output is None and self.execute_model_state is not None:
+                self.univer.after_forward_launch()  # sampling follows in ``sample_tokens``
+            return output
+
+        return execute_model
+
     def make_propose(original):
         def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, *args, **kwargs):
             if getattr(self, "univer", None) is None:
@@ -109,6 +119,7 @@ def patch_model_runner() -> None:
     _wraps_once(GPUModelRunner, "initialize_kv_cache", make_initialize_kv_cache)
     _wraps_once(GPUModelRunner, "_prepare_inputs", make_prepare_inputs)
     _wraps_once(GPUModelRunner, "_build_attention_metadata", make_build_attention_metadata)
+    _wraps_once(GPUModelRunner, "execute_model", make_execute_model)
     _wraps_once(GPUModelRunner, "propose_draft_token_ids", make_propose)
 
 

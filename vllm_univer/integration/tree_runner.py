@@ -152,6 +152,12 @@ class TreeRunner:
         if self.sizer is not None:
             self.sizer.calibrate()
 
+    def after_forward_launch(self) -> None:
+        """The target forward of this step is launched (on a GPU still running): host
+        work that needs nothing from its result goes here."""
+        if self.sizer is not None:
+            self.sizer.choose_ahead()
+
     def propose(self, sampled_token_ids, sampling_metadata):
         shape, depth = None, None
         if self.sizer is not None:

@@ -4,11 +4,16 @@ measurements.
 
 * Start-up (after vLLM's warm-up, ``calibrate``): the target's and the draft's
   forward times at a few token counts, through vLLM's own dummy runs.
-* Every step: the wall-clock period between two drafting calls, against the
+* Every step: the wall-clock period between two choices, against the
   forwards that period ran (the target's scheduled tokens, the draft forwards
   of the previous drafting, which the drafter still holds), corrects the cost
   model of the cut it ran (of every shape where it did not speculate); the
   verifier's accepted depths update the acceptance model of the shape drafted.
+* The choice for a step's drafting is made once its target forward is launched
+  (``choose_ahead``): on a GPU the host would otherwise wait for that forward,
+  and the choice needs nothing from its verification (acceptance one step
+  older changes nothing that matters). Where no forward hook ran, ``choose``
+  makes it at drafting time.
 
 A step with a structured-output request drafts the full tree only: vLLM's
 scheduler builds its grammar bitmask rows from the draft count alone
@@ -144,6 +149,8 @@ class TreeSizer:
         self._chain = chain if len(shapes) > 1 and learning else None
         self.chooser: TreeChooser | None = None
         self._last: tuple[float, Cut] | None = None  # (time, cut with the deepest depth) of the last choice
+        self._ahead: tuple | None = None  # (the batch's requests, the choice) made during the target forward
+        self.decisions_ahead = 0  # of the choices drafted, those made ahead
         self.set_schedule(os.environ.get(SCHEDULE_ENV), os.environ.get(WIDTH_SCHEDULE_ENV))
         self._decisions = 0
         self._own_depths = os.environ.get(ONE_DEPTH_ENV, "0") != "1"
@@ -220,11 +227,27 @@ class TreeSizer:
         logger.info("tree auto: calibrated in %.1f s: %s", time.perf_counter() - start_all, self.calibration)
 
     # ------------------------------------------------------------ each step
+    def choose_ahead(self) -> None:
+        """Make this step's choice now, while the target forward runs on the device
+        (``TreeRunner.after_forward_launch``): the host is otherwise idle until the
+        verifier reads its result, and the choice needs nothing from this step's
+        verification (it learns from the steps before). ``choose`` hands it out."""
+        batch = self.runner.input_batch.num_reqs
+        self._ahead = (tuple(self.runner.input_batch.req_ids[:batch]), self._choose(batch))
+
     def choose(self, batch: int) -> tuple[TreeSpec, int | np.ndarray]:
         """(shape, depth cut) for the trees drafted now, for the ``batch`` requests
         in the runner's batch (the next step's batch, as far as anyone knows):
         the depth one int for all, or one per batch row (temperature bands of
-        their own depths; the test schedule)."""
+        their own depths; the test schedule). The choice made ahead for this
+        batch, if any (``choose_ahead``)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == tuple(self.runner.input_batch.req_ids[:batch]):
+            self.decisions_ahead += 1
+            return ahead[1]
+        return self._choose(batch)
+
+    def _choose(self, batch: int) -> tuple[TreeSpec, int | np.ndarray]:
         now = time.perf_counter()
         if self.chooser is None:  # not calibrated (warm-up skipped): speculate in full
             return self.tree, self.tree.max_depth
@@ -336,13 +359,16 @@ class TreeSizer:
         return dict(sorted(out.items()))
 
     def summary(self) -> dict:
-        """Steps per chosen depth, the acceptance hazards and cost corrections (benchmarks, tests)."""
+        """Steps per chosen depth, choices made (and of them, made during the target
+        forward), the acceptance hazards and cost corrections (benchmarks, tests)."""
         if self.chooser is None:
             return {}
         return {
             "requests_at_depth": {int(d): n for d, n in sorted(self.requests_at_depth.items())},
             "requests_at_width": {int(w): n for w, n in sorted(self.requests_at_width.items())},
             "requests_at_cut": self._cut_names(),
+            "decisions": self._decisions,
+            "decisions_ahead": self.decisions_ahead,
             "hazards": [a.hazards().round(3).tolist() for a in self.acceptance],
             # Per shape and band: trees that informed h_1 (decayed; the chain's include its estimates).
             "evidence": [a.reached[:, 0].round(2).tolist() for a in self.acceptance],
