@@ -3,6 +3,7 @@ measurements: no vLLM, no timing."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -654,6 +655,7 @@ def sizer_on_a_fake_runner(temperatures) -> tuple:
     runner = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         input_batch=SimpleNamespace(
+            num_reqs=batch,
             temperature_cpu=np.asarray(temperatures, dtype=np.float64),
             req_ids=req_ids,
             num_tokens_no_spec=np.full(batch, 10),
@@ -756,6 +758,30 @@ def test_the_sizer_learns_each_requests_acceptance():
             sizer.observe_acceptance(shape, np.full(4, 1.0), [3] * 4, [3, 0, 3, 0], req_ids)
     _, depth = sizer.choose(4)
     assert np.ndim(depth) == 1 and depth.tolist() == [depth[0], 0, depth[0], 0] and depth[0] > 0, depth
+
+
+def test_the_choice_is_made_ahead_and_learns_what_was_deferred():
+    """On a GPU the sizer works while the device does: the step's choice is made once
+    the target forward is launched (``choose_ahead``) and handed out at drafting time
+    for the same batch; what verified trees teach is learnt once the draft forwards
+    are launched (``defer``), and in any case before the next choice."""
+    sizer, req_ids = sizer_on_a_fake_runner([1.0] * 4)
+    for shape in sizer.shapes:
+        for _ in range(50):
+            learn = functools.partial(sizer.observe_acceptance, shape, np.full(4, 1.0), [3] * 4, [3, 0, 3, 0], req_ids)
+            sizer.defer(learn)
+    assert [a.observations for a in sizer.acceptance] == [0, 0]
+    sizer.choose_ahead()
+    assert [a.observations for a in sizer.acceptance] == [50, 50]
+    ahead = sizer._ahead[1]
+    shape, depth = sizer.choose(4)
+    assert shape is ahead[0] and depth is ahead[1] and sizer.decisions_ahead == 1  # the very choice made ahead
+    assert depth.tolist() == [depth[0], 0, depth[0], 0] and depth[0] > 0, depth
+    sizer.choose_ahead()
+    sizer.runner.input_batch.req_ids = req_ids[::-1]  # another batch by drafting time: chosen afresh
+    _, depth = sizer.choose(4)
+    assert sizer.decisions_ahead == 1 and sizer._decisions == 3
+    assert depth.tolist() == [0, depth[1], 0, depth[1]], depth
 
 
 def test_a_shape_not_yet_drafted_borrows_the_others_acceptance():

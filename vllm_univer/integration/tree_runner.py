@@ -163,7 +163,10 @@ class TreeRunner:
         if self.sizer is not None:
             shape, depth = self.sizer.choose(self.runner.input_batch.num_reqs)
         with self.timers.measure("draft"):
-            return self.drafter.propose(sampled_token_ids, sampling_metadata, depth, shape)
+            drafts = self.drafter.propose(sampled_token_ids, sampling_metadata, depth, shape)
+        if self.sizer is not None:  # the draft forwards are launched: learn from the trees verified
+            self.sizer.learn_deferred()
+        return drafts
 
 
 def _refuse_custom_logits_processors(logitsprocs) -> None:

@@ -278,18 +278,29 @@ class TreeVerificationSampler:
             accepted, chain = both[:, 0].astype(np.int64), both[:, 1:]
         keep_depth = keep_depth.numpy()
         if self.sizer is not None and len(req_ids) == len(num_draft):  # not vLLM's profile run (no requests)
-            drafted = np.asarray(num_draft) > 0
-            temperature = self.runner.input_batch.temperature_cpu[: len(req_ids)]
-            drafted_ids = [r for r, d in zip(req_ids, drafted) if d]
-            self.sizer.observe_acceptance(
-                shape, temperature[drafted], keep_depth[drafted], accepted[drafted], drafted_ids
-            )
-            if chain is not None:
-                self.sizer.observe_chain(temperature[drafted], keep_depth[drafted], chain[drafted])
+            self._defer_learning(req_ids, num_draft, keep_depth, accepted, shape, chain)
         for i, (req_id, n, k, cut) in enumerate(zip(req_ids, num_draft, accepted.tolist(), keep_depth.tolist())):
             if n > 0:
                 self.state.draft_kv_len[req_id] = int(computed[i]) + 1 + min(k, max(cut - 1, 0))
         self._restart_prompt_chunks(req_ids, num_draft)
+
+    def _defer_learning(self, req_ids, num_draft, keep_depth, accepted, shape: TreeSpec, chain) -> None:
+        """What the sizer learns from this step's verified trees, handed over to be
+        learnt once the drafter has launched its forwards (``TreeSizer.defer``): the
+        host is then free while the device drafts. Copies, not views of the batch."""
+        drafted = np.asarray(num_draft) > 0
+        temperature = self.runner.input_batch.temperature_cpu[: len(req_ids)][drafted]
+        keep_depth, accepted = keep_depth[drafted], accepted[drafted]
+        chain = None if chain is None else chain[drafted]
+        drafted_ids = [r for r, d in zip(req_ids, drafted) if d]
+        sizer = self.sizer
+
+        def learn() -> None:
+            sizer.observe_acceptance(shape, temperature, keep_depth, accepted, drafted_ids)
+            if chain is not None:
+                sizer.observe_chain(temperature, keep_depth, chain)
+
+        sizer.defer(learn)
 
     def _restart_prompt_chunks(self, req_ids, num_draft) -> None:
         """Requests that ran a prompt chunk this step (new or resumed) are drafted from the start."""

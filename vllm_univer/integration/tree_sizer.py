@@ -8,7 +8,9 @@ measurements.
   forwards that period ran (the target's scheduled tokens, the draft forwards
   of the previous drafting, which the drafter still holds), corrects the cost
   model of the cut it ran (of every shape where it did not speculate); the
-  verifier's accepted depths update the acceptance model of the shape drafted.
+  verifier's accepted depths update the acceptance model of the shape drafted,
+  once the drafter has launched its forwards (``defer``: on a GPU the host is
+  then free while the device drafts).
 * The choice for a step's drafting is made once its target forward is launched
   (``choose_ahead``): on a GPU the host would otherwise wait for that forward,
   and the choice needs nothing from its verification (acceptance one step
@@ -151,6 +153,7 @@ class TreeSizer:
         self._last: tuple[float, Cut] | None = None  # (time, cut with the deepest depth) of the last choice
         self._ahead: tuple | None = None  # (the batch's requests, the choice) made during the target forward
         self.decisions_ahead = 0  # of the choices drafted, those made ahead
+        self._deferred: list = []  # what verified trees teach, to be learnt (``defer``)
         self.set_schedule(os.environ.get(SCHEDULE_ENV), os.environ.get(WIDTH_SCHEDULE_ENV))
         self._decisions = 0
         self._own_depths = os.environ.get(ONE_DEPTH_ENV, "0") != "1"
@@ -247,7 +250,19 @@ class TreeSizer:
             return ahead[1]
         return self._choose(batch)
 
+    def defer(self, learn) -> None:
+        """``learn()`` (observations of verified trees) is run by ``learn_deferred``:
+        the runner calls it once the drafter has launched its forwards, and every
+        choice first learns what is still pending."""
+        self._deferred.append(learn)
+
+    def learn_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for learn in deferred:
+            learn()
+
     def _choose(self, batch: int) -> tuple[TreeSpec, int | np.ndarray]:
+        self.learn_deferred()
         now = time.perf_counter()
         if self.chooser is None:  # not calibrated (warm-up skipped): speculate in full
             return self.tree, self.tree.max_depth
@@ -363,6 +378,7 @@ class TreeSizer:
         forward), the acceptance hazards and cost corrections (benchmarks, tests)."""
         if self.chooser is None:
             return {}
+        self.learn_deferred()
         return {
             "requests_at_depth": {int(d): n for d, n in sorted(self.requests_at_depth.items())},
             "requests_at_width": {int(w): n for w, n in sorted(self.requests_at_width.items())},
