@@ -131,6 +131,15 @@ class Cut(NamedTuple):
     depth: int
 
 
+class KeptChoice(NamedTuple):
+    """A choice kept without pricing while ``key`` holds, up to decision ``until`` (exclusive)."""
+
+    key: tuple
+    until: int
+    cut: Cut
+    request_depths: np.ndarray | None
+
+
 class TreeChooser:
     def __init__(self, shapes: list[ShapeModels], explore_every: int = 16, reprice_every: int = REPRICE_EVERY):
         if not shapes:
@@ -147,13 +156,12 @@ class TreeChooser:
         self._backoff: dict[tuple[int, Cut], int] = {}
         self._eligible_from: dict[tuple[int, Cut], int] = {}
         self._follow_up: tuple[int, Cut] | None = None  # (batch bucket, cut): a trial's second step
-        # (batch bucket, bands, allowed shapes, evidence; the decision it holds until; the
-        # cut): a clear "no speculation" kept without pricing (``SETTLED_DECISIONS``).
-        self._settled: tuple | None = None
-        # (the batch: requests or bands, allowed shapes; the decision it holds until; the
-        # cut; the requests' depths; for no speculation, the evidence it was priced on):
-        # the last priced choice (``REPRICE_EVERY``).
-        self._recent: tuple | None = None
+        # A clear "no speculation" (``SETTLED_DECISIONS``), keyed by the situation: batch
+        # bucket, bands, allowed shapes, evidence.
+        self._settled: KeptChoice | None = None
+        # The last priced choice (``REPRICE_EVERY``), keyed by the batch (requests or bands,
+        # allowed shapes, a catch-up to run) and, for no speculation, the evidence.
+        self._recent: KeptChoice | None = None
         # [R]: each request's depth in the last choice (groups of requests of their own
         # depths), or None: every request at the cut's depth (one band, no speculation, a trial).
         self.request_depths: np.ndarray | None = None
@@ -209,21 +217,19 @@ class TreeChooser:
             return follow_up[1]
         situation = (bucket, frozenset(np.asarray(bands).tolist()), allowed and frozenset(allowed), self._evidence())
         exploring = self.explore_every and (self.decisions + 1) % self.explore_every == 0
-        if self._settled is not None and self._settled[0] == situation and self.decisions < self._settled[1]:
-            if not exploring:  # a clear "no speculation", nothing learnt since: priced again later
-                self.decisions += 1
-                self.request_depths = None
-                return self._settled[2]
+        # A clear "no speculation", nothing learnt since: priced again later.
+        if (kept := self._kept(self._settled, situation, exploring)) is not None:
+            return kept
         self._settled = None
-        # A catch-up to run (new tokens the draft has not seen) prices afresh: it may change the choice.
+        # Priced a step or three ago, for the same requests. A catch-up to run (new tokens
+        # the draft has not seen) prices afresh: it may change the choice. No speculation is
+        # priced again as soon as a model learns from a speculating step (a trial's): unlike
+        # a speculating cut's, its evidence changes rarely.
         requests = np.asarray(bands).tobytes() if req_ids is None else tuple(req_ids)
         batch = (requests, allowed and frozenset(allowed), backlog > 0)
-        recent = self._recent
-        if recent is not None and recent[0] == batch and self.decisions < recent[1] and not exploring:
-            if recent[4] in (None, situation[3]):  # priced a step or three ago, for the same requests
-                self.decisions += 1
-                self.request_depths = recent[3]
-                return recent[2]
+        recent_key = (batch, situation[3] if self._recent is not None and self._recent.cut.depth == 0 else None)
+        if (kept := self._kept(self._recent, recent_key, exploring)) is not None:
+            return kept
         self._recent = None
         request_tokens = self._request_tokens(bands, req_ids)
         rates = self._rates(request_tokens, backlog, tokens_left)
@@ -256,14 +262,13 @@ class TreeChooser:
             choice = Cut(min(allowed), 0)
         rate = best_rate if choice.depth else plain
         if choice.depth == 0 and best_rate < plain * SETTLED_BELOW:
-            self._settled = (situation, self.decisions + 1 + SETTLED_DECISIONS, choice)
+            self._settled = KeptChoice(situation, self.decisions + 1 + SETTLED_DECISIONS, choice, None)
         self.request_depths = per_request if speculate else None
         self._backoff.pop((bucket, choice), None)  # a cut that pays is tried freely again once it stops paying
         self.decisions += 1
-        # No speculation is priced again as soon as a model learns from a speculating step (a
-        # trial's): unlike a speculating cut's, its evidence changes rarely.
         evidence = situation[3] if choice.depth == 0 else None
-        self._recent = (batch, self.decisions + self.reprice_every - 1, choice, self.request_depths, evidence)
+        until = self.decisions + self.reprice_every - 1
+        self._recent = KeptChoice((batch, evidence), until, choice, self.request_depths)
         if self.explore_every and self.decisions % self.explore_every == 0:
             candidates = [
                 c
@@ -292,6 +297,15 @@ class TreeChooser:
                     self._eligible_from[bucket, trial] = self.decisions + wait * self.explore_every
                     self._backoff[bucket, trial] = min(2 * wait, MAX_BACKOFF)
         return choice
+
+    def _kept(self, kept: KeptChoice | None, key: tuple, exploring: bool) -> Cut | None:
+        """``kept``'s cut (and its requests' depths, as this decision's) if it holds for
+        ``key`` at this decision and no exploration is due, else None."""
+        if kept is None or exploring or kept.key != key or self.decisions >= kept.until:
+            return None
+        self.decisions += 1
+        self.request_depths = kept.request_depths
+        return kept.cut
 
     def _group_depths(
         self, start: Cut, tokens: np.ndarray, counts: np.ndarray, backlog: int, tokens_left: float
