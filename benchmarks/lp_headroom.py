@@ -18,13 +18,9 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the exact-law toolkit
-from law_utils import expected_accepted  # noqa: E402
-from lp_optimum import ROOT, PeakedModel, lp_optimum, peaked_pair, tree_of  # noqa: E402
+from lp_optimum import ROOT, PeakedModel, optimum_and_methods, peaked_pair, tree_of
 
 # (tree, V): a regular wor tree where univer_wor gains most, and the irregular ones.
 CASES = [("2x2", 4), ("skewed-2", 4), ("skewed-chain", 4), ("eagle-like", 4)]
@@ -57,15 +53,10 @@ def main() -> None:
         tree = tree_of(shape)
         for power in POWERS:
             t0 = time.time()
-            opt, trav, new, tops = [], [], [], []
-            for seed in seeds:
-                target, draft = peaked_pair(vocab, seed, power)
-                opt.append(lp_optimum("wor", tree, target, draft))
-                trav.append(expected_accepted("traversal", "wor", tree, target, draft))
-                new.append(expected_accepted("univer_wor", "wor", tree, target, draft))
-                tops.append(mean_top(target, tree.max_depth))
-                assert max(trav[-1], new[-1]) <= opt[-1] + 1e-7, (shape, power, seed)
-            lp, t, u = np.mean(opt), np.mean(trav), np.mean(new)
+            pairs = [peaked_pair(vocab, seed, power) for seed in seeds]
+            lp, values = optimum_and_methods("wor", tree, pairs, ("traversal", "univer_wor"), (shape, power))
+            t, u = values["traversal"], values["univer_wor"]
+            tops = [mean_top(target, tree.max_depth) for target, _ in pairs]
             lines.append(
                 f"| {shape} | {vocab} | {power:.2f} | {np.mean(tops):.2f} | {lp:.4f} | {t:.4f} | {u:.4f} | "
                 f"{100 * (lp / t - 1):+.1f} % | {100 * (u / t - 1):+.1f} % |"

@@ -189,6 +189,20 @@ MODEL_KINDS = {
 }
 
 
+def optimum_and_methods(scheme: str, tree: TreeSpec, pairs, methods, label=()) -> tuple[float, dict[str, float]]:
+    """(mean LP optimum, {method: mean E[accepted]}) over ``pairs`` of (target, draft)
+    models, each method checked against the optimum of each pair (``label`` names the
+    case in the failure)."""
+    opt, values = [], {m: [] for m in methods}
+    for i, (target, draft) in enumerate(pairs):
+        opt.append(lp_optimum(scheme, tree, target, draft))
+        for m in values:
+            values[m].append(expected_accepted(m, scheme, tree, target, draft))
+            # Every lossless verifier is feasible for the LP: it cannot beat the optimum.
+            assert values[m][-1] <= opt[-1] + 1e-7, (*label, i, m, values[m][-1], opt[-1])
+    return float(np.mean(opt)), {m: float(np.mean(v)) for m, v in values.items()}
+
+
 def main() -> None:
     seeds = range(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
     lines = [
@@ -213,21 +227,14 @@ def main() -> None:
     for kind, scheme, shape, vocab in [(k, *c) for k in MODEL_KINDS for c in CASES]:
         tree = tree_of(shape)
         t0 = time.time()
-        opt, values = [], {m: [] for m in SCHEME_METHODS[scheme]}
-        for seed in seeds:
-            target, draft = MODEL_KINDS[kind](vocab, seed)
-            opt.append(lp_optimum(scheme, tree, target, draft))
-            for m in values:
-                values[m].append(expected_accepted(m, scheme, tree, target, draft))
-                # Every lossless verifier is feasible for the LP: it cannot beat the optimum.
-                assert values[m][-1] <= opt[-1] + 1e-7, (kind, scheme, shape, seed, m, values[m][-1], opt[-1])
-        lp = float(np.mean(opt))
+        pairs = [MODEL_KINDS[kind](vocab, seed) for seed in seeds]
+        lp, values = optimum_and_methods(scheme, tree, pairs, SCHEME_METHODS[scheme], (kind, scheme, shape))
         cells = []
         for m, v in values.items():
-            cells += [m, f"{np.mean(v):.4f}", f"{np.mean(v) / lp:.4f}"]
+            cells += [m, f"{v:.4f}", f"{v / lp:.4f}"]
         cells += [""] * (3 * COLUMNS - len(cells))
         if scheme == "wor":
-            shares.append((float(np.mean(values["univer_wor"])) / lp, float(np.mean(values["traversal"])) / lp))
+            shares.append((values["univer_wor"] / lp, values["traversal"] / lp))
         lines.append(f"| {kind} | {scheme} | {shape} | {vocab} | {lp:.4f} | " + " | ".join(cells) + " |")
         print(lines[-1], f"({time.time() - t0:.0f}s)", flush=True)
     new, old = min(s for s, _ in shares), min(t for _, t in shares)

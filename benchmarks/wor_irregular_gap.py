@@ -21,13 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT.parent / "tests"))  # the exact-law toolkit of the test suite
-from law_utils import expected_accepted  # noqa: E402
-from lp_optimum import IRREGULAR_SHAPES, MODEL_KINDS, lp_optimum  # noqa: E402
+from lp_optimum import IRREGULAR_SHAPES, MODEL_KINDS, optimum_and_methods  # noqa: E402
 
 from vllm_univer import TreeSpec  # noqa: E402
 
@@ -60,15 +56,9 @@ def main() -> None:
         for name, paths in SHAPES.items():
             tree = TreeSpec.from_paths(paths)
             start = time.time()
-            optimum, values = [], {m: [] for m in METHODS}
-            for seed in range(args.pairs):
-                target, draft = MODEL_KINDS[kind](args.vocab, seed)
-                optimum.append(lp_optimum("wor", tree, target, draft))
-                for m in METHODS:
-                    values[m].append(expected_accepted(m, "wor", tree, target, draft))
-                    assert values[m][-1] <= optimum[-1] + 1e-7, (kind, name, seed, m)  # lossless: feasible
-            lp = float(np.mean(optimum))
-            shares = " | ".join(f"{100 * np.mean(values[m]) / lp:.1f} %" for m in METHODS)
+            pairs = [MODEL_KINDS[kind](args.vocab, seed) for seed in range(args.pairs)]
+            lp, values = optimum_and_methods("wor", tree, pairs, METHODS, (kind, name))
+            shares = " | ".join(f"{100 * values[m] / lp:.1f} %" for m in METHODS)
             lines.append(f"| {kind} | {name} | {paths} | {lp:.4f} | {shares} |")
             print(lines[-1], f"({time.time() - start:.0f} s)", flush=True)
     out = ROOT / "results" / "wor_irregular_gap.md"
