@@ -9,7 +9,8 @@ T = 1) three times and once at T = 0, through the ``openai`` client; tokens/s
     python benchmarks/main_job.py                      # plain vllm serve, main job TREE=auto, TREE=2x3
     python benchmarks/main_job.py --trees auto          # fewer rows
 
-Results: ``results/main_job.md`` (and ``.json``). Models must be cached
+Results: ``results/main_job.md`` (and ``.json``; ``--out NAME``: ``results/NAME.md``,
+to keep another machine's table beside it). Models must be cached
 (``scripts/main.sh`` fetches them on its first run).
 """
 
@@ -124,6 +125,7 @@ def main() -> None:
     ap.add_argument("--trees", nargs="+", default=["auto", "2x3"])
     ap.add_argument("--no-plain", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default="main_job", help="results/OUT.md and .json")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "scripts"))
     from serve_default import hardware_defaults
@@ -137,8 +139,8 @@ def main() -> None:
         rows.append(main_job(tree, logs / f"main_job_{tree}.log", args.timeout))
     command = "python benchmarks/main_job.py " + " ".join(sys.argv[1:])
     text = report(rows, command.strip())
-    (HERE / "results" / "main_job.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    (HERE / "results" / "main_job.md").write_text(text)
+    (HERE / "results" / f"{args.out}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    (HERE / "results" / f"{args.out}.md").write_text(text)
     print(text)
 
 
