@@ -114,8 +114,14 @@ def test_exact_lossless_topk_covers_support(method, scheme):
 @pytest.mark.parametrize("classes_per_octave", [32, 1])
 @pytest.mark.parametrize(
     "tree,vocab",
-    [(TreeSpec.parse("2x2"), 4), (TreeSpec.parse("3x1"), 5), (TreeSpec.parse("4x1"), 5), (IRREGULAR, 4)],
-    ids=["2x2", "3x1", "4x1", "irregular"],
+    [
+        (TreeSpec.parse("2x2"), 4),
+        (TreeSpec.parse("3x1"), 5),
+        (TreeSpec.parse("4x1"), 5),
+        (IRREGULAR, 4),
+        (IRREGULAR_DEEP, 3),
+    ],
+    ids=["2x2", "3x1", "4x1", "irregular", "irregular-deep"],
 )
 @pytest.mark.parametrize("seed", [0, 1])
 def test_univer_wor_exact_with_log_ratio_classes(monkeypatch, tree, vocab, classes_per_octave, seed):

@@ -34,14 +34,28 @@ def test_sum_of_min_in_chunks_equals_one_pass(monkeypatch):
     torch.testing.assert_close(ops.sum_of_min(a[:, 1:2], b[:, 1:2], 0.5), expected, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("method,spec", [("univer", "2x2"), ("rrs", "3x2"), ("rrsw", "3x2"), ("traversal", "3x2")])
+EAGLE_LIKE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+@pytest.mark.parametrize(
+    "method,spec",
+    [
+        ("univer", "2x2"),
+        ("rrs", "3x2"),
+        ("rrsw", "3x2"),
+        ("traversal", "3x2"),
+        ("univer_wor", "3x2"),
+        ("univer_wor", EAGLE_LIKE),
+    ],
+    ids=["univer", "rrs", "rrsw", "traversal", "univer_wor", "univer_wor-eagle-like"],
+)
 def test_law_is_the_same_with_chunked_vocabulary_passes(monkeypatch, method, spec):
     """The exact outcome law of the verifiers with vocabulary passes (UniVer's sums
-    of min, the rejection replays) on a 3000-token vocabulary, in chunks of 1024
-    and in one pass."""
+    of min, the rejection replays, univer_wor's class sums with floored classes on
+    uneven pairs) on a 3000-token vocabulary, in chunks of 1024 and in one pass."""
     from vllm_univer import scheme_for
 
-    tree = TreeSpec.parse(spec)
+    tree = TreeSpec.parse(spec) if isinstance(spec, str) else TreeSpec.from_paths(spec)
     gen = torch.Generator().manual_seed(1)
     vocab, n1 = 3000, tree.num_nodes + 1
     q = torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1)

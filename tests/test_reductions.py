@@ -129,14 +129,14 @@ def test_univer_wor_cut_children_leave_the_whole_demand():
 )
 def test_univer_wor_keeps_up_with_traversal_on_irregular_trees(paths):
     """Where a pair's slots carry subtrees of different sizes, univer_wor weighs what
-    each coupling passes to each slot by sqrt(subtree size). Unweighted, its one-step
-    choice often selected the shallow slot first and fell 1-21 % below traversal
-    there (below RRSw too on mixed drafts); taking such pairs in slot order always
-    (2026-12-02) was level with traversal (mean +1.3e-3 and +5e-6 here). Exact, V = 4,
-    smooth and mixed drafts: at least RRSw per model and in total above traversal
-    (measured +0.71 % and +0.91 %). Per model the weighted choice can trail
-    traversal slightly (measured down to -1.35e-2; slot order: -1.7e-3): it is
-    better on average over laws, not on every law."""
+    each coupling passes to each slot by sqrt(subtree size), and its selection by
+    ratio favours the larger subtree (ratios floored at the weights' ratio, ties to
+    the larger). Unweighted, its one-step choice often selected the shallow slot
+    first and fell 1-21 % below traversal there (below RRSw too on mixed drafts);
+    weighted, with the plain selection (2026-12-02 .. 12-05), +0.71 % / +0.91 % in
+    total but down to -1.35e-2 per model. Exact, V = 4, smooth and mixed drafts:
+    now at least traversal (and RRSw) on every model, and in total +2.85 % /
+    +2.34 % above traversal."""
     tree = TreeSpec.from_paths(paths)
     new_total = old_total = 0.0
     for seed in range(4):
@@ -145,9 +145,9 @@ def test_univer_wor_keeps_up_with_traversal_on_irregular_trees(paths):
             new = expected_accepted("univer_wor", "wor", tree, target, draft)
             old = expected_accepted("traversal", "wor", tree, target, draft)
             assert new >= expected_accepted("rrsw", "wor", tree, target, draft) - 1e-12
-            assert new >= old - 1.5e-2, (seed, mixed)
+            assert new >= old - 1e-12, (seed, mixed)
             new_total, old_total = new_total + new, old_total + old
-    assert new_total > 1.005 * old_total, (new_total, old_total)
+    assert new_total > 1.02 * old_total, (new_total, old_total)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
