@@ -271,6 +271,14 @@ def study_prompt(item, dataset, ids, temperature, target, draft, tokenizer, shap
         root_draft = draft.extend(new)
 
 
+def prompt_ids(tokenizer, item, max_tokens: int) -> list[int]:
+    """The token ids of a prompt set item's first turn in the chat template, its last ``max_tokens``."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": item["turns"][0]}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False).input_ids[-max_tokens:]
+
+
 def records_path(args) -> Path:
     supplement = f".supp-{args.supplement}" if args.supplement else ""
     return RESULTS / f"acceptance{'_quick' if args.quick else ''}{supplement}.jsonl"
@@ -308,10 +316,7 @@ def run_study(args) -> Path:
             if index >= len(items):
                 continue
             item = items[index]
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": item["turns"][0]}], add_generation_prompt=True, tokenize=False
-            )
-            ids = tokenizer(text, add_special_tokens=False).input_ids[-args.max_prompt_tokens :]
+            ids = prompt_ids(tokenizer, item, args.max_prompt_tokens)
             for temperature in args.temperatures:
                 if args.time_budget and time.time() - started > args.time_budget:
                     print("time budget reached; partial results kept", flush=True)

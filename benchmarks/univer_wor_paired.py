@@ -32,7 +32,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from acceptance import CachedLM, draft_and_score, expected_accepted, tree_shapes  # noqa: E402
+from acceptance import CachedLM, draft_and_score, expected_accepted, prompt_ids, tree_shapes  # noqa: E402
 from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts  # noqa: E402
 
 from vllm_univer.verifiers.univer_wor import UniVerWorVerifier  # noqa: E402
@@ -98,10 +98,7 @@ def collect(args) -> None:
                 if index >= len(items):
                     continue
                 item = items[index]
-                text = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": item["turns"][0]}], add_generation_prompt=True, tokenize=False
-                )
-                ids = tokenizer(text, add_special_tokens=False).input_ids[-512:]
+                ids = prompt_ids(tokenizer, item, 512)
                 root_target, root_draft = target.reset(ids), draft.reset(ids)
                 for temperature in args.temperatures:
                     if args.time_budget and time.time() - started > args.time_budget:
