@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE))
 from acceptance import CachedLM, draft_and_score, expected_accepted, prompt_ids, tree_shapes  # noqa: E402
 from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts  # noqa: E402
 
+from vllm_univer import TreeSpec  # noqa: E402
 from vllm_univer.verifiers.univer_wor import UniVerWorVerifier  # noqa: E402
 
 RECORDS = HERE / "results" / "univer_wor_paired.jsonl"
@@ -84,11 +85,8 @@ def collect(args) -> None:
     target = CachedLM(model_dir(DEFAULT_TARGET, "bfloat16"), getattr(torch, args.dtype))
     draft = CachedLM(model_dir(DEFAULT_DRAFT, "bfloat16"), getattr(torch, args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(model_dir(DEFAULT_TARGET, "bfloat16"))
-    tree = tree_shapes(True)[args.shape] if args.shape in tree_shapes(True) else None
-    if tree is None:
-        from vllm_univer import TreeSpec
-
-        tree = TreeSpec.parse(args.shape)
+    shapes = tree_shapes(True)  # the study's, eagle61 among them; else a WxD shape
+    tree = shapes[args.shape] if args.shape in shapes else TreeSpec.parse(args.shape)
     gen = torch.Generator().manual_seed(args.seed)
     sets = {name: prompts(name, limit=args.first + args.prompts) for name in ("mtbench", "humaneval", "sharegpt")}
     started = time.time()

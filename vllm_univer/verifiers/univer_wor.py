@@ -113,8 +113,9 @@ def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 
 
 def _log_class(ratio: torch.Tensor) -> torch.Tensor:
-    """Positive finite ratios -> their log-scale class 1 .. _LOG_CLASSES - 2 (int64)."""
-    octave = ratio.log2().add_(_OCTAVES / 2).mul_(_CLASSES_PER_OCTAVE)
+    """Positive finite ratios -> their log-scale class 1 .. _LOG_CLASSES - 2 (int64);
+    ``ratio`` is overwritten (pass a temporary)."""
+    octave = ratio.log2_().add_(_OCTAVES / 2).mul_(_CLASSES_PER_OCTAVE)
     return octave.clamp_(0, _LOG_CLASSES - 3).long().add_(1)
 
 
@@ -125,7 +126,7 @@ def log_ratio_classes(demand: torch.Tensor, law: torch.Tensor, floor: torch.Tens
     # Where D or q' is 0 the ratio (0, inf or NaN) and its class are overwritten below.
     classes = _log_class(demand / law).masked_fill_(~positive, 0)
     if floor is not None:
-        classes = torch.maximum(classes, _log_class(floor).masked_fill_(floor <= 0, 0))
+        classes = torch.maximum(classes, _log_class(floor.clone()).masked_fill_(floor <= 0, 0))
     return classes.masked_fill_(law <= 0, _LOG_CLASSES - 1)
 
 
