@@ -103,7 +103,7 @@ def law_check(method, tree, tokens, p, q, device, compiled) -> tuple[bool, str]:
     )
     y = out.output_token_ids.gather(1, out.num_accepted.unsqueeze(1)).squeeze(1)
     row = torch.arange(4, device=device).repeat_interleave(reps)
-    cells = row * law[0].numel() + out.end_node * 6 + y
+    cells = row * law[0].numel() + out.end_node * law.shape[-1] + y
     counts = torch.bincount(cells, minlength=law.numel()).cpu()
     flat = law.reshape(4, -1).cpu()
     impossible = int(counts.view(4, -1)[flat == 0].sum())
@@ -136,17 +136,25 @@ def compiled_afresh(**inductor_config):
 # Triton kernels with FP fusion off (torch 2.13: ``enable_fp_fusion = not
 # emulate_precision_casts``).
 NO_FP_FUSION = {"emulate_precision_casts": True}
+# A binary tree whose root carries uneven subtrees (3 and 1 nodes): univer_wor's floor and tie rule.
+BINARY_TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
 
 
 def correctness(device: torch.device, lines: list[str]) -> bool:
     ok = True
     lines += ["## Correctness on CUDA", "", "| check | result |", "|---|---|"]
-    # univer_wor three times: its PyTorch rule, that rule compiled (``compiled_rules``),
-    # and compiled with Triton's FP fusion off.
-    cases = [(m, None, None) for m in METHODS] + [("univer_wor", True, None), ("univer_wor", True, NO_FP_FUSION)]
-    for method, compiled, inductor_config in cases:
-        tree = TreeSpec.parse("1x3") if method in ("token", "block") else TreeSpec.parse("2x2")
-        tokens, p, q = make_inputs(method, tree, 4, 6, seed=3)
+    # univer_wor four times: its PyTorch rule (V = 6: exact ratio ranks), that rule compiled
+    # (``compiled_rules``), compiled with Triton's FP fusion off, and its Triton kernels
+    # (``triton_wor_verify``: log-scale classes, V > 64) on 2x2 and on an uneven binary tree.
+    cases = [(m, None, None, "2x2", 6) for m in METHODS] + [
+        ("univer_wor", True, None, "2x2", 6),
+        ("univer_wor", True, NO_FP_FUSION, "2x2", 6),
+        ("univer_wor", None, None, "2x2", 80),
+        ("univer_wor", None, None, "binary", 80),
+    ]
+    for method, compiled, inductor_config, shape, vocab in cases:
+        tree = TreeSpec.parse("1x3" if method in ("token", "block") else BINARY_TREE if shape == "binary" else shape)
+        tokens, p, q = make_inputs(method, tree, 4, vocab, seed=3)
         tokens, p, q = tokens.to(device), p.to(device), q.to(device)
         try:
             with compiled_afresh(**inductor_config) if inductor_config else contextlib.nullcontext():
@@ -155,6 +163,7 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
             good, detail = False, f"{type(exc).__name__}: {str(exc)[:300]}"
         ok &= good
         variant = (" compiled" if compiled else "") + (", FP fusion off" if inductor_config else "")
+        variant += f" ({shape}, V = {vocab})" if vocab != 6 else ""
         lines.append(
             f"| verify `{method}`{variant} vs outcome_law (4 trees x {LAW_DRAWS}) | "
             f"{'ok' if good else 'FAIL'}: {detail} |".replace("\n", " ")
@@ -276,8 +285,8 @@ def cuda_median_ms(fn) -> float:
 
 
 def timings(device: torch.device, lines: list[str]) -> None:
-    """verify per call: the fused Triton path (every tree method but univer_wor
-    takes it on CUDA) beside the PyTorch node rules, against the time it takes to
+    """verify per call: the fused Triton path (every tree method takes it on CUDA;
+    univer_wor on trees of at most two children per node) beside the PyTorch node rules, against the time it takes to
     read p and q once at the H200's 4.3 TB/s (issue 12: univer <= 3x that read,
     rrs / rrsw / traversal <= 3x univer)."""
     # (column, method, fused): fused None = what verify picks on CUDA.
@@ -292,6 +301,7 @@ def timings(device: torch.device, lines: list[str]) -> None:
         ("rrs", "rrs", None),
         ("rrsw", "rrsw", None),
         ("univer_wor", "univer_wor", None),
+        ("univer_wor torch", "univer_wor", False),
     ]
     replay_columns = ("traversal", "rrs", "rrsw")
     lines += [

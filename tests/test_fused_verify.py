@@ -313,12 +313,16 @@ def test_fused_chain_step_equals_the_node_rules_and_decisions_in_interpreter():
     run_interpreted(PRELUDE + CHAIN_CHECK, "CHAIN OK")
 
 
-def test_fused_path_refuses_methods_without_kernels():
+def test_fused_path_refuses_what_its_kernels_cannot_take():
     import torch
 
     from vllm_univer import TreeSpec, verify
 
     tree = TreeSpec.parse("2x2")
     p = torch.full((1, 7, 4), 0.25)
-    with pytest.raises(ValueError, match="no fused kernels for 'univer_wor'"):
-        verify("univer_wor", tree, torch.zeros(1, 7, dtype=torch.long), p, p, fused=True)
+    # univer_wor's kernels: at most two children per node, log-scale ratio classes (V > 64).
+    with pytest.raises(ValueError, match="at most two children per node"):
+        three = p[:, :4]
+        verify("univer_wor", TreeSpec.parse("3x1"), torch.zeros(1, 4, dtype=torch.long), three, three, fused=True)
+    with pytest.raises(ValueError, match="vocabularies above 64 tokens"):
+        verify("univer_wor", tree, torch.zeros(1, 7, dtype=torch.long), p, p, fused=True, validate=False)

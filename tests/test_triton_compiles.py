@@ -85,11 +85,18 @@ CHECK = textwrap.dedent("""
 
     gen = torch.Generator().manual_seed(0)
     batch, vocab = 3, 40
-    for method in [m for m in METHODS if m != "univer_wor"]:
-        shapes = ("1x3",) if method in ("token", "block") else ("2x2", "irregular")
-        # A small vocabulary (one small block), and a large one (the largest block, MAX_BLOCK_V).
-        for shape, v in [(shape, 40) for shape in shapes] + [(shapes[0], 5000)]:
-            tree = TreeSpec.parse([[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0]] if shape == "irregular" else shape)
+    irregular = {
+        "irregular": [[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0]],
+        "binary": [[0], [1], [0, 0], [0, 1], [0, 0, 0]],  # univer_wor's kernels: two children at most
+    }
+    for method in METHODS:
+        odd = "binary" if method == "univer_wor" else "irregular"
+        shapes = ("1x3",) if method in ("token", "block") else ("2x2", odd)
+        # A small vocabulary (one small block; univer_wor's kernels start above 64 tokens), and a
+        # large one (the largest block, MAX_BLOCK_V).
+        small = 100 if method == "univer_wor" else 40
+        for shape, v in [(shape, small) for shape in shapes] + [(shapes[0], 5000)]:
+            tree = TreeSpec.parse(irregular.get(shape, shape))
             tokens, p, q = make_inputs(method, tree, batch, v, seed=1)
             for greedy in (None, torch.tensor([True, False, False])):
                 attempt(f"verify {method} {shape} V={v} greedy={greedy is not None}", lambda: verify(

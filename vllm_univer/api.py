@@ -8,7 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from .compiled_rules import compile_by_default, node_rule_for
-from .fused_tree_pass import FUSED_METHODS, fused_allocate, fused_available, fused_chain_step, fused_finish
+from .fused_tree_pass import (
+    FUSED_METHODS,
+    WOR_METHODS,
+    fused_allocate,
+    fused_available,
+    fused_chain_step,
+    fused_finish,
+    fused_refusal,
+    fused_wor_step,
+)
 from .inverse_cdf import sample_from_weights
 from .ops import normalize
 from .tree import TreeSpec
@@ -67,8 +76,9 @@ def verify(
             guarantee well-formed inputs may skip it.
         fused: run as Triton kernels (``fused_tree_pass``; the same law): the
             tree methods in one launch per depth level plus one for the rest
-            of the step, token / block in one launch per step (univer_wor has
-            none: it runs its PyTorch rule).
+            of the step, token / block in one launch per step, univer_wor on
+            trees of at most two children per node in one per level plus one
+            for the draw (elsewhere it runs its PyTorch rule).
             None: on CUDA when Triton is there.
         compiled: run the PyTorch node rule compiled by torch.compile
             (``compiled_rules``; univer_wor only, the same formulas fused).
@@ -86,9 +96,11 @@ def verify(
     if validate:
         check_inputs(verifier, tree, draft_token_ids, target_probs, draft_probs, greedy)
     if fused is None:
-        fused = fused_available(method, target_probs, draft_probs)
+        fused = fused_available(method, tree, target_probs, draft_probs)
     elif fused and method not in FUSED_METHODS:
         raise ValueError(f"no fused kernels for {method!r}; they exist for {', '.join(FUSED_METHODS)}")
+    elif fused and (refusal := fused_refusal(method, tree, target_probs.shape[-1])):
+        raise ValueError(f"fused=True: {refusal}")
     if compiled is None:
         compiled = not fused and compile_by_default(method, target_probs.device)
     elif compiled and fused:
@@ -105,10 +117,13 @@ def verify(
     if fused and verifier.chain_only:  # the whole step, greedy rows and output rows included
         output_token_ids, end = fused_chain_step(verifier, tokens, p, q, greedy, generator)
         return VerifyOutput(output_token_ids, end, end)
-    if fused:  # node rules per level, then the rest of the step in one launch
+    if fused and method in WOR_METHODS:  # node rules per level, the draw in one more launch
+        end, next_token = fused_wor_step(tt, tokens, p, q, dtype, generator)
+    elif fused:  # node rules per level, then the rest of the step in one launch
         weight, stop, params = fused_allocate(verifier, tt, tokens, p, q, dtype)
         return VerifyOutput(*fused_finish(verifier, tt, tokens, p, q, weight, stop, params, greedy, generator))
-    end, next_token = _end_and_next_token(verifier, tt, tree, tokens, p, q, generator, rule)
+    else:
+        end, next_token = _end_and_next_token(verifier, tt, tree, tokens, p, q, generator, rule)
 
     if greedy is not None:
         greedy_end, greedy_next = _argmax_matching(tt, tokens, p.argmax(-1))
