@@ -1,6 +1,6 @@
 """The engine on its CUDA code paths, run on CPU by Triton's interpreter: the
 fused drafting (``draft_children_fused``), the fused verify (``fused_allocate`` /
-``fused_finish``) and the CPU paths give a mixed batch's greedy requests the
+``fused_finish``; univer_wor's ``fused_wor_step``) and the CPU paths give a mixed batch's greedy requests the
 same tokens (argmax matching in the finish kernel, top tokens in the drafting
 kernel), and the sampled requests run through the fused kernels in the engine
 (their laws are the kernels' tests' and gpu_check's); and the launches per
@@ -24,6 +24,9 @@ pytest.importorskip("vllm")
 # KV moves aside), mixed batch of 4, tree 2x3, tiny models: the package's share of
 # a GPU step that test_op_budgets.py guards for the CPU paths.
 CUDA_STEP_BUDGET = 132  # 2026-12-02: 120 (verify 47, draft 61, target_probs 3, verifier 3, Triton 6.5)
+# univer_wor (its kernels: one launch per level and one for the draw), 2026-12-05: 139 (verify 47,
+# draft 62, target_probs 3, verifier 20: the decision, greedy rows and output rows; Triton 6.5).
+CUDA_STEP_BUDGET_WOR = 146
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -32,9 +35,9 @@ SCRIPT = textwrap.dedent("""
     from vllm_univer.integration import tree_drafter
     from vllm_univer.kernels import triton_draft_children
 
-    target, draft, CUDA_STEP_BUDGET = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    target, draft, CUDA_STEP_BUDGET, verifier = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
     llm = LLM(model=target, max_model_len=256, dtype="float32", enforce_eager=True, block_size=32, seed=0,
-              speculative_config={"method": "univer", "model": draft, "tree": "2x3"})
+              speculative_config={"method": "univer", "model": draft, "tree": "2x3", "verifier": verifier})
     prompts = ["the tree draft token", "red blue green", "one two three four five", "a cat and a dog run"]
     temperatures = [0.0, 1.0, 0.0, 0.7]
     allowed = list(range(10, 300, 3))  # the last request drafts and samples inside this set
@@ -46,7 +49,9 @@ SCRIPT = textwrap.dedent("""
 
     cpu_paths = run()
     launches = {"draft": 0, "verify": 0}
-    draft_fused, allocate = triton_draft_children.draft_children_fused, api.fused_allocate
+    draft_fused = triton_draft_children.draft_children_fused
+    verify_entry = "fused_wor_step" if verifier == "univer_wor" else "fused_allocate"
+    allocate = getattr(api, verify_entry)
 
     def counting(name, fn):
         def wrapped(*args, **kwargs):
@@ -80,7 +85,7 @@ SCRIPT = textwrap.dedent("""
     fused_tree_pass.triton_reads = lambda *rows: all(r.stride(-1) == 1 for r in rows)
     tree_drafter.triton_reads = fused_tree_pass.triton_reads
     triton_draft_children.draft_children_fused = counting("draft", draft_fused)
-    api.fused_allocate = counting("verify", allocate)
+    setattr(api, verify_entry, counting("verify", allocate))
     fused_paths = run()
     assert launches["draft"] > 0 and launches["verify"] > 0, launches
     assert set(fused_paths[3]) <= set(allowed), fused_paths[3]
@@ -101,14 +106,17 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_engine_on_the_fused_paths_keeps_greedy_outputs(tiny_pair):
+@pytest.mark.parametrize("verifier", ["univer", "univer_wor"])
+def test_engine_on_the_fused_paths_keeps_greedy_outputs(tiny_pair, verifier):
     from engine_job import ENV
 
+    budget = CUDA_STEP_BUDGET_WOR if verifier == "univer_wor" else CUDA_STEP_BUDGET
     out = run_interpreted(
         SCRIPT,
         "FUSED ENGINE OK",
         *tiny_pair,
-        str(CUDA_STEP_BUDGET),
+        str(budget),
+        verifier,
         env={**ENV, "VLLM_UNIVER_OP_COUNTS": "1"},
         timeout=1500,
     )

@@ -46,6 +46,10 @@ CLASSES_PER_OCTAVE = tl.constexpr(float(_CLASSES_PER_OCTAVE))
 HALF_OCTAVES = tl.constexpr(float(_OCTAVES // 2))
 CLASS_BLOCK = tl.constexpr(triton.next_power_of_2(_LOG_CLASSES))
 TABLES = 4  # per program: Q_sel's partner sums (q', u), then E2's
+# The vocabulary block: a program keeps about ten [BLOCK_V] float64 arrays live in its
+# passes (accumulators, D, q', u, classes), so a smaller block than the other verify
+# kernels' (MAX_BLOCK_V) keeps them in registers; the best value is a GPU measurement.
+MAX_WOR_BLOCK_V = 1024
 LEVEL, DRAW = tl.constexpr(0), tl.constexpr(1)
 
 
@@ -348,7 +352,7 @@ def _launch(mode, p, q, tokens, nodes, tt, weight, stop, uniforms, next_token, g
         p, q, tokens, nodes, children, sizes, weight, stop, uniforms, next_token, scratch,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0), weight.stride(0),
         vocab, children.shape[1],
-        MODE=mode, WEIGHTED=not tt.even_pairs, BLOCK_V=block_size(vocab),
+        MODE=mode, WEIGHTED=not tt.even_pairs, BLOCK_V=min(MAX_WOR_BLOCK_V, block_size(vocab)),
     )  # fmt: skip
 
 
