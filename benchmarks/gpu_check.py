@@ -136,24 +136,29 @@ def compiled_afresh(**inductor_config):
 # Triton kernels with FP fusion off (torch 2.13: ``enable_fp_fusion = not
 # emulate_precision_casts``).
 NO_FP_FUSION = {"emulate_precision_casts": True}
-# A binary tree whose root carries uneven subtrees (3 and 1 nodes): univer_wor's floor and tie rule.
-BINARY_TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+# univer_wor's kernels: a binary tree whose root carries uneven subtrees (3 and 1 nodes: the floor
+# and tie rule), and an EAGLE-like one with four and three children above subtrees (two pair stages).
+WOR_TREES = {
+    "binary": [[0], [1], [0, 0], [0, 1], [0, 0, 0]],
+    "eagle": [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [0, 0, 0], [0, 1, 0]],
+}
 
 
 def correctness(device: torch.device, lines: list[str]) -> bool:
     ok = True
     lines += ["## Correctness on CUDA", "", "| check | result |", "|---|---|"]
-    # univer_wor four times: its PyTorch rule (V = 6: exact ratio ranks), that rule compiled
+    # univer_wor five times: its PyTorch rule (V = 6: exact ratio ranks), that rule compiled
     # (``compiled_rules``), compiled with Triton's FP fusion off, and its Triton kernels
-    # (``triton_wor_verify``: log-scale classes, V > 64) on 2x2 and on an uneven binary tree.
+    # (``triton_wor_verify``: log-scale classes, V > 64) on 2x2 and the trees of WOR_TREES.
     cases = [(m, None, None, "2x2", 6) for m in METHODS] + [
         ("univer_wor", True, None, "2x2", 6),
         ("univer_wor", True, NO_FP_FUSION, "2x2", 6),
         ("univer_wor", None, None, "2x2", 80),
         ("univer_wor", None, None, "binary", 80),
+        ("univer_wor", None, None, "eagle", 80),
     ]
     for method, compiled, inductor_config, shape, vocab in cases:
-        tree = TreeSpec.parse("1x3" if method in ("token", "block") else BINARY_TREE if shape == "binary" else shape)
+        tree = TreeSpec.parse("1x3" if method in ("token", "block") else WOR_TREES.get(shape, shape))
         tokens, p, q = make_inputs(method, tree, 4, vocab, seed=3)
         tokens, p, q = tokens.to(device), p.to(device), q.to(device)
         try:
@@ -286,8 +291,8 @@ def cuda_median_ms(fn) -> float:
 
 def timings(device: torch.device, lines: list[str]) -> None:
     """verify per call: the fused Triton path (every tree method takes it on CUDA;
-    univer_wor on trees of at most two children per node) beside the PyTorch node rules, against the time it takes to
-    read p and q once at the H200's 4.3 TB/s (issue 12: univer <= 3x that read,
+    univer_wor on trees without its three-child stage, not 3x3) beside the PyTorch
+    node rules, against the time it takes to read p and q once at the H200's 4.3 TB/s (issue 12: univer <= 3x that read,
     rrs / rrsw / traversal <= 3x univer)."""
     # (column, method, fused): fused None = what verify picks on CUDA.
     columns = [

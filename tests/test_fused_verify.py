@@ -320,9 +320,13 @@ def test_fused_path_refuses_what_its_kernels_cannot_take():
 
     tree = TreeSpec.parse("2x2")
     p = torch.full((1, 7, 4), 0.25)
-    # univer_wor's kernels: at most two children per node, log-scale ratio classes (V > 64).
-    with pytest.raises(ValueError, match="at most two children per node"):
+    # univer_wor's kernels: no three-child stage, at most four children per node, log-scale
+    # ratio classes (V > 64).
+    with pytest.raises(ValueError, match="three-child stage"):
         three = p[:, :4]
         verify("univer_wor", TreeSpec.parse("3x1"), torch.zeros(1, 4, dtype=torch.long), three, three, fused=True)
+    with pytest.raises(ValueError, match="at most four children per node"):
+        five = torch.full((1, 6, 4), 0.25)
+        verify("univer_wor", TreeSpec.parse("5x1"), torch.zeros(1, 6, dtype=torch.long), five, five, fused=True)
     with pytest.raises(ValueError, match="vocabularies above 64 tokens"):
         verify("univer_wor", tree, torch.zeros(1, 7, dtype=torch.long), p, p, fused=True, validate=False)

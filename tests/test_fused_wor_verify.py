@@ -1,7 +1,9 @@
 """univer_wor's fused (Triton) path equals its PyTorch rule: run by Triton's
 interpreter on CPU, in a subprocess (TRITON_INTERPRET must be set before Triton
-is imported). Trees of at most two children per node (2x2, a binary irregular
-tree with uneven pairs, a chain), smooth rows and rows with zeros and ties,
+is imported). Trees of at most four children per node without the three-child
+stage (2x2, a binary irregular tree with uneven pairs, a chain, an EAGLE-like
+tree with four and three children above subtrees, 4x1), smooth rows and rows
+with zeros and ties,
 children missing as wor drafts miss them (a slot only after the earlier ones):
 
 * the law of the end node that the kernel's entry scales and stop probabilities
@@ -12,7 +14,8 @@ children missing as wor drafts miss them (a slot only after the earlier ones):
   uniforms away from the CDF's steps;
 * ``verify(fused=True)`` returns well-formed outputs in a handful of ATen ops
   besides its launches (greedy rows: argmax matching), and refuses, clearly, a
-  tree with three children at a node and a vocabulary of exact ratio ranks.
+  tree with the three-child stage (3x2) or five children (5x1), and a
+  vocabulary of exact ratio ranks.
 
 On a GPU, ``benchmarks/gpu_check.py`` samples ``verify`` (which takes this path
 there) against ``outcome_law``.
@@ -102,10 +105,14 @@ CHECK = textwrap.dedent("""
         assert draws > 0
 
     BINARY = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]  # uneven pair at the root: subtrees of 3 and 1
-    for spec in ("2x2", BINARY, "1x3"):
+    # Two pair stages: four children at the root (subtrees 3, 2, 1, 1), three at a child
+    # above subtrees (pair, then a lone third slot), pairs and chains below.
+    EAGLE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [0, 0, 0], [0, 1, 0]]
+    for spec in ("2x2", BINARY, "1x3", EAGLE, "4x1"):
         for zeros in (False, True):
             check(spec, zeros, torch.float64)
     check(BINARY, False, torch.float32)
+    check(EAGLE, False, torch.float32)
     check("2x2", True, torch.bfloat16)
 
     # verify(fused=True): well-formed rows, greedy rows by argmax matching, few ATen ops.
@@ -131,14 +138,14 @@ CHECK = textwrap.dedent("""
     print("fused univer_wor 2x3, greedy rows and sampled ones:", counts)
     assert counts["kernels"] <= 60 and counts["syncs"] == 0, sorted((+ops.by_name).items(), key=lambda kv: -kv[1])
 
-    for spec, vocab in (([[0], [1], [2]], 100), ("2x2", 40)):
+    for spec, vocab in (("3x2", 100), ("5x1", 100), ("2x2", 40)):
         tree = TreeSpec.parse(spec)
         p = torch.softmax(torch.randn(1, tree.num_nodes + 1, vocab, generator=gen), -1)
         tokens = torch.arange(tree.num_nodes + 1).unsqueeze(0)
         try:
             verify("univer_wor", tree, tokens, p, p, fused=True)
         except ValueError as exc:
-            assert "univer_wor's kernels take" in str(exc), exc
+            assert "univer_wor's kernels" in str(exc), exc
         else:
             raise AssertionError(f"fused=True accepted {spec} at V = {vocab}")
     print("WOR FUSED OK")

@@ -87,11 +87,13 @@ CHECK = textwrap.dedent("""
     batch, vocab = 3, 40
     irregular = {
         "irregular": [[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0]],
-        "binary": [[0], [1], [0, 0], [0, 1], [0, 0, 0]],  # univer_wor's kernels: two children at most
+        # univer_wor's kernels: one pair stage (uneven), two (four and three children, uneven)
+        "binary": [[0], [1], [0, 0], [0, 1], [0, 0, 0]],
+        "eagle": [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [0, 0, 0], [0, 1, 0]],
     }
     for method in METHODS:
-        odd = "binary" if method == "univer_wor" else "irregular"
-        shapes = ("1x3",) if method in ("token", "block") else ("2x2", odd)
+        odd = ("binary", "eagle") if method == "univer_wor" else ("irregular",)
+        shapes = ("1x3",) if method in ("token", "block") else ("2x2", *odd)
         # A small vocabulary (one small block; univer_wor's kernels start above 64 tokens), and a
         # large one (the largest block, MAX_BLOCK_V).
         small = 100 if method == "univer_wor" else 40

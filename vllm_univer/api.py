@@ -76,9 +76,10 @@ def verify(
             guarantee well-formed inputs may skip it.
         fused: run as Triton kernels (``fused_tree_pass``; the same law): the
             tree methods in one launch per depth level plus one for the rest
-            of the step, token / block in one launch per step, univer_wor on
-            trees of at most two children per node in one per level plus one
-            for the draw (elsewhere it runs its PyTorch rule).
+            of the step, token / block in one launch per step, univer_wor in
+            one per level plus one for the draw (on trees of at most four
+            children per node without its three-child stage; elsewhere it runs
+            its PyTorch rule).
             None: on CUDA when Triton is there.
         compiled: run the PyTorch node rule compiled by torch.compile
             (``compiled_rules``; univer_wor only, the same formulas fused).

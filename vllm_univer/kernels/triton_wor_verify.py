@@ -1,11 +1,14 @@
-"""Triton kernel: ``univer_wor``'s node rule for trees of at most two children per
-node (2xD trees, binary irregular trees), one launch per depth level, and the
+"""Triton kernel: ``univer_wor``'s node rule, one launch per depth level, and the
 draw of the next token at the end node in one more launch (the CUDA path of
-``verify``).
+``verify``), for trees of at most four children per node without the rule's
+three-child stage (2xD trees, binary irregular trees, EAGLE-like trees such as
+the study's ``eagle61``; not 3xD, whose nodes above leaves run that stage).
 
 The PyTorch rule (``verifiers/univer_wor.py``) issues ~300 ATen ops per level,
 each a kernel launch on CUDA (~1 550 per ``verify`` on a 2x5 tree). Here one
-program per (request, node) does one node's pair stage:
+program per (request, node) runs the node's pair stages, children 1-2 and then,
+for three or four children, 3-4 against stage 1's leftover (its demand and law
+recomputed per token from stage 1's tables). A stage is
 
     pass 1   sigma, sum q', sum [D - q']+, sum [q' - D]+ / (1 - q'); q' and
              u = q' / (1 - q') added per ratio class into the program's tables
@@ -15,21 +18,21 @@ program per (request, node) does one node's pair stage:
     tables   E2's partner sums per class
     pass 3   the selection's leftover and what it passes to slot a
 
-then the choice between selection by ratio and slot order, the acceptances of
-the two drawn children, and h. The formulas, the log-scale ratio classes (with
-the uneven pairs' floor and tie rule) and their order are the PyTorch rule's;
-every value is computed in float64. The draw recomputes the end node's stage
-with the same code (so its residual R is that of the weights written) and then
-takes R's inverse CDF at the step's uniform in two more passes.
+then the choice between selection by ratio and slot order and the acceptances
+of its two drawn children; h from the last stage. The formulas, the log-scale
+ratio classes (with the uneven pairs' floor and tie rule) and their order are
+the PyTorch rule's; every value is computed in float64. The draw recomputes the
+end node's stages with the same code (so its residual R is that of the weights
+written) and then takes R's inverse CDF at the step's uniform in two more passes.
 
 Vocabularies up to ``EXACT_RANK_VOCAB`` (where the PyTorch rule compares exact
-ratio ranks) and trees with three or more children at a node stay on the
-PyTorch rule (``fused_tree_pass.fused_available``).
+ratio ranks) and the trees above stay on the PyTorch rule
+(``fused_tree_pass.fused_refusal``).
 
-Per program the class tables take 4 x 2050 floats of scratch (global memory,
-zeroed by the program); the histogram is built with atomic adds into them.
+Per program and stage the class tables take 4 x 2050 floats of scratch (global
+memory, zeroed by the program); the histograms are built with atomic adds.
 Tensors: p, q [B, N+1, V] (last dim contiguous; float32, bfloat16 or float64);
-tokens [B, N+1] int64 (-1: missing); children, kid_sizes [N+1, C] int64, C <= 2.
+tokens [B, N+1] int64 (-1: missing); children, kid_sizes [N+1, C] int64, C <= 4.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ NUM_CLASSES = tl.constexpr(_LOG_CLASSES)
 CLASSES_PER_OCTAVE = tl.constexpr(float(_CLASSES_PER_OCTAVE))
 HALF_OCTAVES = tl.constexpr(float(_OCTAVES // 2))
 CLASS_BLOCK = tl.constexpr(triton.next_power_of_2(_LOG_CLASSES))
-TABLES = 4  # per program: Q_sel's partner sums (q', u), then E2's
+TABLES = 4  # per program and pair stage: Q_sel's partner sums (q', u), then E2's
+TINY = tl.constexpr(torch.finfo(torch.float64).tiny)  # univer_wor._LaterInputs' floor of the renormaliser
 # The vocabulary block: a program keeps about ten [BLOCK_V] float64 arrays live in its
 # passes (accumulators, D, q', u, classes), so a smaller block than the other verify
 # kernels' (MAX_BLOCK_V) keeps them in registers; the best value is a GPU measurement.
@@ -66,15 +70,6 @@ def _classes(d, q, floor_class):
     positive = (d > 0) & (q > 0)
     c = tl.where(positive, _log_class(tl.where(positive, d / tl.where(positive, q, 1.0), 1.0)), 0)
     return tl.where(q <= 0, NUM_CLASSES - 1, tl.maximum(c, floor_class))
-
-
-@triton.jit
-def _inputs(p_row, q_row, idx, mask, scale):
-    # D = P~ p, q', u = q' / (1 - q') (0 where 1 - q' <= 0) at the tokens ``idx``.
-    d = scale * tl.load(p_row + idx, mask=mask, other=0.0).to(tl.float64)
-    q = tl.load(q_row + idx, mask=mask, other=0.0).to(tl.float64)
-    u = tl.where(1.0 - q > 0, q / tl.where(1.0 - q > 0, 1.0 - q, 1.0), 0.0)
-    return d, q, u
 
 
 @triton.jit
@@ -144,6 +139,150 @@ def _prefix_tables(tab, row, tie_row, upper_share):
 
 
 @triton.jit
+def _pair_left(d, q, u, cls, tab, mask, tie_a, slot_missed, has_a, has_b, by_ratio):
+    # A stage's leftover R at tokens with inputs (d, q', u) and classes ``cls``
+    # (univer_wor._Stage.evaluate).
+    left = d - tl.minimum(q, d)
+    if has_b:
+        if by_ratio:
+            left = _by_ratio(d, q, u, cls, tab, mask, tie_a)[2]
+        else:
+            left = _slot_left(d, q, slot_missed)[1]
+    return tl.where(has_a, left, d)
+
+
+@triton.jit
+def _stage_inputs(p_row, q_row, idx, mask, scale, STAGE: tl.constexpr, first, drawn_a, drawn_b, reached, norm):
+    # The stage's demand D, law q' and u = q' / (1 - q') at the tokens ``idx``. Stage 2
+    # (children 3-4, univer_wor._LaterInputs): stage 1's leftover as a density given that
+    # stage 2 is reached, and q off stage 1's drawn tokens, renormalised. ``first``: stage 1's
+    # (tables, floor class, tie_a, slot-order sum, has_a, has_b, by_ratio).
+    d = scale * tl.load(p_row + idx, mask=mask, other=0.0).to(tl.float64)
+    q = tl.load(q_row + idx, mask=mask, other=0.0).to(tl.float64)
+    if STAGE == 2:
+        tab, floor_class, tie_a, slot_missed, has_a, has_b, by_ratio = first
+        u = tl.where(1.0 - q > 0, q / tl.where(1.0 - q > 0, 1.0 - q, 1.0), 0.0)
+        left = _pair_left(d, q, u, _classes(d, q, floor_class), tab, mask, tie_a, slot_missed, has_a, has_b, by_ratio)
+        d = tl.where(reached > 0, left / tl.where(reached > 0, reached, 1.0), 0.0)
+        q = tl.where((idx == drawn_a) | (idx == drawn_b), 0.0, q) / norm
+    u = tl.where(1.0 - q > 0, q / tl.where(1.0 - q > 0, 1.0 - q, 1.0), 0.0)
+    return tl.where(mask, d, 0.0), q, u
+
+
+@triton.jit
+def _stage(
+    p_row, q_row, vocab, scale, tab, has_a, has_b, size_a, size_b,
+    STAGE: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_V: tl.constexpr,
+    first, drawn_a, drawn_b, reached, norm,
+):  # fmt: skip
+    # One pair stage's passes (univer_wor._Stage): -> (sigma, law mass, rho, slot-order sum,
+    # by_ratio, floor class, tie_a); its class tables left in ``tab`` (rows 0-3).
+    # Uneven pairs: ratios floored at w_big / w_small, ties won by the larger subtree.
+    tie_a = tl.full((), 0.5, tl.float64)
+    floor_class = tl.full((), 0, tl.int32)
+    w_a = tl.sqrt(size_a)
+    w_b = tl.sqrt(size_b)
+    if WEIGHTED:
+        uneven = w_a != w_b
+        floor = tl.where(uneven, tl.maximum(w_a, w_b) / tl.minimum(w_a, w_b), 0.0)
+        floor_class = tl.where(floor > 0, _log_class(tl.where(floor > 0, floor, 1.0)), 0)
+        tie_a = tl.where(uneven, tl.where(w_a > w_b, 1.0, 0.0), 0.5)
+    tie_row = tl.where(tl.arange(0, 2) == 0, tie_a, 1.0 - tie_a)
+    tie_row_missed = tl.where(tl.arange(0, 2) == 0, 1.0 - tie_a, tie_a)
+
+    offs = tl.arange(0, BLOCK_V)
+    cls_offs = tl.arange(0, CLASS_BLOCK)
+    for r in tl.static_range(4):
+        tl.store(tab + r * NUM_CLASSES + cls_offs, tl.zeros([CLASS_BLOCK], tl.float64), mask=cls_offs < NUM_CLASSES)
+    tl.debug_barrier()
+
+    # Pass 1: masses per class; the sums the lone and slot-order steps need.
+    sigma_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    law_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    lone_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    slot_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + offs
+        inside = idx < vocab
+        d, q, u = _stage_inputs(p_row, q_row, idx, inside, scale, STAGE, first, drawn_a, drawn_b, reached, norm)
+        sigma_acc += d
+        law_acc += q
+        lone_acc += d - tl.minimum(q, d)
+        slot_acc += _slot_missed(d, q)
+        if has_b:
+            cls = _classes(d, q, floor_class)
+            tl.atomic_add(tab + cls, q, mask=inside)
+            tl.atomic_add(tab + NUM_CLASSES + cls, u, mask=inside)
+    sigma = tl.sum(sigma_acc, axis=0)
+    rho_lone = tl.sum(lone_acc, axis=0)
+    slot_missed = tl.sum(slot_acc, axis=0)
+    rho = tl.where(has_a, rho_lone, sigma)
+    by_ratio = tl.full((), 0, tl.int1)
+    if has_b:
+        _prefix_tables(tab, 0, tie_row, False)
+        # Pass 2: what the selected child leaves unmet, per class; the slot-order leftover.
+        slot_rho_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + offs
+            inside = idx < vocab
+            d, q, u = _stage_inputs(p_row, q_row, idx, inside, scale, STAGE, first, drawn_a, drawn_b, reached, norm)
+            cls = _classes(d, q, floor_class)
+            take = _selected(d, q, u, cls, tab, inside, tie_a)[0]
+            tl.atomic_add(tab + 2 * NUM_CLASSES + cls, q * (1.0 - take), mask=inside)
+            tl.atomic_add(tab + 3 * NUM_CLASSES + cls, u * (1.0 - take), mask=inside)
+            slot_rho_acc += _slot_left(d, q, slot_missed)[1]
+        rho_slot = tl.sum(slot_rho_acc, axis=0)
+        _prefix_tables(tab, 2, tie_row_missed, True)
+        # Pass 3: the selection's leftover and what it passes to the first slot.
+        ratio_rho_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+        first_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + offs
+            inside = idx < vocab
+            d, q, u = _stage_inputs(p_row, q_row, idx, inside, scale, STAGE, first, drawn_a, drawn_b, reached, norm)
+            cls = _classes(d, q, floor_class)
+            _, _, left, to_first = _by_ratio(d, q, u, cls, tab, inside, tie_a)
+            ratio_rho_acc += tl.where(inside, left, 0.0)
+            first_acc += tl.where(inside, to_first, 0.0)
+        rho_ratio = tl.sum(ratio_rho_acc, axis=0)
+        gain = rho_slot - rho_ratio  # equal weights: the coupling that leaves less over
+        if WEIGHTED:
+            gain = gain * w_b + (w_a - w_b) * (tl.sum(first_acc, axis=0) - (sigma - rho_lone))
+        by_ratio = gain >= 0
+        rho = tl.where(by_ratio, rho_ratio, rho_slot)
+    return sigma, tl.sum(law_acc, axis=0), rho, slot_missed, by_ratio, floor_class, tie_a
+
+
+@triton.jit
+def _accept(d, q, u, cls, pair, tab, tie_a, slot_missed, has_a, has_b, by_ratio):
+    # The chance that each of a stage's two children (inputs d, q', u, classes ``cls`` at
+    # its tokens; ``pair`` = arange(2)) has its subtree entered (univer_wor._Stage._accept).
+    take, second_take, _, _ = _by_ratio(d, q, u, cls, tab, pair < 2, tie_a)
+    lone_a = tl.sum(tl.where(pair == 0, clipped_ratio(d, q), 0.0), axis=0)
+    c_a = tl.sum(tl.where(pair == 0, cls, 0), axis=0)
+    c_b = tl.sum(tl.where(pair == 1, cls, 0), axis=0)
+    a_wins = tl.where(c_a == c_b, tie_a, tl.where(c_a > c_b, 1.0, 0.0))
+    b_wins = 1.0 - a_wins
+    take_a = tl.sum(tl.where(pair == 0, take, 0.0), axis=0)
+    take_b = tl.sum(tl.where(pair == 1, take, 0.0), axis=0)
+    second_a = tl.sum(tl.where(pair == 0, second_take, 0.0), axis=0)
+    second_b = tl.sum(tl.where(pair == 1, second_take, 0.0), axis=0)
+    ratio_a = a_wins * take_a + b_wins * (1.0 - take_b) * second_a
+    ratio_b = b_wins * take_b + a_wins * (1.0 - take_a) * second_b
+    second_slot, _ = _slot_left(d, q, slot_missed)
+    lone_left = d - tl.minimum(q, d)
+    slot_b = (1.0 - lone_a) * tl.sum(tl.where(pair == 1, clipped_ratio(lone_left, second_slot), 0.0), axis=0)
+    accept_a = tl.where(has_a, tl.where(has_b & by_ratio, ratio_a, lone_a), 0.0)
+    accept_b = tl.where(has_b, tl.where(by_ratio, ratio_b, slot_b), 0.0)
+    return accept_a, accept_b
+
+
+@triton.jit
+def _slot_value(vec, slot, k):
+    return tl.sum(tl.where(slot == k, vec, 0), axis=0)
+
+
+@triton.jit
 def _wor_pair_kernel(
     p_ptr,
     q_ptr,
@@ -166,6 +305,7 @@ def _wor_pair_kernel(
     vocab,
     num_slots,
     MODE: tl.constexpr,
+    STAGES: tl.constexpr,  # 1: at most two children per node; 2: three or four (two pair stages)
     WEIGHTED: tl.constexpr,  # slots weighed by sqrt(subtree size) (not TreeSpec.even_pairs)
     BLOCK_V: tl.constexpr,
 ):
@@ -175,133 +315,75 @@ def _wor_pair_kernel(
     else:
         node = tl.load(nodes_ptr + b)
     program = b * tl.num_programs(1) + tl.program_id(1)
-    tab = scratch_ptr + program * 4 * NUM_CLASSES
+    tab = scratch_ptr + program * (4 * STAGES) * NUM_CLASSES
     p_row = p_ptr + b * stride_pb + node * stride_pn
     q_row = q_ptr + b * stride_qb + node * stride_qn
     scale = tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
-    slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, 2)
-    xa = tl.sum(tl.where(slot == 0, tok, 0), axis=0)
-    xb = tl.sum(tl.where(slot == 1, tok, 0), axis=0)
-    has_a, has_b = xa >= 0, xb >= 0
+    slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, 2 * STAGES)
+    sizes = tl.load(kid_sizes_ptr + node * stride_cn + slot, mask=slot < num_slots, other=0).to(tl.float64)
+    x1, x2 = _slot_value(tok, slot, 0), _slot_value(tok, slot, 1)
+    pair = tl.arange(0, 2)
+    zero = tl.zeros((), tl.float64)
 
-    # Uneven pairs: ratios floored at w_big / w_small, ties won by the larger subtree.
-    tie_a = tl.full((), 0.5, tl.float64)
-    floor_class = tl.full((), 0, tl.int32)
-    w_a = tl.full((), 1.0, tl.float64)
-    w_b = tl.full((), 1.0, tl.float64)
-    if WEIGHTED:
-        sizes = tl.load(kid_sizes_ptr + node * stride_cn + slot, mask=slot < num_slots, other=0).to(tl.float64)
-        w_a = tl.sqrt(tl.sum(tl.where(slot == 0, sizes, 0.0), axis=0))
-        w_b = tl.sqrt(tl.sum(tl.where(slot == 1, sizes, 0.0), axis=0))
-        uneven = w_a != w_b
-        floor = tl.where(uneven, tl.maximum(w_a, w_b) / tl.minimum(w_a, w_b), 0.0)
-        floor_class = tl.where(floor > 0, _log_class(tl.where(floor > 0, floor, 1.0)), 0)
-        tie_a = tl.where(uneven, tl.where(w_a > w_b, 1.0, 0.0), 0.5)
-    tie_row = tl.where(tl.arange(0, 2) == 0, tie_a, 1.0 - tie_a)
-    tie_row_missed = tl.where(tl.arange(0, 2) == 0, 1.0 - tie_a, tie_a)
-
-    offs = tl.arange(0, BLOCK_V)
-    cls_offs = tl.arange(0, CLASS_BLOCK)
-    for r in tl.static_range(4):
-        tl.store(tab + r * NUM_CLASSES + cls_offs, tl.zeros([CLASS_BLOCK], tl.float64), mask=cls_offs < NUM_CLASSES)
-    tl.debug_barrier()
-
-    # Pass 1: masses per class; the sums the lone and slot-order steps need.
-    sigma_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
-    law_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
-    lone_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
-    slot_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
-    for start in range(0, vocab, BLOCK_V):
-        idx = start + offs
-        inside = idx < vocab
-        d, q, u = _inputs(p_row, q_row, idx, inside, scale)
-        sigma_acc += d
-        law_acc += q
-        lone_acc += d - tl.minimum(q, d)
-        slot_acc += _slot_missed(d, q)
-        if has_b:
-            cls = _classes(d, q, floor_class)
-            tl.atomic_add(tab + cls, q, mask=inside)
-            tl.atomic_add(tab + NUM_CLASSES + cls, u, mask=inside)
-    sigma = tl.sum(sigma_acc, axis=0)
-    rho_lone = tl.sum(lone_acc, axis=0)
-    slot_missed = tl.sum(slot_acc, axis=0)
-    rho = tl.where(has_a, rho_lone, sigma)
-    by_ratio = tl.full((), 0, tl.int1)
-    if has_b:
-        _prefix_tables(tab, 0, tie_row, False)
-        # Pass 2: what the selected child leaves unmet, per class; the slot-order leftover.
-        slot_rho_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
-        for start in range(0, vocab, BLOCK_V):
-            idx = start + offs
-            inside = idx < vocab
-            d, q, u = _inputs(p_row, q_row, idx, inside, scale)
-            cls = _classes(d, q, floor_class)
-            take = _selected(d, q, u, cls, tab, inside, tie_a)[0]
-            tl.atomic_add(tab + 2 * NUM_CLASSES + cls, q * (1.0 - take), mask=inside)
-            tl.atomic_add(tab + 3 * NUM_CLASSES + cls, u * (1.0 - take), mask=inside)
-            slot_rho_acc += _slot_left(d, q, slot_missed)[1]
-        rho_slot = tl.sum(slot_rho_acc, axis=0)
-        _prefix_tables(tab, 2, tie_row_missed, True)
-        # Pass 3: the selection's leftover and what it passes to the first slot.
-        ratio_rho_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
-        first_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
-        for start in range(0, vocab, BLOCK_V):
-            idx = start + offs
-            inside = idx < vocab
-            d, q, u = _inputs(p_row, q_row, idx, inside, scale)
-            cls = _classes(d, q, floor_class)
-            _, _, left, to_first = _by_ratio(d, q, u, cls, tab, inside, tie_a)
-            ratio_rho_acc += left
-            first_acc += to_first
-        rho_ratio = tl.sum(ratio_rho_acc, axis=0)
-        gain = rho_slot - rho_ratio  # equal weights: the coupling that leaves less over
-        if WEIGHTED:
-            gain = gain * w_b + (w_a - w_b) * (tl.sum(first_acc, axis=0) - (sigma - rho_lone))
-        by_ratio = gain >= 0
-        rho = tl.where(by_ratio, rho_ratio, rho_slot)
+    # Stage 1: children 1-2 against D = P~ p and q.
+    none = (tab, 0, zero, zero, x1 >= 0, x2 >= 0, x1 < 0)  # stage 1 reads no earlier stage
+    sigma, law_mass, rho, slot_missed, by_ratio, floor_class, tie_a = _stage(
+        p_row, q_row, vocab, scale, tab, x1 >= 0, x2 >= 0, _slot_value(sizes, slot, 0), _slot_value(sizes, slot, 1),
+        1, WEIGHTED, BLOCK_V, none, -1, -1, zero, zero,
+    )  # fmt: skip
+    first = (tab, floor_class, tie_a, slot_missed, x1 >= 0, x2 >= 0, by_ratio)
+    if MODE == LEVEL:
+        tok_ab = tl.where(pair == 0, x1, x2)
+        d, q, u = _stage_inputs(p_row, q_row, tl.maximum(tok_ab, 0), pair < 2, scale, 1, none, -1, -1, zero, zero)
+        accept_a, accept_b = _accept(d, q, u, _classes(d, q, floor_class), pair, tab, tie_a, slot_missed,
+                                     x1 >= 0, x2 >= 0, by_ratio)  # fmt: skip
+        # Child weights: a slot's acceptance, given that no earlier slot's subtree ended the step.
+        child = tl.where(slot == 0, accept_a, clipped_ratio(accept_b, 1.0 - accept_a))
+    stage_tab, stage_args = tab, first
+    drawn_a, drawn_b, reached, norm = -1, -1, zero, zero
+    if STAGES == 2:
+        # Stage 2: children 3-4, given stage 1's draws and that it passed them on.
+        x3, x4 = _slot_value(tok, slot, 2), _slot_value(tok, slot, 3)
+        law_at = tl.load(q_row + tl.maximum(tl.where(pair == 0, x1, x2), 0)).to(tl.float64)
+        law_at = tl.sum(tl.where(tl.where(pair == 0, x1, x2) >= 0, law_at, 0.0), axis=0)
+        norm = tl.maximum(law_mass - law_at, TINY)
+        reached = tl.maximum(1.0 - (sigma - rho), 0.0)
+        drawn_a, drawn_b = x1, x2
+        stage_tab = tab + 4 * NUM_CLASSES
+        sigma, law_mass, rho, slot_missed, by_ratio, floor_class, tie_a = _stage(
+            p_row, q_row, vocab, scale, stage_tab, x3 >= 0, x4 >= 0, _slot_value(sizes, slot, 2),
+            _slot_value(sizes, slot, 3), 2, WEIGHTED, BLOCK_V, first, drawn_a, drawn_b, reached, norm,
+        )  # fmt: skip
+        stage_args = (stage_tab, floor_class, tie_a, slot_missed, x3 >= 0, x4 >= 0, by_ratio)
+        if MODE == LEVEL:
+            tok_cd = tl.where(pair == 0, x3, x4)
+            d, q, u = _stage_inputs(p_row, q_row, tl.maximum(tok_cd, 0), pair < 2, scale, 2, first, drawn_a, drawn_b,
+                                    reached, norm)  # fmt: skip
+            accept_c, accept_d = _accept(d, q, u, _classes(d, q, floor_class), pair, stage_tab, tie_a, slot_missed,
+                                         x3 >= 0, x4 >= 0, by_ratio)  # fmt: skip
+            child = tl.where(slot == 2, accept_c, tl.where(slot == 3, clipped_ratio(accept_d, 1.0 - accept_c), child))
 
     if MODE == LEVEL:
-        # The acceptances of the drawn children (univer_wor._Stage._accept).
-        d, q, u = _inputs(p_row, q_row, tl.maximum(tok, 0), slot < 2, scale)
-        cls = _classes(d, q, floor_class)
-        take, second_take, _, _ = _by_ratio(d, q, u, cls, tab, slot < 2, tie_a)
-        lone = clipped_ratio(d, q)
-        lone_a = tl.sum(tl.where(slot == 0, lone, 0.0), axis=0)
-        c_a = tl.sum(tl.where(slot == 0, cls, 0), axis=0)
-        c_b = tl.sum(tl.where(slot == 1, cls, 0), axis=0)
-        a_wins = tl.where(c_a == c_b, tie_a, tl.where(c_a > c_b, 1.0, 0.0))
-        b_wins = 1.0 - a_wins
-        take_a = tl.sum(tl.where(slot == 0, take, 0.0), axis=0)
-        take_b = tl.sum(tl.where(slot == 1, take, 0.0), axis=0)
-        second_a = tl.sum(tl.where(slot == 0, second_take, 0.0), axis=0)
-        second_b = tl.sum(tl.where(slot == 1, second_take, 0.0), axis=0)
-        ratio_a = a_wins * take_a + b_wins * (1.0 - take_b) * second_a
-        ratio_b = b_wins * take_b + a_wins * (1.0 - take_a) * second_b
-        second_slot, _ = _slot_left(d, q, slot_missed)
-        lone_left = d - tl.minimum(q, d)
-        slot_b = (1.0 - lone_a) * tl.sum(tl.where(slot == 1, clipped_ratio(lone_left, second_slot), 0.0), axis=0)
-        accept_a = tl.where(has_b & by_ratio, ratio_a, lone_a)
-        accept_b = tl.where(by_ratio, ratio_b, slot_b)
-        accept_a = tl.where(has_a, accept_a, 0.0)
-        accept_b = tl.where(has_b, accept_b, 0.0)
-        # Child weights: slot a's acceptance, slot b's given that a did not end the step.
-        child = tl.where(slot == 0, accept_a, clipped_ratio(accept_b, 1.0 - accept_a))
         child = tl.where(tok >= 0, child, 0.0)
         tl.store(weight_ptr + b * stride_wb + kid, child.to(weight_ptr.dtype.element_ty), mask=kid >= 0)
         tl.store(stop_ptr + b * stride_wb + node, continue_prob(rho, sigma).to(stop_ptr.dtype.element_ty))
     else:
-        # The next token: R's inverse CDF at the uniform (p's where R is empty), two passes in
-        # one block order, the last positive token if rounding leaves the target unreached.
+        # The next token: the last stage's R at its inverse CDF at the uniform (p's where R is
+        # empty), two passes in one block order, the last positive token if rounding leaves the
+        # target unreached.
+        last_tab, last_floor, last_tie, last_missed, last_a, last_b, last_by = stage_args
+        offs = tl.arange(0, BLOCK_V)
         uniform = tl.load(uniform_ptr + b)
         total_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
         p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
-            left, p_blk = _leftover(p_row, q_row, idx, idx < vocab, scale, floor_class, tab, tie_a, slot_missed,
-                                    has_a, has_b, by_ratio)  # fmt: skip
-            total_acc += left
-            p_acc += p_blk
+            inside = idx < vocab
+            d, q, u = _stage_inputs(p_row, q_row, idx, inside, scale, STAGES, first, drawn_a, drawn_b, reached, norm)
+            left = _pair_left(d, q, u, _classes(d, q, last_floor), last_tab, inside, last_tie, last_missed,
+                              last_a, last_b, last_by)  # fmt: skip
+            total_acc += tl.where(inside, left, 0.0)
+            p_acc += tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
         res_total = tl.sum(total_acc, axis=0)
         use_p = res_total <= 0
         target = uniform * tl.where(use_p, tl.sum(p_acc, axis=0), res_total)
@@ -311,48 +393,34 @@ def _wor_pair_kernel(
         last_positive = tl.zeros((), dtype=tl.int64)
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
-            left, p_blk = _leftover(p_row, q_row, idx, idx < vocab, scale, floor_class, tab, tie_a, slot_missed,
-                                    has_a, has_b, by_ratio)  # fmt: skip
-            w = tl.where(use_p, p_blk, left)
+            inside = idx < vocab
+            d, q, u = _stage_inputs(p_row, q_row, idx, inside, scale, STAGES, first, drawn_a, drawn_b, reached, norm)
+            left = _pair_left(d, q, u, _classes(d, q, last_floor), last_tab, inside, last_tie, last_missed,
+                              last_a, last_b, last_by)  # fmt: skip
+            p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
+            w = tl.where(use_p, p_blk, tl.where(inside, left, 0.0))
             block_total = tl.sum(w, axis=0)
             crosses = (running + tl.cumsum(w, axis=0) > target) & (w > 0)
-            first = tl.min(tl.where(crosses, idx, vocab), axis=0)
+            first_hit = tl.min(tl.where(crosses, idx, vocab), axis=0)
             positive_here = tl.max(tl.where(w > 0, idx, -1), axis=0)
             last_positive = tl.where(positive_here >= 0, positive_here.to(tl.int64), last_positive)
             block_holds = (found == 0) & (running + block_total > target)
-            choice = tl.where(block_holds, tl.where(first < vocab, first.to(tl.int64), last_positive), choice)
+            choice = tl.where(block_holds, tl.where(first_hit < vocab, first_hit.to(tl.int64), last_positive), choice)
             found = tl.where(block_holds, 1, found)
             running += block_total
         tl.store(next_token_ptr + b, tl.where(found == 1, choice, last_positive))
 
 
-@triton.jit
-def _leftover(p_row, q_row, idx, mask, scale, floor_class, tab, tie_a, slot_missed, has_a, has_b, by_ratio):
-    # R at the tokens ``idx`` (univer_wor._Stage.evaluate) and p there.
-    d, q, u = _inputs(p_row, q_row, idx, mask, scale)
-    lone_left = d - tl.minimum(q, d)
-    left = lone_left
-    if has_b:
-        if by_ratio:
-            left = _by_ratio(d, q, u, _classes(d, q, floor_class), tab, mask, tie_a)[2]
-        else:
-            left = _slot_left(d, q, slot_missed)[1]
-    left = tl.where(has_a, left, d)
-    return tl.where(mask, left, 0.0), tl.load(p_row + idx, mask=mask, other=0.0).to(tl.float64)
-
-
 def _launch(mode, p, q, tokens, nodes, tt, weight, stop, uniforms, next_token, grid) -> None:
     batch, _, vocab = p.shape
     children = tt.children
-    if children.shape[1] > 2:
-        raise ValueError("the fused univer_wor kernel takes trees of at most two children per node")
-    scratch = torch.empty(grid[0] * grid[1], TABLES, _LOG_CLASSES, dtype=torch.float64, device=p.device)
-    sizes = tt.kid_sizes
+    stages = 1 if children.shape[1] <= 2 else 2
+    scratch = torch.empty(grid[0] * grid[1], stages * TABLES, _LOG_CLASSES, dtype=torch.float64, device=p.device)
     _wor_pair_kernel[grid](
-        p, q, tokens, nodes, children, sizes, weight, stop, uniforms, next_token, scratch,
+        p, q, tokens, nodes, children, tt.kid_sizes, weight, stop, uniforms, next_token, scratch,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0), weight.stride(0),
         vocab, children.shape[1],
-        MODE=mode, WEIGHTED=not tt.even_pairs, BLOCK_V=min(MAX_WOR_BLOCK_V, block_size(vocab)),
+        MODE=mode, STAGES=stages, WEIGHTED=not tt.even_pairs, BLOCK_V=min(MAX_WOR_BLOCK_V, block_size(vocab)),
     )  # fmt: skip
 
 
