@@ -138,6 +138,15 @@ CHECK = textwrap.dedent("""
     print("fused univer_wor 2x3, greedy rows and sampled ones:", counts)
     assert counts["kernels"] <= 60 and counts["syncs"] == 0, sorted((+ops.by_name).items(), key=lambda kv: -kv[1])
 
+    # Rows holding NaN and inf (verify's validation rejects them): the kernels' class tables
+    # are never addressed out of bounds (the run ends; what it returns is meaningless).
+    bad_p, bad_q = p.clone(), q.clone()
+    bad_p[:, 0, :5] = float("nan")
+    bad_q[:, 0, 5:9] = float("inf")
+    bad_p[:, 1, 9:12], bad_q[:, 1, 9:12] = float("inf"), float("inf")
+    out = verify("univer_wor", tree, tokens, bad_p, bad_q, validate=False, fused=True)
+    assert out.output_token_ids.shape == (batch, tree.max_depth + 1)
+
     for spec, vocab in (("3x2", 100), ("5x1", 100), ("2x2", 40)):
         tree = TreeSpec.parse(spec)
         p = torch.softmax(torch.randn(1, tree.num_nodes + 1, vocab, generator=gen), -1)

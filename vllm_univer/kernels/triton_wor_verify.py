@@ -67,9 +67,12 @@ def _log_class(ratio):
 @triton.jit
 def _classes(d, q, floor_class):
     # log_ratio_classes: the class of D / q', at least ``floor_class``; q' = 0: the top class.
+    # Clamped as integers: the class indexes the tables, and rows holding NaN or inf (which
+    # verify's validation rejects) must never address outside them.
     positive = (d > 0) & (q > 0)
     c = tl.where(positive, _log_class(tl.where(positive, d / tl.where(positive, q, 1.0), 1.0)), 0)
-    return tl.where(q <= 0, NUM_CLASSES - 1, tl.maximum(c, floor_class))
+    c = tl.where(q <= 0, NUM_CLASSES - 1, tl.maximum(c, floor_class))
+    return tl.minimum(tl.maximum(c, 0), NUM_CLASSES - 1)
 
 
 @triton.jit
