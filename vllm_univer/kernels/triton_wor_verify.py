@@ -121,6 +121,22 @@ def _by_ratio(d, q, u, cls, tab, mask, tie_a):
 
 
 @triton.jit
+def _add_per_class(tab, cls, q_part, u_part, mask):
+    # Rows 0 and 1 of the tables at ``tab``: q_part and u_part added at their tokens' classes.
+    tl.atomic_add(tab + cls, q_part, mask=mask)
+    tl.atomic_add(tab + NUM_CLASSES + cls, u_part, mask=mask)
+
+
+@triton.jit
+def _add_low_class(tab, floor_class, low_q, low_u):
+    # The lowest class (every ratio at or below the floor, D = 0 included: with top-k / top-p
+    # most of the vocabulary) summed in registers, then added once: atomics on one address
+    # run one after another. Tokens with q' = 0 (u = 0) add nothing and are skipped.
+    tl.atomic_add(tab + floor_class, tl.sum(low_q, axis=0))
+    tl.atomic_add(tab + NUM_CLASSES + floor_class, tl.sum(low_u, axis=0))
+
+
+@triton.jit
 def _prefix_tables(tab, row, tie_row, upper_share):
     # Rows ``row``, ``row`` + 1 of per-class sums -> lower + tie * own (upper_share False) or
     # total - lower - (1 - tie) * own (True), in place; tie_row: the tie shares of the two rows.
@@ -204,6 +220,8 @@ def _stage(
     law_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
     lone_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
     slot_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    low_q = tl.zeros([BLOCK_V], dtype=tl.float64)
+    low_u = tl.zeros([BLOCK_V], dtype=tl.float64)
     for start in range(0, vocab, BLOCK_V):
         idx = start + offs
         inside = idx < vocab
@@ -214,8 +232,12 @@ def _stage(
         slot_acc += _slot_missed(d, q)
         if has_b:
             cls = _classes(d, q, floor_class)
-            tl.atomic_add(tab + cls, q, mask=inside)
-            tl.atomic_add(tab + NUM_CLASSES + cls, u, mask=inside)
+            low = cls == floor_class
+            low_q += tl.where(inside & low, q, 0.0)
+            low_u += tl.where(inside & low, u, 0.0)
+            _add_per_class(tab, cls, q, u, inside & (q > 0) & ~low)
+    if has_b:
+        _add_low_class(tab, floor_class, low_q, low_u)
     sigma = tl.sum(sigma_acc, axis=0)
     rho_lone = tl.sum(lone_acc, axis=0)
     slot_missed = tl.sum(slot_acc, axis=0)
@@ -225,15 +247,21 @@ def _stage(
         _prefix_tables(tab, 0, tie_row, False)
         # Pass 2: what the selected child leaves unmet, per class; the slot-order leftover.
         slot_rho_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+        low_q = tl.zeros([BLOCK_V], dtype=tl.float64)
+        low_u = tl.zeros([BLOCK_V], dtype=tl.float64)
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
             inside = idx < vocab
             d, q, u = _stage_inputs(p_row, q_row, idx, inside, scale, STAGE, first, drawn_a, drawn_b, reached, norm)
             cls = _classes(d, q, floor_class)
             take = _selected(d, q, u, cls, tab, inside, tie_a)[0]
-            tl.atomic_add(tab + 2 * NUM_CLASSES + cls, q * (1.0 - take), mask=inside)
-            tl.atomic_add(tab + 3 * NUM_CLASSES + cls, u * (1.0 - take), mask=inside)
+            missed_q, missed_u = q * (1.0 - take), u * (1.0 - take)
+            low = cls == floor_class
+            low_q += tl.where(inside & low, missed_q, 0.0)
+            low_u += tl.where(inside & low, missed_u, 0.0)
+            _add_per_class(tab + 2 * NUM_CLASSES, cls, missed_q, missed_u, inside & (missed_q > 0) & ~low)
             slot_rho_acc += _slot_left(d, q, slot_missed)[1]
+        _add_low_class(tab + 2 * NUM_CLASSES, floor_class, low_q, low_u)
         rho_slot = tl.sum(slot_rho_acc, axis=0)
         _prefix_tables(tab, 2, tie_row_missed, True)
         # Pass 3: the selection's leftover and what it passes to the first slot.
