@@ -137,7 +137,8 @@ def compiled_afresh(**inductor_config):
 # emulate_precision_casts``).
 NO_FP_FUSION = {"emulate_precision_casts": True}
 # univer_wor's kernels: a binary tree whose root carries uneven subtrees (3 and 1 nodes: the floor
-# and tie rule), and an EAGLE-like one with four and three children above subtrees (two pair stages).
+# and tie rule), and an EAGLE-like one with four and three children above subtrees (two pair
+# stages); 3x2 runs the three-child stage.
 WOR_TREES = {
     "binary": [[0], [1], [0, 0], [0, 1], [0, 0, 0]],
     "eagle": [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [0, 0, 0], [0, 1, 0]],
@@ -156,6 +157,7 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
         ("univer_wor", None, None, "2x2", 80),
         ("univer_wor", None, None, "binary", 80),
         ("univer_wor", None, None, "eagle", 80),
+        ("univer_wor", None, None, "3x2", 80),
     ]
     for method, compiled, inductor_config, shape, vocab in cases:
         tree = TreeSpec.parse("1x3" if method in ("token", "block") else WOR_TREES.get(shape, shape))
@@ -290,10 +292,10 @@ def cuda_median_ms(fn) -> float:
 
 
 def timings(device: torch.device, lines: list[str]) -> None:
-    """verify per call: the fused Triton path (every tree method takes it on CUDA;
-    univer_wor on trees without its three-child stage, not 3x3) beside the PyTorch
-    node rules, against the time it takes to read p and q once at the H200's 4.3 TB/s (issue 12: univer <= 3x that read,
-    rrs / rrsw / traversal <= 3x univer)."""
+    """verify per call: the fused Triton path (every tree method takes it on CUDA)
+    beside the PyTorch node rules, against the time it takes to read p and q once
+    at the H200's 4.3 TB/s (issue 12: univer <= 3x that read, rrs / rrsw /
+    traversal <= 3x univer)."""
     # (column, method, fused): fused None = what verify picks on CUDA.
     columns = [
         ("univer", "univer", None),

@@ -1,9 +1,9 @@
 """univer_wor's fused (Triton) path equals its PyTorch rule: run by Triton's
 interpreter on CPU, in a subprocess (TRITON_INTERPRET must be set before Triton
-is imported). Trees of at most four children per node without the three-child
-stage (2x2, a binary irregular tree with uneven pairs, a chain, an EAGLE-like
-tree with four and three children above subtrees, 4x1), smooth rows and rows
-with zeros and ties,
+is imported). Trees of at most four children per node (2x2, a binary irregular
+tree with uneven pairs, a chain, an EAGLE-like tree with four and three children
+above subtrees, 4x1; 3x1, 3x2 and an irregular tree for the three-child stage),
+smooth rows and rows with zeros and ties,
 children missing as wor drafts miss them (a slot only after the earlier ones):
 
 * the law of the end node that the kernel's entry scales and stop probabilities
@@ -14,8 +14,7 @@ children missing as wor drafts miss them (a slot only after the earlier ones):
   uniforms away from the CDF's steps;
 * ``verify(fused=True)`` returns well-formed outputs in a handful of ATen ops
   besides its launches (greedy rows: argmax matching), and refuses, clearly, a
-  tree with the three-child stage (3x2) or five children (5x1), and a
-  vocabulary of exact ratio ranks.
+  tree with five children at a node and a vocabulary of exact ratio ranks.
 
 On a GPU, ``benchmarks/gpu_check.py`` samples ``verify`` (which takes this path
 there) against ``outcome_law``.
@@ -108,11 +107,15 @@ CHECK = textwrap.dedent("""
     # Two pair stages: four children at the root (subtrees 3, 2, 1, 1), three at a child
     # above subtrees (pair, then a lone third slot), pairs and chains below.
     EAGLE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [0, 0, 0], [0, 1, 0]]
-    for spec in ("2x2", BINARY, "1x3", EAGLE, "4x1"):
+    # The three-child stage: three leaves below the root (all drawn, or the pair rule where one
+    # is cut), three leaves below nodes beside a pair.
+    THREE = [[0], [1], [2], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1]]
+    for spec in ("2x2", BINARY, "1x3", EAGLE, "4x1", "3x1", "3x2", THREE):
         for zeros in (False, True):
             check(spec, zeros, torch.float64)
     check(BINARY, False, torch.float32)
     check(EAGLE, False, torch.float32)
+    check("3x2", False, torch.float32)
     check("2x2", True, torch.bfloat16)
 
     # verify(fused=True): well-formed rows, greedy rows by argmax matching, few ATen ops.
@@ -147,7 +150,7 @@ CHECK = textwrap.dedent("""
     out = verify("univer_wor", tree, tokens, bad_p, bad_q, validate=False, fused=True)
     assert out.output_token_ids.shape == (batch, tree.max_depth + 1)
 
-    for spec, vocab in (("3x2", 100), ("5x1", 100), ("2x2", 40)):
+    for spec, vocab in (("5x1", 100), ("2x2", 40)):
         tree = TreeSpec.parse(spec)
         p = torch.softmax(torch.randn(1, tree.num_nodes + 1, vocab, generator=gen), -1)
         tokens = torch.arange(tree.num_nodes + 1).unsqueeze(0)

@@ -87,12 +87,13 @@ CHECK = textwrap.dedent("""
     batch, vocab = 3, 40
     irregular = {
         "irregular": [[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0]],
-        # univer_wor's kernels: one pair stage (uneven), two (four and three children, uneven)
+        # univer_wor's kernels: one pair stage (uneven), two (four and three children, uneven);
+        # 3x2 below: the three-child stage
         "binary": [[0], [1], [0, 0], [0, 1], [0, 0, 0]],
         "eagle": [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [0, 0, 0], [0, 1, 0]],
     }
     for method in METHODS:
-        odd = ("binary", "eagle") if method == "univer_wor" else ("irregular",)
+        odd = ("binary", "eagle", "3x2") if method == "univer_wor" else ("irregular",)
         shapes = ("1x3",) if method in ("token", "block") else ("2x2", *odd)
         # A small vocabulary (one small block; univer_wor's kernels start above 64 tokens), and a
         # large one (the largest block, MAX_BLOCK_V).

@@ -77,9 +77,8 @@ def verify(
         fused: run as Triton kernels (``fused_tree_pass``; the same law): the
             tree methods in one launch per depth level plus one for the rest
             of the step, token / block in one launch per step, univer_wor in
-            one per level plus one for the draw (on trees of at most four
-            children per node without its three-child stage; elsewhere it runs
-            its PyTorch rule).
+            one or two per level plus one or two for the draw (on trees of at
+            most four children per node; elsewhere it runs its PyTorch rule).
             None: on CUDA when Triton is there.
         compiled: run the PyTorch node rule compiled by torch.compile
             (``compiled_rules``; univer_wor only, the same formulas fused).

@@ -1,8 +1,7 @@
 """Node rules compiled by ``torch.compile`` (Inductor): the same formulas, fused.
 
-univer_wor's hand-written kernels (``kernels/triton_wor_verify.py``) take trees of
-at most four children per node without its three-child stage; elsewhere (3xD
-trees) its PyTorch rule is three passes over the
+univer_wor's hand-written kernels (``kernels/triton_wor_verify.py``) run on CUDA,
+for trees of at most four children per node; its PyTorch rule is three passes over the
 vocabulary per stage, each a chain of elementwise ops, scatters into ratio classes
 and reductions, about 1 500 ATen ops per ``verify`` call on a 2x5 tree (each a
 launch on CUDA) and, on CPU, [.., V] temporaries written and read back between

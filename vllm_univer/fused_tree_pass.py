@@ -3,8 +3,8 @@ depth level for the node rules (univer, greedy, target_only:
 ``kernels/triton_topk1_verify.py``; rrs, rrsw, traversal:
 ``kernels/triton_replay_verify.py``) and one for the rest of the step
 (``kernels/triton_finish_step.py``); univer_wor, on trees of at most four
-children per node without its three-child stage, one per level and one for the
-next token's draw
+children per node, one per level and one for the next token's draw (two where
+its three-child stage may run)
 (``kernels/triton_wor_verify.py``); token and block, on chains, in one launch
 for the whole step (``kernels/triton_chain_verify.py``). Same laws as the
 PyTorch node rules of ``tree_pass`` (tested against them and against
@@ -43,9 +43,6 @@ def fused_refusal(method: str, tree: TreeSpec, vocab: int) -> str | None:
         return None
     if tree.max_children > 4:
         return f"univer_wor's kernels take trees of at most four children per node (this one has {tree.max_children})"
-    # The three-child stage runs in trees of at most three children, at nodes above three leaves.
-    if tree.max_children == 3 and bool(((tree.num_children == 3) & (tree.kid_sizes == 1).all(-1)).any()):
-        return "univer_wor's kernels do not run its three-child stage (three children above leaves)"
     if vocab <= EXACT_RANK_VOCAB:  # the PyTorch rule compares exact ratio ranks there
         return f"univer_wor's kernels take vocabularies above {EXACT_RANK_VOCAB} tokens"
     return None

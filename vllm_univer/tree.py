@@ -160,6 +160,12 @@ class TreeSpec:
         return not bool(((first > 0) & (second > 0) & (first != second)).any())
 
     @cached_property
+    def three_child_stage(self) -> bool:
+        """Whether univer_wor's three-child stage may run on this shape: a node with three
+        leaf children, in a tree of at most three children per node."""
+        return self.max_children == 3 and bool(((self.num_children == 3) & (self.kid_sizes == 1).all(-1)).any())
+
+    @cached_property
     def postorder_rank(self) -> torch.Tensor:
         """LongTensor [N+1]: rank of each node in post-order (children in slot order, then the node)."""
         order: list[int] = []
@@ -288,6 +294,10 @@ class _TreeTensors:
     @property
     def even_pairs(self) -> bool:
         return self._tree.even_pairs
+
+    @property
+    def three_child_stage(self) -> bool:
+        return self._tree.three_child_stage
 
     @cached_property
     def kid_sizes(self) -> torch.Tensor:

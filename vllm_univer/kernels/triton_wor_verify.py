@@ -1,8 +1,7 @@
-"""Triton kernel: ``univer_wor``'s node rule, one launch per depth level, and the
-draw of the next token at the end node in one more launch (the CUDA path of
-``verify``), for trees of at most four children per node without the rule's
-three-child stage (2xD trees, binary irregular trees, EAGLE-like trees such as
-the study's ``eagle61``; not 3xD, whose nodes above leaves run that stage).
+"""Triton kernels: ``univer_wor``'s node rule, one launch per depth level (two in
+trees where its three-child stage may run), and the draw of the next token at
+the end node in one (two) more (the CUDA path of ``verify``), for trees of at
+most four children per node.
 
 The PyTorch rule (``verifiers/univer_wor.py``) issues ~300 ATen ops per level,
 each a kernel launch on CUDA (~1 550 per ``verify`` on a 2x5 tree). Here one
@@ -19,18 +18,22 @@ recomputed per token from stage 1's tables). A stage is
     pass 3   the selection's leftover and what it passes to slot a
 
 then the choice between selection by ratio and slot order and the acceptances
-of its two drawn children; h from the last stage. The formulas, the log-scale
+of its two drawn children; h from the last stage. ``_wor_triple_kernel`` runs
+after it on the same nodes and, where a node takes the three-child stage (three
+leaves, all drawn), overwrites its outputs with that stage's: x3 tried first,
+the pair, x3 again (``_FirstOfThree``, the pair stage, ``_LastOfThree``). The formulas, the log-scale
 ratio classes (with the uneven pairs' floor and tie rule) and their order are
 the PyTorch rule's; every value is computed in float64. The draw recomputes the
 end node's stages with the same code (so its residual R is that of the weights
 written) and then takes R's inverse CDF at the step's uniform in two more passes.
 
 Vocabularies up to ``EXACT_RANK_VOCAB`` (where the PyTorch rule compares exact
-ratio ranks) and the trees above stay on the PyTorch rule
-(``fused_tree_pass.fused_refusal``).
+ratio ranks) and trees of five or more children per node stay on the PyTorch
+rule (``fused_tree_pass.fused_refusal``).
 
-Per program and stage the class tables take 4 x 2050 floats of scratch (global
-memory, zeroed by the program); the histograms are built with atomic adds.
+Per program and pair stage the class tables take 4 x 2050 floats of scratch
+(the three-child stage 12 x 2050; global memory, zeroed by the program); the
+histograms are built with atomic adds.
 Tensors: p, q [B, N+1, V] (last dim contiguous; float32, bfloat16 or float64);
 tokens [B, N+1] int64 (-1: missing); children, kid_sizes [N+1, C] int64, C <= 4.
 """
@@ -309,6 +312,22 @@ def _accept(d, q, u, cls, pair, tab, tie_a, slot_missed, has_a, has_b, by_ratio)
 
 
 @triton.jit
+def _cdf_step(w, idx, vocab, target, running, found, choice, last_positive):
+    # One block of the inverse CDF's second pass over weights ``w`` at tokens ``idx``: the first
+    # token whose running mass exceeds ``target`` (the last positive one if rounding leaves the
+    # target unreached) -> the updated (running mass, found, choice, last positive token).
+    block_total = tl.sum(w, axis=0)
+    crosses = (running + tl.cumsum(w, axis=0) > target) & (w > 0)
+    first_hit = tl.min(tl.where(crosses, idx, vocab), axis=0)
+    positive_here = tl.max(tl.where(w > 0, idx, -1), axis=0)
+    last_positive = tl.where(positive_here >= 0, positive_here.to(tl.int64), last_positive)
+    block_holds = (found == 0) & (running + block_total > target)
+    choice = tl.where(block_holds, tl.where(first_hit < vocab, first_hit.to(tl.int64), last_positive), choice)
+    found = tl.where(block_holds, 1, found)
+    return running + block_total, found, choice, last_positive
+
+
+@triton.jit
 def _slot_value(vec, slot, k):
     return tl.sum(tl.where(slot == k, vec, 0), axis=0)
 
@@ -430,29 +449,311 @@ def _wor_pair_kernel(
                               last_a, last_b, last_by)  # fmt: skip
             p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
             w = tl.where(use_p, p_blk, tl.where(inside, left, 0.0))
-            block_total = tl.sum(w, axis=0)
-            crosses = (running + tl.cumsum(w, axis=0) > target) & (w > 0)
-            first_hit = tl.min(tl.where(crosses, idx, vocab), axis=0)
-            positive_here = tl.max(tl.where(w > 0, idx, -1), axis=0)
-            last_positive = tl.where(positive_here >= 0, positive_here.to(tl.int64), last_positive)
-            block_holds = (found == 0) & (running + block_total > target)
-            choice = tl.where(block_holds, tl.where(first_hit < vocab, first_hit.to(tl.int64), last_positive), choice)
-            found = tl.where(block_holds, 1, found)
-            running += block_total
+            running, found, choice, last_positive = _cdf_step(w, idx, vocab, target, running, found, choice,
+                                                              last_positive)  # fmt: skip
         tl.store(next_token_ptr + b, tl.where(found == 1, choice, last_positive))
+
+
+# ---------------------------------------------------------------- the three-child stage
+# univer_wor's _FirstOfThree / pair / _LastOfThree at nodes above three leaves with all
+# three children drawn (in trees of at most three children). Tables (rows of NUM_CLASSES):
+#   0  pairs below the class: sum_{a != b below k} w_a u_b     (rows 1, 2: its sums' scratch)
+#   3  G(k): the mass of the classes above k taken first
+#   4-7   the pair stage's partner sums (q', u, u, w): lower + own / 2 per class
+#   8-11  what the selected child leaves unmet, the same rows: total - lower - own / 2
+TRIPLE_TABLES = tl.constexpr(12)
+
+
+@triton.jit
+def _u_w(q):
+    # u = q' / (1 - q'), w = u / (1 - q') (0 where 1 - q' <= 0).
+    one_minus = 1.0 - q
+    safe = tl.where(one_minus > 0, one_minus, 1.0)
+    return tl.where(one_minus > 0, q / safe, 0.0), tl.where(one_minus > 0, q / safe / safe, 0.0)
+
+
+@triton.jit
+def _first_take(d, q, cls, tab, mask):
+    # x3 tried first: t = min(1, D / E_A), E_A = q' (pairs below y's class); D_A = D - min(E_A, D).
+    first = q * _table(tab, 0, cls, mask)
+    return clipped_ratio(d, first), d - tl.minimum(first, d)
+
+
+@triton.jit
+def _triple_pair(d_a, q, cls, tab, mask):
+    # The pair stage after x3 maybe went first, at tokens with its demand D_A: (s, t, leftover).
+    u, w = _u_w(q)
+    g = _table(tab, 3, cls, mask)  # G at y's class: x3 taken first above the pair
+    after0 = _table(tab, 4, cls, mask) - 0.5 * q
+    after1 = _table(tab, 5, cls, mask) - 0.5 * u
+    after2 = _table(tab, 6, cls, mask) - 0.5 * u
+    after3 = _table(tab, 7, cls, mask) - 0.5 * w
+    q_sel = tl.maximum(u * after0 + q * after1 - g * w * after2 - g * u * after3, 0.0)
+    take = clipped_ratio(d_a, q_sel)
+    left = d_a - tl.minimum(q_sel, d_a)
+    missed = 1.0 - take
+    before0 = _table(tab, 8, cls, mask) - 0.5 * q * missed
+    before1 = _table(tab, 9, cls, mask) - 0.5 * u * missed
+    before2 = _table(tab, 10, cls, mask) - 0.5 * u * missed * g
+    before3 = _table(tab, 11, cls, mask) - 0.5 * w * missed * g
+    second = tl.maximum(u * before0 + q * before1 - w * before2 - u * before3, 0.0)
+    second_take = clipped_ratio(left, second)
+    return take, second_take, left - tl.minimum(second, left)
+
+
+@triton.jit
+def _triple_last(d, q, cls, tab, mask, idx, x1, x2, top, spread, norm, reached):
+    # x3's second chance after the pair: (its demand, its law) at tokens (univer_wor._LastOfThree).
+    d_a = _first_take(d, q, cls, tab, mask)[1]
+    left = _triple_pair(d_a, q, cls, tab, mask)[2]
+    demand = tl.where(reached > 0, left / tl.where(reached > 0, reached, 1.0), 0.0)
+    law = tl.where((idx == x1) | (idx == x2), 0.0, q * (spread - tl.where(cls > top, 1.0, 0.0)))
+    law = tl.maximum(law, 0.0)
+    law = tl.where(norm > 0, law / tl.where(norm > 0, norm, 1.0), 0.0)
+    return tl.where(mask, demand, 0.0), tl.where(mask, law, 0.0)
+
+
+@triton.jit
+def _wor_triple_kernel(
+    p_ptr,
+    q_ptr,
+    tokens_ptr,
+    nodes_ptr,  # LEVEL: [n] the level's nodes; DRAW: [B] the end node of each request
+    children_ptr,
+    kid_sizes_ptr,
+    weight_ptr,  # [B, N+1] work dtype: read (P~ of the node), written (LEVEL: the children's)
+    stop_ptr,  # [B, N+1] work dtype (LEVEL: h of the node)
+    uniform_ptr,  # [B] float64 (DRAW)
+    next_token_ptr,  # [B] int64 (DRAW)
+    scratch_ptr,  # [programs, TRIPLE_TABLES, NUM_CLASSES] float64
+    stride_pb,
+    stride_pn,
+    stride_qb,
+    stride_qn,
+    stride_tb,
+    stride_cn,
+    stride_wb,
+    vocab,
+    MODE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # Runs after _wor_pair_kernel on the same nodes and overwrites its outputs where the node
+    # takes the three-child stage: all three children leaves and drawn.
+    b = tl.program_id(0)
+    if MODE == LEVEL:
+        node = tl.load(nodes_ptr + tl.program_id(1))
+    else:
+        node = tl.load(nodes_ptr + b)
+    slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, 3, 4)
+    sizes = tl.load(kid_sizes_ptr + node * stride_cn + slot, mask=slot < 3, other=1)
+    if tl.sum(tl.where((slot < 3) & ((sizes != 1) | (tok < 0)), 1, 0), axis=0) == 0:
+        program = b * tl.num_programs(1) + tl.program_id(1)
+        tab = scratch_ptr + program * TRIPLE_TABLES * NUM_CLASSES
+        p_row = p_ptr + b * stride_pb + node * stride_pn
+        q_row = q_ptr + b * stride_qb + node * stride_qn
+        scale = tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
+        x1, x2, x3 = _slot_value(tok, slot, 0), _slot_value(tok, slot, 1), _slot_value(tok, slot, 2)
+        offs = tl.arange(0, BLOCK_V)
+        cls_offs = tl.arange(0, CLASS_BLOCK)
+        in_table = cls_offs < NUM_CLASSES
+        for r in tl.static_range(TRIPLE_TABLES):
+            tl.store(tab + r * NUM_CLASSES + cls_offs, tl.zeros([CLASS_BLOCK], tl.float64), mask=in_table)
+        tl.debug_barrier()
+
+        # x3 first, pass 1: sums of u, w and w u per class -> pairs below each class.
+        sigma_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + offs
+            inside = idx < vocab
+            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
+            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+            u, w = _u_w(q)
+            cls = _classes(d, q, 0)
+            sigma_acc += d
+            add = inside & (q > 0)
+            tl.atomic_add(tab + cls, u, mask=add)
+            tl.atomic_add(tab + NUM_CLASSES + cls, w, mask=add)
+            tl.atomic_add(tab + 2 * NUM_CLASSES + cls, w * u, mask=add)
+        sigma_first = tl.sum(sigma_acc, axis=0)
+        tl.debug_barrier()
+        below_u = tl.load(tab + cls_offs, mask=in_table, other=0.0, cache_modifier=".cg")
+        below_w = tl.load(tab + NUM_CLASSES + cls_offs, mask=in_table, other=0.0, cache_modifier=".cg")
+        below_wu = tl.load(tab + 2 * NUM_CLASSES + cls_offs, mask=in_table, other=0.0, cache_modifier=".cg")
+        below_u = tl.cumsum(below_u, axis=0) - below_u
+        below_w = tl.cumsum(below_w, axis=0) - below_w
+        below_wu = tl.cumsum(below_wu, axis=0) - below_wu
+        tl.debug_barrier()
+        tl.store(tab + cls_offs, tl.maximum(below_u * below_w - below_wu, 0.0), mask=in_table)
+        tl.debug_barrier()
+        # Pass 2: G(k), the mass of the classes above k taken first.
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + offs
+            inside = idx < vocab
+            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
+            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+            cls = _classes(d, q, 0)
+            taken = q * _first_take(d, q, cls, tab, inside)[0]
+            tl.atomic_add(tab + 3 * NUM_CLASSES + cls, taken, mask=inside & (taken > 0))
+        tl.debug_barrier()
+        taken = tl.load(tab + 3 * NUM_CLASSES + cls_offs, mask=in_table, other=0.0, cache_modifier=".cg")
+        tl.debug_barrier()
+        tl.store(tab + 3 * NUM_CLASSES + cls_offs, tl.sum(taken, axis=0) - tl.cumsum(taken, axis=0), mask=in_table)
+        tl.debug_barrier()
+
+        # The pair (x1, x2) on D_A (always by ratio: slot order would need the third draw),
+        # pass 1: partner sums (q', u, u, w) per class.
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + offs
+            inside = idx < vocab
+            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
+            cls = _classes(d, q, 0)
+            u, w = _u_w(q)
+            add = inside & (q > 0)
+            tl.atomic_add(tab + 4 * NUM_CLASSES + cls, q, mask=add)
+            tl.atomic_add(tab + 5 * NUM_CLASSES + cls, u, mask=add)
+            tl.atomic_add(tab + 6 * NUM_CLASSES + cls, u, mask=add)
+            tl.atomic_add(tab + 7 * NUM_CLASSES + cls, w, mask=add)
+        half = tl.full([2], 0.5, tl.float64)
+        _prefix_tables(tab, 4, half, False)
+        _prefix_tables(tab, 6, half, False)
+        # Pass 2: what the selected child leaves unmet, per class (rows 2-3 times G).
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + offs
+            inside = idx < vocab
+            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
+            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+            cls = _classes(d, q, 0)
+            d_a = _first_take(d, q, cls, tab, inside)[1]
+            take = _triple_pair(d_a, q, cls, tab, inside)[0]
+            u, w = _u_w(q)
+            missed = 1.0 - take
+            g = _table(tab, 3, cls, inside)
+            add = inside & (q > 0) & (missed > 0)
+            tl.atomic_add(tab + 8 * NUM_CLASSES + cls, q * missed, mask=add)
+            tl.atomic_add(tab + 9 * NUM_CLASSES + cls, u * missed, mask=add)
+            tl.atomic_add(tab + 10 * NUM_CLASSES + cls, u * missed * g, mask=add)
+            tl.atomic_add(tab + 11 * NUM_CLASSES + cls, w * missed * g, mask=add)
+        _prefix_tables(tab, 8, half, True)
+        _prefix_tables(tab, 10, half, True)
+        # Pass 3: the pair's leftover.
+        rho_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + offs
+            inside = idx < vocab
+            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
+            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+            cls = _classes(d, q, 0)
+            d_a = _first_take(d, q, cls, tab, inside)[1]
+            rho_acc += tl.where(inside, _triple_pair(d_a, q, cls, tab, inside)[2], 0.0)
+        rho_pair = tl.sum(rho_acc, axis=0)
+
+        # x3 again: its law given the pair, its demand the pair's leftover given it is reached.
+        trio = tl.arange(0, 4)
+        tok3 = tl.where(trio == 0, x1, tl.where(trio == 1, x2, x3))
+        d_t = scale * tl.load(p_row + tl.maximum(tok3, 0), mask=trio < 3, other=0.0).to(tl.float64)
+        q_t = tl.load(q_row + tl.maximum(tok3, 0), mask=trio < 3, other=0.0).to(tl.float64)
+        cls_t = _classes(d_t, q_t, 0)
+        q1, q2 = _slot_value(q_t, trio, 0), _slot_value(q_t, trio, 1)
+        c1, c2, c3 = _slot_value(cls_t, trio, 0), _slot_value(cls_t, trio, 1), _slot_value(cls_t, trio, 2)
+        keep = (1.0 - q1) * (1.0 - q2)
+        spread = tl.where(1.0 - (q1 + q2) > 0, keep / tl.where(1.0 - (q1 + q2) > 0, 1.0 - (q1 + q2), 1.0), 0.0)
+        top = tl.maximum(c1, c2)
+        norm = keep - tl.load(tab + 3 * NUM_CLASSES + top, cache_modifier=".cg")
+        reached = tl.maximum(1.0 - (sigma_first - rho_pair), 0.0)
+        sigma_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+        rho_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + offs
+            inside = idx < vocab
+            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
+            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+            demand, law = _triple_last(d, q, _classes(d, q, 0), tab, inside, idx, x1, x2, top, spread, norm, reached)
+            sigma_acc += demand
+            rho_acc += demand - tl.minimum(law, demand)
+        sigma_last = tl.sum(sigma_acc, axis=0)
+        rho_last = tl.sum(rho_acc, axis=0)
+
+        if MODE == LEVEL:
+            d_a_t = _first_take(d_t, q_t, cls_t, tab, trio < 3)
+            take_t, second_t, _ = _triple_pair(d_a_t[1], q_t, cls_t, tab, trio < 3)
+            a_wins = tl.where(c1 == c2, 0.5, tl.where(c1 > c2, 1.0, 0.0))
+            b_wins = 1.0 - a_wins
+            take_a, take_b = _slot_value(take_t, trio, 0), _slot_value(take_t, trio, 1)
+            second_a, second_b = _slot_value(second_t, trio, 0), _slot_value(second_t, trio, 1)
+            accept_a = a_wins * take_a + b_wins * (1.0 - take_b) * second_a
+            accept_b = b_wins * take_b + a_wins * (1.0 - take_a) * second_b
+            demand3, law3 = _triple_last(d_t, q_t, cls_t, tab, trio < 3, tok3, x1, x2, top, spread, norm, reached)
+            accept_last = _slot_value(clipped_ratio(demand3, law3), trio, 2)
+            tried = tl.where(c3 > top, 1.0, 0.0)
+            tried = tried * tl.where(keep > 0, tl.maximum(1.0 - q1 - q2, 0.0) / tl.where(keep > 0, keep, 1.0), 0.0)
+            first_taken = tried * _slot_value(d_a_t[0], trio, 2)
+            third = first_taken + (1.0 - tried) * (1.0 - (accept_a + accept_b)) * accept_last
+            end_a = (1.0 - first_taken) * accept_a
+            end_b = (1.0 - first_taken) * accept_b
+            child = tl.where(
+                slot == 0,
+                clipped_ratio(end_a, 1.0),
+                tl.where(slot == 1, clipped_ratio(end_b, 1.0 - end_a), clipped_ratio(third, 1.0 - (end_a + end_b))),
+            )
+            tl.store(weight_ptr + b * stride_wb + kid, child.to(weight_ptr.dtype.element_ty), mask=slot < 3)
+            tl.store(stop_ptr + b * stride_wb + node, continue_prob(rho_last, sigma_last).to(stop_ptr.dtype.element_ty))
+        else:
+            # The next token: x3's leftover at its inverse CDF (as in _wor_pair_kernel).
+            uniform = tl.load(uniform_ptr + b)
+            total_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+            p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+            for start in range(0, vocab, BLOCK_V):
+                idx = start + offs
+                inside = idx < vocab
+                p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
+                d = tl.where(inside, scale * p_blk, 0.0)
+                q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+                demand, law = _triple_last(d, q, _classes(d, q, 0), tab, inside, idx, x1, x2, top, spread, norm,
+                                           reached)  # fmt: skip
+                total_acc += demand - tl.minimum(law, demand)
+                p_acc += p_blk
+            res_total = tl.sum(total_acc, axis=0)
+            use_p = res_total <= 0
+            target = uniform * tl.where(use_p, tl.sum(p_acc, axis=0), res_total)
+            running = tl.zeros((), dtype=tl.float64)
+            found = tl.zeros((), dtype=tl.int32)
+            choice = tl.zeros((), dtype=tl.int64)
+            last_positive = tl.zeros((), dtype=tl.int64)
+            for start in range(0, vocab, BLOCK_V):
+                idx = start + offs
+                inside = idx < vocab
+                p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
+                d = tl.where(inside, scale * p_blk, 0.0)
+                q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+                demand, law = _triple_last(d, q, _classes(d, q, 0), tab, inside, idx, x1, x2, top, spread, norm,
+                                           reached)  # fmt: skip
+                w = tl.where(use_p, p_blk, demand - tl.minimum(law, demand))
+                running, found, choice, last_positive = _cdf_step(w, idx, vocab, target, running, found, choice,
+                                                                  last_positive)  # fmt: skip
+            tl.store(next_token_ptr + b, tl.where(found == 1, choice, last_positive))
 
 
 def _launch(mode, p, q, tokens, nodes, tt, weight, stop, uniforms, next_token, grid) -> None:
     batch, _, vocab = p.shape
     children = tt.children
     stages = 1 if children.shape[1] <= 2 else 2
-    scratch = torch.empty(grid[0] * grid[1], stages * TABLES, _LOG_CLASSES, dtype=torch.float64, device=p.device)
+    programs = grid[0] * grid[1]
+    scratch = torch.empty(programs, stages * TABLES, _LOG_CLASSES, dtype=torch.float64, device=p.device)
+    block_v = min(MAX_WOR_BLOCK_V, block_size(vocab))
+    strides = (p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0))
+    strides += (weight.stride(0),)
     _wor_pair_kernel[grid](
-        p, q, tokens, nodes, children, tt.kid_sizes, weight, stop, uniforms, next_token, scratch,
-        p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0), weight.stride(0),
+        p, q, tokens, nodes, children, tt.kid_sizes, weight, stop, uniforms, next_token, scratch, *strides,
         vocab, children.shape[1],
-        MODE=mode, STAGES=stages, WEIGHTED=not tt.even_pairs, BLOCK_V=min(MAX_WOR_BLOCK_V, block_size(vocab)),
+        MODE=mode, STAGES=stages, WEIGHTED=not tt.even_pairs, BLOCK_V=block_v,
     )  # fmt: skip
+    if tt.three_child_stage:  # then the three-child stage where it runs
+        scratch = torch.empty(programs, TRIPLE_TABLES.value, _LOG_CLASSES, dtype=torch.float64, device=p.device)
+        _wor_triple_kernel[grid](
+            p, q, tokens, nodes, children, tt.kid_sizes, weight, stop, uniforms, next_token, scratch, *strides,
+            vocab, MODE=mode, BLOCK_V=block_v,
+        )  # fmt: skip
 
 
 def wor_level(p, q, tokens, nodes, tt, weight, stop) -> None:
