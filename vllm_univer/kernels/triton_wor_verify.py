@@ -561,7 +561,12 @@ def _wor_triple_kernel(
         tl.debug_barrier()
 
         # x3 first, pass 1: sums of u, w and w u per class -> pairs below each class.
+        # Class 0 (D = 0: most of the vocabulary under top-k / top-p) is summed in registers
+        # and added once, here and in the pair's passes (_add_low_class's reason).
         sigma_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+        low_0 = tl.zeros([BLOCK_V], dtype=tl.float64)
+        low_1 = tl.zeros([BLOCK_V], dtype=tl.float64)
+        low_2 = tl.zeros([BLOCK_V], dtype=tl.float64)
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
             inside = idx < vocab
@@ -570,10 +575,17 @@ def _wor_triple_kernel(
             u, w = _u_w(q)
             cls = _classes(d, q, 0)
             sigma_acc += d
-            add = inside & (q > 0)
+            low = inside & (cls == 0)
+            low_0 += tl.where(low, u, 0.0)
+            low_1 += tl.where(low, w, 0.0)
+            low_2 += tl.where(low, w * u, 0.0)
+            add = inside & (q > 0) & (cls != 0)
             tl.atomic_add(tab + cls, u, mask=add)
             tl.atomic_add(tab + NUM_CLASSES + cls, w, mask=add)
             tl.atomic_add(tab + 2 * NUM_CLASSES + cls, w * u, mask=add)
+        tl.atomic_add(tab, tl.sum(low_0, axis=0))
+        tl.atomic_add(tab + NUM_CLASSES, tl.sum(low_1, axis=0))
+        tl.atomic_add(tab + 2 * NUM_CLASSES, tl.sum(low_2, axis=0))
         sigma_first = tl.sum(sigma_acc, axis=0)
         tl.debug_barrier()
         below_u = tl.load(tab + cls_offs, mask=in_table, other=0.0, cache_modifier=".cg")
@@ -602,6 +614,9 @@ def _wor_triple_kernel(
 
         # The pair (x1, x2) on D_A (always by ratio: slot order would need the third draw),
         # pass 1: partner sums (q', u, u, w) per class.
+        low_0 = tl.zeros([BLOCK_V], dtype=tl.float64)
+        low_1 = tl.zeros([BLOCK_V], dtype=tl.float64)
+        low_2 = tl.zeros([BLOCK_V], dtype=tl.float64)
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
             inside = idx < vocab
@@ -609,15 +624,27 @@ def _wor_triple_kernel(
             d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
             cls = _classes(d, q, 0)
             u, w = _u_w(q)
-            add = inside & (q > 0)
+            low = inside & (cls == 0)
+            low_0 += tl.where(low, q, 0.0)
+            low_1 += tl.where(low, u, 0.0)
+            low_2 += tl.where(low, w, 0.0)
+            add = inside & (q > 0) & (cls != 0)
             tl.atomic_add(tab + 4 * NUM_CLASSES + cls, q, mask=add)
             tl.atomic_add(tab + 5 * NUM_CLASSES + cls, u, mask=add)
             tl.atomic_add(tab + 6 * NUM_CLASSES + cls, u, mask=add)
             tl.atomic_add(tab + 7 * NUM_CLASSES + cls, w, mask=add)
+        tl.atomic_add(tab + 4 * NUM_CLASSES, tl.sum(low_0, axis=0))
+        tl.atomic_add(tab + 5 * NUM_CLASSES, tl.sum(low_1, axis=0))
+        tl.atomic_add(tab + 6 * NUM_CLASSES, tl.sum(low_1, axis=0))
+        tl.atomic_add(tab + 7 * NUM_CLASSES, tl.sum(low_2, axis=0))
         half = tl.full([2], 0.5, tl.float64)
         _prefix_tables(tab, 4, half, False)
         _prefix_tables(tab, 6, half, False)
         # Pass 2: what the selected child leaves unmet, per class (rows 2-3 times G).
+        low_0 = tl.zeros([BLOCK_V], dtype=tl.float64)
+        low_1 = tl.zeros([BLOCK_V], dtype=tl.float64)
+        low_2 = tl.zeros([BLOCK_V], dtype=tl.float64)
+        low_3 = tl.zeros([BLOCK_V], dtype=tl.float64)
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
             inside = idx < vocab
@@ -629,11 +656,20 @@ def _wor_triple_kernel(
             u, w = _u_w(q)
             missed = 1.0 - take
             g = _table(tab, 3, cls, inside)
-            add = inside & (q > 0) & (missed > 0)
+            low = inside & (cls == 0)
+            low_0 += tl.where(low, q * missed, 0.0)
+            low_1 += tl.where(low, u * missed, 0.0)
+            low_2 += tl.where(low, u * missed * g, 0.0)
+            low_3 += tl.where(low, w * missed * g, 0.0)
+            add = inside & (q > 0) & (missed > 0) & (cls != 0)
             tl.atomic_add(tab + 8 * NUM_CLASSES + cls, q * missed, mask=add)
             tl.atomic_add(tab + 9 * NUM_CLASSES + cls, u * missed, mask=add)
             tl.atomic_add(tab + 10 * NUM_CLASSES + cls, u * missed * g, mask=add)
             tl.atomic_add(tab + 11 * NUM_CLASSES + cls, w * missed * g, mask=add)
+        tl.atomic_add(tab + 8 * NUM_CLASSES, tl.sum(low_0, axis=0))
+        tl.atomic_add(tab + 9 * NUM_CLASSES, tl.sum(low_1, axis=0))
+        tl.atomic_add(tab + 10 * NUM_CLASSES, tl.sum(low_2, axis=0))
+        tl.atomic_add(tab + 11 * NUM_CLASSES, tl.sum(low_3, axis=0))
         _prefix_tables(tab, 8, half, True)
         _prefix_tables(tab, 10, half, True)
         # Pass 3: the pair's leftover.
