@@ -167,17 +167,27 @@ def draw_residual(
             p_row, q_row, idx, vocab, tokens, slot, scale, q_scale, a_vec, c_vec, KIND, REMOVES
         )
         w = tl.where(use_p, p_blk, res)
-        block_total = tl.sum(w, axis=0)
-        crosses = (running + tl.cumsum(w, axis=0) > target) & (w > 0)
-        first = tl.min(tl.where(crosses, idx, vocab), axis=0)
-        positive_here = tl.max(tl.where(w > 0, idx, -1), axis=0)
-        last_positive = tl.where(positive_here >= 0, positive_here.to(tl.int64), last_positive)
-        block_holds = (found == 0) & (running + block_total > target)
-        pick = tl.where(first < vocab, first.to(tl.int64), last_positive)
-        choice = tl.where(block_holds, pick, choice)
-        found = tl.where(block_holds, 1, found)
-        running += block_total
+        running, found, choice, last_positive = inverse_cdf_step(
+            w, idx, vocab, target, running, found, choice, last_positive
+        )
     return tl.where(found == 1, choice, last_positive), res_total
+
+
+@triton.jit
+def inverse_cdf_step(w, idx, vocab, target, running, found, choice, last_positive):
+    """One block of an inverse CDF's second pass over weights ``w`` (float64) at the tokens
+    ``idx``: the first token whose running mass exceeds ``target`` (the block's last
+    positive token if rounding inside it says otherwise) -> the updated running mass,
+    found (int32), choice and last positive token (int64)."""
+    block_total = tl.sum(w, axis=0)
+    crosses = (running + tl.cumsum(w, axis=0) > target) & (w > 0)
+    first = tl.min(tl.where(crosses, idx, vocab), axis=0)
+    positive_here = tl.max(tl.where(w > 0, idx, -1), axis=0)
+    last_positive = tl.where(positive_here >= 0, positive_here.to(tl.int64), last_positive)
+    block_holds = (found == 0) & (running + block_total > target)
+    choice = tl.where(block_holds, tl.where(first < vocab, first.to(tl.int64), last_positive), choice)
+    found = tl.where(block_holds, 1, found)
+    return running + block_total, found, choice, last_positive
 
 
 @triton.jit

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ..verifiers.univer_wor import _CLASSES_PER_OCTAVE, _LOG_CLASSES, _OCTAVES
-from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob
+from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob, inverse_cdf_step
 
 NUM_CLASSES = tl.constexpr(_LOG_CLASSES)
 CLASSES_PER_OCTAVE = tl.constexpr(float(_CLASSES_PER_OCTAVE))
@@ -312,22 +312,6 @@ def _accept(d, q, u, cls, pair, tab, tie_a, slot_missed, has_a, has_b, by_ratio)
 
 
 @triton.jit
-def _cdf_step(w, idx, vocab, target, running, found, choice, last_positive):
-    # One block of the inverse CDF's second pass over weights ``w`` at tokens ``idx``: the first
-    # token whose running mass exceeds ``target`` (the last positive one if rounding leaves the
-    # target unreached) -> the updated (running mass, found, choice, last positive token).
-    block_total = tl.sum(w, axis=0)
-    crosses = (running + tl.cumsum(w, axis=0) > target) & (w > 0)
-    first_hit = tl.min(tl.where(crosses, idx, vocab), axis=0)
-    positive_here = tl.max(tl.where(w > 0, idx, -1), axis=0)
-    last_positive = tl.where(positive_here >= 0, positive_here.to(tl.int64), last_positive)
-    block_holds = (found == 0) & (running + block_total > target)
-    choice = tl.where(block_holds, tl.where(first_hit < vocab, first_hit.to(tl.int64), last_positive), choice)
-    found = tl.where(block_holds, 1, found)
-    return running + block_total, found, choice, last_positive
-
-
-@triton.jit
 def _slot_value(vec, slot, k):
     return tl.sum(tl.where(slot == k, vec, 0), axis=0)
 
@@ -449,7 +433,7 @@ def _wor_pair_kernel(
                               last_a, last_b, last_by)  # fmt: skip
             p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
             w = tl.where(use_p, p_blk, tl.where(inside, left, 0.0))
-            running, found, choice, last_positive = _cdf_step(w, idx, vocab, target, running, found, choice,
+            running, found, choice, last_positive = inverse_cdf_step(w, idx, vocab, target, running, found, choice,
                                                               last_positive)  # fmt: skip
         tl.store(next_token_ptr + b, tl.where(found == 1, choice, last_positive))
 
@@ -462,6 +446,13 @@ def _wor_pair_kernel(
 #   4-7   the pair stage's partner sums (q', u, u, w): lower + own / 2 per class
 #   8-11  what the selected child leaves unmet, the same rows: total - lower - own / 2
 TRIPLE_TABLES = tl.constexpr(12)
+
+
+@triton.jit
+def _row_inputs(p_row, q_row, idx, inside, scale):
+    # D = P~ p (0 off the vocabulary) and q' at the tokens ``idx``.
+    d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
+    return d, tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
 
 
 @triton.jit
@@ -570,8 +561,7 @@ def _wor_triple_kernel(
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
             inside = idx < vocab
-            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
-            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+            d, q = _row_inputs(p_row, q_row, idx, inside, scale)
             u, w = _u_w(q)
             cls = _classes(d, q, 0)
             sigma_acc += d
@@ -601,8 +591,7 @@ def _wor_triple_kernel(
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
             inside = idx < vocab
-            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
-            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+            d, q = _row_inputs(p_row, q_row, idx, inside, scale)
             cls = _classes(d, q, 0)
             taken = q * _first_take(d, q, cls, tab, inside)[0]
             tl.atomic_add(tab + 3 * NUM_CLASSES + cls, taken, mask=inside & (taken > 0))
@@ -620,8 +609,7 @@ def _wor_triple_kernel(
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
             inside = idx < vocab
-            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
-            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
+            d, q = _row_inputs(p_row, q_row, idx, inside, scale)
             cls = _classes(d, q, 0)
             u, w = _u_w(q)
             low = inside & (cls == 0)
@@ -648,8 +636,7 @@ def _wor_triple_kernel(
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
             inside = idx < vocab
-            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
-            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+            d, q = _row_inputs(p_row, q_row, idx, inside, scale)
             cls = _classes(d, q, 0)
             d_a = _first_take(d, q, cls, tab, inside)[1]
             take = _triple_pair(d_a, q, cls, tab, inside)[0]
@@ -677,8 +664,7 @@ def _wor_triple_kernel(
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
             inside = idx < vocab
-            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
-            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+            d, q = _row_inputs(p_row, q_row, idx, inside, scale)
             cls = _classes(d, q, 0)
             d_a = _first_take(d, q, cls, tab, inside)[1]
             rho_acc += tl.where(inside, _triple_pair(d_a, q, cls, tab, inside)[2], 0.0)
@@ -702,8 +688,7 @@ def _wor_triple_kernel(
         for start in range(0, vocab, BLOCK_V):
             idx = start + offs
             inside = idx < vocab
-            d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
-            q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+            d, q = _row_inputs(p_row, q_row, idx, inside, scale)
             demand, law = _triple_last(d, q, _classes(d, q, 0), tab, inside, idx, x1, x2, top, spread, norm, reached)
             sigma_acc += demand
             rho_acc += demand - tl.minimum(law, demand)
@@ -765,7 +750,7 @@ def _wor_triple_kernel(
                 demand, law = _triple_last(d, q, _classes(d, q, 0), tab, inside, idx, x1, x2, top, spread, norm,
                                            reached)  # fmt: skip
                 w = tl.where(use_p, p_blk, demand - tl.minimum(law, demand))
-                running, found, choice, last_positive = _cdf_step(w, idx, vocab, target, running, found, choice,
+                running, found, choice, last_positive = inverse_cdf_step(w, idx, vocab, target, running, found, choice,
                                                                   last_positive)  # fmt: skip
             tl.store(next_token_ptr + b, tl.where(found == 1, choice, last_positive))
 
