@@ -1,8 +1,8 @@
 """The engine on its CUDA code paths, run on CPU by Triton's interpreter: the
 fused drafting (``draft_children_fused``), the fused verify (``fused_allocate`` /
-``fused_finish``; univer_wor's ``fused_wor_step``) and the CPU paths give a mixed batch's greedy requests the
-same tokens (argmax matching in the finish kernel, top tokens in the drafting
-kernel), and the sampled requests run through the fused kernels in the engine
+``fused_finish``; univer_wor's ``fused_wor_step``) and the CPU paths give a
+mixed batch's greedy requests the same tokens (argmax matching in the finish
+kernel, top tokens in the drafting kernel), and the sampled requests run through the fused kernels in the engine
 (their laws are the kernels' tests' and gpu_check's); and the launches per
 step on those paths (ATen ops + Triton launches) stay within a budget. The CUDA-only switches
 (``triton_reads``) are forced on in a subprocess; the KV moves stay on the CPU

@@ -19,9 +19,9 @@ recomputed per token from stage 1's tables). A stage is
 
 then the choice between selection by ratio and slot order and the acceptances
 of its two drawn children; h from the last stage. ``_wor_triple_kernel`` runs
-after it on the same nodes and, where a node takes the three-child stage (three
-leaves, all drawn), overwrites its outputs with that stage's: x3 tried first,
-the pair, x3 again (``_FirstOfThree``, the pair stage, ``_LastOfThree``). The formulas, the log-scale
+beside it on the same nodes and does the nodes that take the three-child stage
+(three leaves, all drawn; the pair kernel skips them): x3 tried first, the
+pair, x3 again (``_FirstOfThree``, the pair stage, ``_LastOfThree``). The formulas, the log-scale
 ratio classes (with the uneven pairs' floor and tie rule) and their order are
 the PyTorch rule's; every value is computed in float64. The draw recomputes the
 end node's stages with the same code (so its residual R is that of the weights
@@ -174,13 +174,26 @@ def _pair_left(d, q, u, cls, tab, mask, tie_a, slot_missed, has_a, has_b, by_rat
 
 
 @triton.jit
+def _row_inputs(p_row, q_row, idx, inside, scale):
+    # D = P~ p (0 off the vocabulary) and q' at the tokens ``idx``.
+    d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
+    return d, tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
+
+
+@triton.jit
+def _takes_three_child_stage(slot, sizes, tok):
+    # Whether a node of a tree with at most three children per node runs the three-child
+    # stage: three leaf children (subtree sizes 1), all drawn (univer_wor's use_triple).
+    return tl.sum(tl.where((slot < 3) & ((sizes != 1) | (tok < 0)), 1, 0), axis=0) == 0
+
+
+@triton.jit
 def _stage_inputs(p_row, q_row, idx, mask, scale, STAGE: tl.constexpr, first, drawn_a, drawn_b, reached, norm):
     # The stage's demand D, law q' and u = q' / (1 - q') at the tokens ``idx``. Stage 2
     # (children 3-4, univer_wor._LaterInputs): stage 1's leftover as a density given that
     # stage 2 is reached, and q off stage 1's drawn tokens, renormalised. ``first``: stage 1's
     # (tables, floor class, tie_a, slot-order sum, has_a, has_b, by_ratio).
-    d = scale * tl.load(p_row + idx, mask=mask, other=0.0).to(tl.float64)
-    q = tl.load(q_row + idx, mask=mask, other=0.0).to(tl.float64)
+    d, q = _row_inputs(p_row, q_row, idx, mask, scale)
     if STAGE == 2:
         tab, floor_class, tie_a, slot_missed, has_a, has_b, by_ratio = first
         u = tl.where(1.0 - q > 0, q / tl.where(1.0 - q > 0, 1.0 - q, 1.0), 0.0)
@@ -188,7 +201,7 @@ def _stage_inputs(p_row, q_row, idx, mask, scale, STAGE: tl.constexpr, first, dr
         d = tl.where(reached > 0, left / tl.where(reached > 0, reached, 1.0), 0.0)
         q = tl.where((idx == drawn_a) | (idx == drawn_b), 0.0, q) / norm
     u = tl.where(1.0 - q > 0, q / tl.where(1.0 - q > 0, 1.0 - q, 1.0), 0.0)
-    return tl.where(mask, d, 0.0), q, u
+    return d, q, u
 
 
 @triton.jit
@@ -341,6 +354,7 @@ def _wor_pair_kernel(
     MODE: tl.constexpr,
     STAGES: tl.constexpr,  # 1: at most two children per node; 2: three or four (two pair stages)
     WEIGHTED: tl.constexpr,  # slots weighed by sqrt(subtree size) (not TreeSpec.even_pairs)
+    THREE_CHILD_STAGE: tl.constexpr,  # nodes taking it are left to _wor_triple_kernel
     BLOCK_V: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -355,6 +369,9 @@ def _wor_pair_kernel(
     scale = tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
     slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, 2 * STAGES)
     sizes = tl.load(kid_sizes_ptr + node * stride_cn + slot, mask=slot < num_slots, other=0).to(tl.float64)
+    if THREE_CHILD_STAGE:
+        if _takes_three_child_stage(slot, sizes, tok):
+            return  # _wor_triple_kernel writes this node's outputs
     x1, x2 = _slot_value(tok, slot, 0), _slot_value(tok, slot, 1)
     pair = tl.arange(0, 2)
     zero = tl.zeros((), tl.float64)
@@ -449,13 +466,6 @@ TRIPLE_TABLES = tl.constexpr(12)
 
 
 @triton.jit
-def _row_inputs(p_row, q_row, idx, inside, scale):
-    # D = P~ p (0 off the vocabulary) and q' at the tokens ``idx``.
-    d = tl.where(inside, scale * tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64), 0.0)
-    return d, tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
-
-
-@triton.jit
 def _u_w(q):
     # u = q' / (1 - q'), w = u / (1 - q') (0 where 1 - q' <= 0).
     one_minus = 1.0 - q
@@ -528,8 +538,8 @@ def _wor_triple_kernel(
     MODE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # Runs after _wor_pair_kernel on the same nodes and overwrites its outputs where the node
-    # takes the three-child stage: all three children leaves and drawn.
+    # Runs with _wor_pair_kernel on the same nodes and writes the outputs of those that take
+    # the three-child stage (all three children leaves and drawn), which that kernel skips.
     b = tl.program_id(0)
     if MODE == LEVEL:
         node = tl.load(nodes_ptr + tl.program_id(1))
@@ -537,7 +547,7 @@ def _wor_triple_kernel(
         node = tl.load(nodes_ptr + b)
     slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, 3, 4)
     sizes = tl.load(kid_sizes_ptr + node * stride_cn + slot, mask=slot < 3, other=1)
-    if tl.sum(tl.where((slot < 3) & ((sizes != 1) | (tok < 0)), 1, 0), axis=0) == 0:
+    if _takes_three_child_stage(slot, sizes, tok):
         program = b * tl.num_programs(1) + tl.program_id(1)
         tab = scratch_ptr + program * TRIPLE_TABLES * NUM_CLASSES
         p_row = p_ptr + b * stride_pb + node * stride_pn
@@ -767,9 +777,10 @@ def _launch(mode, p, q, tokens, nodes, tt, weight, stop, uniforms, next_token, g
     _wor_pair_kernel[grid](
         p, q, tokens, nodes, children, tt.kid_sizes, weight, stop, uniforms, next_token, scratch, *strides,
         vocab, children.shape[1],
-        MODE=mode, STAGES=stages, WEIGHTED=not tt.even_pairs, BLOCK_V=block_v,
+        MODE=mode, STAGES=stages, WEIGHTED=not tt.even_pairs, THREE_CHILD_STAGE=tt.three_child_stage,
+        BLOCK_V=block_v,
     )  # fmt: skip
-    if tt.three_child_stage:  # then the three-child stage where it runs
+    if tt.three_child_stage:  # the nodes the pair kernel left to the three-child stage
         scratch = torch.empty(programs, TRIPLE_TABLES.value, _LOG_CLASSES, dtype=torch.float64, device=p.device)
         _wor_triple_kernel[grid](
             p, q, tokens, nodes, children, tt.kid_sizes, weight, stop, uniforms, next_token, scratch, *strides,
