@@ -15,6 +15,14 @@ the same prompts (MT-Bench, round robin over categories, and HumanEval; chat tem
 
     python benchmarks/engine.py                       # the default matrix (about 40 min on 2 cores)
     python benchmarks/engine.py --quick               # one prompt batch, fewer engines
+    python benchmarks/engine.py --rerun "univer auto" "no speculation" --rounds 2   # drift-averaged rows
+
+This machine's speed drifts between fresh engines by about +-5 %, more than
+the 3 % the ``auto`` goal line is read at. ``--rounds R`` runs the speed rows
+R times, each round starting every engine afresh and taking the rows in the
+opposite order to the round before; a row's tokens/s per cell is then the mean
+over its R engines (each the fastest of its repeats), and the goal line is read
+from those means.
 
 The full matrix also runs structured outputs (a JSON schema, ``(JSON)`` rows) without speculation,
 with vLLM's chain and with univer 2x3; those rows are compared with the JSON row without speculation.
@@ -314,28 +322,83 @@ def run_matrix(args) -> list[dict]:
     texts = {
         dataset: [p["turns"][0] for p in prompts(dataset, limit=MAX_BATCH)] for dataset in ("mtbench", "humaneval")
     }
-    results = []
     out_json = RESULTS / f"{results_stem(args)}.json"
     done = {}
     if out_json.exists() and not args.fresh:
         done = {r["name"]: r for r in json.loads(out_json.read_text())["engines"]}
+    jobs = {}  # row name -> its engine job, in the matrix's order
+    speed_rows = []  # the rows of the speed matrix among them
     for config in engine_configs(args.quick):
         if config["name"] in done and config["name"] not in args.rerun:
-            results.append(done[config["name"]])
             continue
         cells = [c for c in config["cells"] if not args.quick or (c[0] == 8 and c[3] == "mtbench")]
-        if not cells:
-            continue
-        job = engine_job(config, cells, target, draft, texts, args.repeats, args.single_repeats, args.single_prompts)
-        print(f"[engine] {config['name']} ...", flush=True)
+        if cells:
+            jobs[config["name"]] = engine_job(
+                config, cells, target, draft, texts, args.repeats, args.single_repeats, args.single_prompts
+            )
+            if config["cells"] is SPEED_CELLS:
+                speed_rows.append(config["name"])
+    # Round 0 runs every row in the matrix's order; later rounds run the speed rows
+    # again, each round in the opposite order to the one before (drift cancels in the mean).
+    schedule = [(0, name) for name in jobs]
+    for r in range(1, args.rounds):
+        schedule += [(r, name) for name in (speed_rows[::-1] if r % 2 else speed_rows)]
+    engines: dict[str, list[dict]] = {}
+    for r, name in schedule:
+        job = jobs[name]
+        print(f"[engine] {name} (round {r}) ...", flush=True)
         result, stderr = run_json_job([__file__, "--one"], job, {**os.environ, **ENV, **job["env"]})
         if result is None:
-            raise RuntimeError(f"{config['name']} failed:\n{stderr[-5000:]}")
-        results.append(result)
-        print(json.dumps(results[-1]["cells"]), flush=True)
-        out_json.write_text(json.dumps({"engines": results, "command": " ".join(sys.argv)}, indent=1))
-    out_json.write_text(json.dumps({"engines": results, "command": " ".join(sys.argv)}, indent=1))
-    return results
+            raise RuntimeError(f"{name} failed:\n{stderr[-5000:]}")
+        engines.setdefault(name, []).append(result)
+        print(json.dumps(result["cells"]), flush=True)
+        done[name] = merge_rounds(engines[name])
+        _write_matrix(out_json, done)
+    _write_matrix(out_json, done)
+    order = [c["name"] for c in engine_configs(args.quick)]
+    return sorted(done.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+
+
+def _write_matrix(path: Path, rows: dict[str, dict]) -> None:
+    path.write_text(json.dumps({"engines": list(rows.values()), "command": " ".join(sys.argv)}, indent=1))
+
+
+def merge_rounds(engines: list[dict]) -> dict:
+    """One row from the R engines that ran it (``--rounds``), cell by cell: tokens/s
+    is the mean over engines (each the fastest of its repeats; per engine in
+    ``tok_per_s_rounds``), steps and counts are pooled (tau and acceptance per depth
+    over every step), shares averaged. One engine: its row unchanged."""
+    if len(engines) == 1:
+        return engines[0]
+    cells = []
+    for per_round in zip(*(e["cells"] for e in engines), strict=True):
+        cell = dict(per_round[-1])
+        cell["tok_per_s_rounds"] = [c["tok_per_s"] for c in per_round]
+        cell["tok_per_s"] = statistics.fmean(cell["tok_per_s_rounds"])
+        cell["tok_per_s_runs"] = [t for c in per_round for t in c.get("tok_per_s_runs", [c["tok_per_s"]])]
+        for key in ("wall_s", "tokens"):
+            cell[key] = sum(c[key] for c in per_round)
+        if "tau" in cell:
+            steps = [c["steps"] for c in per_round]
+            cell["steps"] = sum(steps)
+            cell["tau"] = 1 + sum((c["tau"] - 1) * n for c, n in zip(per_round, steps)) / max(cell["steps"], 1)
+            depths = max(len(c["accepted_per_depth"]) for c in per_round)
+            cell["accepted_per_depth"] = [
+                sum(n * (c["accepted_per_depth"] + [0.0] * depths)[d] for c, n in zip(per_round, steps))
+                / max(cell["steps"], 1)
+                for d in range(depths)
+            ]
+        for key in ("requests_at_depth", "requests_at_width", "requests_at_cut", "timers", "step_parts_s"):
+            if key in cell:
+                total: dict = {}
+                for c in per_round:
+                    for k, n in c.get(key, {}).items():
+                        total[k] = total.get(k, 0) + n
+                cell[key] = total
+        if "overhead_share" in cell:
+            cell["overhead_share"] = statistics.fmean(c["overhead_share"] for c in per_round)
+        cells.append(cell)
+    return {"name": engines[0]["name"], "cells": cells, "rounds": len(engines)}
 
 
 def results_stem(args) -> str:
@@ -385,7 +448,8 @@ def report(results: list[dict], command: str) -> str:
         "at batch 1 `--single-repeats`, 4 unless said, each run one prompt, or `--single-prompts` prompts "
         "one request at a time; "
         "every run in the JSON file), after a warm-up generate at every batch size. "
-        "tau = mean tokens per step = 1 + accepted / drafts (vLLM's spec-decode counters), +- its standard "
+        + _rounds_sentence(results)
+        + "tau = mean tokens per step = 1 + accepted / drafts (vLLM's spec-decode counters), +- its standard "
         "error (steps treated as independent). "
         "'outside forwards' = share of wall time in tree bookkeeping, verification and KV moves "
         "(everything the package adds except the target and draft forward passes). "
@@ -412,11 +476,26 @@ def report(results: list[dict], command: str) -> str:
                 total = max(sum(c["requests_at_width"].values()), 1)
                 widths = " / ".join(f"{100 * n / total:.0f}%" for _, n in sorted(c["requests_at_width"].items()))
                 depth = f"{depth}; width {' / '.join(str(w) for w in sorted(c['requests_at_width']))}: {widths}"
+            speed = f"{c['tok_per_s']:.2f}"
+            if len(c.get("tok_per_s_rounds", [])) > 1:
+                speed += " (" + " / ".join(f"{t:.2f}" for t in c["tok_per_s_rounds"]) + ")"
             lines.append(
                 f"| {r['name']} | {cell_key(c)[0]} | {c['batch']} | {c['temperature']:g} | {c['new_tokens']} | "
-                f"{c['tok_per_s']:.2f} | {ratio:.2f}x | {tau} | {depth} | {share} |"
+                f"{speed} | {ratio:.2f}x | {tau} | {depth} | {share} |"
             )
     return "\n".join(lines + offline_agreement(results) + auto_goal(results)) + "\n"
+
+
+def _rounds_sentence(results: list[dict]) -> str:
+    rounds = {r["name"]: r["rounds"] for r in results if r.get("rounds", 1) > 1}
+    if not rounds:
+        return ""
+    names = ", ".join(f"{name} ({n})" for name, n in rounds.items())
+    return (
+        f"Rows run in rounds (`--rounds`, each round a fresh engine per row, the rows in the opposite order to the "
+        f"round before): {names}; their tok/s is the mean over rounds of each engine's fastest run (per round in "
+        "brackets), tau and acceptance pooled over every step. "
+    )
 
 
 def cell_key(cell: dict) -> tuple[str, int, float]:
@@ -517,6 +596,12 @@ def main() -> None:
         default=1,
         help="prompts per batch-1 run, one request at a time (tokens/s over all of them)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the speed rows this many times, alternating their order; a cell's tok/s is the mean over rounds",
+    )
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -530,6 +615,7 @@ def main() -> None:
         + (f" --repeats {args.repeats}" if args.repeats != 2 else "")
         + (f" --single-repeats {args.single_repeats}" if args.single_repeats != 4 else "")
         + (f" --single-prompts {args.single_prompts}" if args.single_prompts != 1 else "")
+        + (f" --rounds {args.rounds}" if args.rounds != 1 else "")
     )
     text = report(results, command)
     out_md = RESULTS / f"{results_stem(args)}.md"
