@@ -43,6 +43,7 @@ from vllm_univer import METHODS, TreeSpec, outcome_law, verify  # noqa: E402
 from vllm_univer.compiled_rules import CUDA_CHECK_ENV  # noqa: E402
 from vllm_univer.kernels import tree_attention  # noqa: E402
 from vllm_univer.kernels.tree_attention import gather_paged  # noqa: E402
+from vllm_univer.kernels.triton_topk1_verify import SPLITS_ENV  # noqa: E402
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue  # noqa: E402
 
 
@@ -113,6 +114,20 @@ def law_check(method, tree, tokens, p, q, device, compiled) -> tuple[bool, str]:
 
 
 @contextlib.contextmanager
+def vocab_splits_forced(splits: int | None):
+    """The topk1 kernels' vocabulary slices per node forced to ``splits`` (None: as
+    ``triton_topk1_verify.vocab_splits`` picks them from the GPU)."""
+    if splits is None:
+        yield
+        return
+    os.environ[SPLITS_ENV] = str(splits)
+    try:
+        yield
+    finally:
+        del os.environ[SPLITS_ENV]
+
+
+@contextlib.contextmanager
 def compiled_afresh(**inductor_config):
     """The compiled node rules compiled again, under ``inductor_config``, and
     afresh once more afterwards (nothing compiled here is kept)."""
@@ -151,26 +166,31 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
     # univer_wor five times: its PyTorch rule (V = 6: exact ratio ranks), that rule compiled
     # (``compiled_rules``), compiled with Triton's FP fusion off, and its Triton kernels
     # (``triton_wor_verify``: log-scale classes, V > 64) on 2x2 and the trees of WOR_TREES.
-    cases = [(m, None, None, "2x2", 6) for m in METHODS] + [
-        ("univer_wor", True, None, "2x2", 6),
-        ("univer_wor", True, NO_FP_FUSION, "2x2", 6),
-        ("univer_wor", None, None, "2x2", 80),
-        ("univer_wor", None, None, "binary", 80),
-        ("univer_wor", None, None, "eagle", 80),
-        ("univer_wor", None, None, "3x2", 80),
+    # The topk1 rules again with every level's vocabulary split in three slices (on a GPU
+    # they split where a level is too small to fill it: one request; not at 200 000 rows).
+    cases = [(m, None, None, "2x2", 6, None) for m in METHODS] + [
+        ("univer_wor", True, None, "2x2", 6, None),
+        ("univer_wor", True, NO_FP_FUSION, "2x2", 6, None),
+        ("univer_wor", None, None, "2x2", 80, None),
+        ("univer_wor", None, None, "binary", 80, None),
+        ("univer_wor", None, None, "eagle", 80, None),
+        ("univer_wor", None, None, "3x2", 80, None),
+        *((m, None, None, "2x2", 6, 3) for m in ("univer", "greedy", "target_only")),
     ]
-    for method, compiled, inductor_config, shape, vocab in cases:
+    for method, compiled, inductor_config, shape, vocab, splits in cases:
         tree = TreeSpec.parse("1x3" if method in ("token", "block") else WOR_TREES.get(shape, shape))
         tokens, p, q = make_inputs(method, tree, 4, vocab, seed=3)
         tokens, p, q = tokens.to(device), p.to(device), q.to(device)
         try:
             with compiled_afresh(**inductor_config) if inductor_config else contextlib.nullcontext():
-                good, detail = law_check(method, tree, tokens, p, q, device, compiled)
+                with vocab_splits_forced(splits):
+                    good, detail = law_check(method, tree, tokens, p, q, device, compiled)
         except Exception as exc:  # noqa: BLE001 - reported; the next verifier is still checked
             good, detail = False, f"{type(exc).__name__}: {str(exc)[:300]}"
         ok &= good
         variant = (" compiled" if compiled else "") + (", FP fusion off" if inductor_config else "")
         variant += f" ({shape}, V = {vocab})" if vocab != 6 else ""
+        variant += f", vocabulary in {splits} slices" if splits else ""
         lines.append(
             f"| verify `{method}`{variant} vs outcome_law (4 trees x {LAW_DRAWS}) | "
             f"{'ok' if good else 'FAIL'}: {detail} |".replace("\n", " ")
@@ -296,9 +316,11 @@ def timings(device: torch.device, lines: list[str]) -> None:
     beside the PyTorch node rules, against the time it takes to read p and q once
     at the H200's 4.3 TB/s (issue 12: univer <= 3x that read, rrs / rrsw /
     traversal <= 3x univer)."""
-    # (column, method, fused): fused None = what verify picks on CUDA.
+    # (column, method, fused): fused None = what verify picks on CUDA. `univer whole rows`:
+    # its kernels with one program per node, never a split vocabulary (``vocab_splits``).
     columns = [
         ("univer", "univer", None),
+        ("univer whole rows", "univer", None),
         ("univer torch", "univer", False),
         ("greedy", "greedy", None),
         ("greedy torch", "greedy", False),
@@ -342,7 +364,8 @@ def timings(device: torch.device, lines: list[str]) -> None:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
-                    ms = run(lambda: verify(method, tree, tokens, p, q, validate=False, fused=fused))
+                    with vocab_splits_forced(1 if column == "univer whole rows" else None):
+                        ms = run(lambda: verify(method, tree, tokens, p, q, validate=False, fused=fused))
                     if column == "univer":
                         univer_ms = ms
                         peak = (torch.cuda.max_memory_allocated() - base) / (p.numel() + q.numel()) / 4

@@ -106,6 +106,19 @@ CHECK = textwrap.dedent("""
                     method, tree, tokens, p, q, greedy=greedy, fused=True, validate=False
                 ))
 
+    # The topk1 rules with the vocabulary split across programs (on a GPU: a level too small to fill it).
+    import os
+    from vllm_univer.kernels.triton_topk1_verify import SPLITS_ENV
+    os.environ[SPLITS_ENV] = "3"
+    for method in ("univer", "greedy", "target_only"):
+        for shape, v in (("irregular", 40), ("2x2", 5000)):
+            tree = TreeSpec.parse(irregular.get(shape, shape))
+            tokens, p, q = make_inputs(method, tree, batch, v, seed=1)
+            attempt(f"verify {method} {shape} V={v} split", lambda: verify(
+                method, tree, tokens, p, q, fused=True, validate=False
+            ))
+    del os.environ[SPLITS_ENV]
+
     for scheme in ("chain", "iid", "wor", "topk1"):
         rows = torch.softmax(torch.randn(batch, 3, vocab, generator=gen), -1)
         for greedy in (None, torch.tensor([True, False, True])):

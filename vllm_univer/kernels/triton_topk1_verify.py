@@ -16,6 +16,18 @@ and writes each child's weight (P~ for univer, alpha for the DESCENT rules),
 the node's stop probability h (univer) and the factor 1 / q(off T) that turns q
 into q_bar (0 when the node has no sampled child) for the residual draw.
 
+Where a level has too few nodes to fill the GPU (one request: a single program
+streams the root's 152k-token rows twice), the vocabulary is split: a level
+then takes three launches, each program on one slice of one node's rows:
+
+    sums     partial sum p, sum q per slice
+    min      partial F' per slice (from the node's total sums and entry scale)
+    finish   the slices' partials added in a fixed order, then the O(C) rule
+
+with the same formulas (only the order of the float64 additions differs).
+``vocab_splits`` picks the slices per level from the device's multiprocessor
+count; ``VLLM_UNIVER_VERIFY_SPLITS`` forces a count (1: never split).
+
 The rest of the step is ``triton_finish_step``.
 
 Tensors: p, q [B, N+1, V] (last dim contiguous; float32, bfloat16 or float64);
@@ -23,6 +35,9 @@ tokens [B, N+1] int64 (-1: missing); children [N+1, C] int64 (-1 padded).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -42,6 +57,108 @@ def _entry_scale(weight_ptr, b, stride_wb, node, RULE: tl.constexpr):
     if RULE == UNIVER:
         return tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
     return tl.full((), 1.0, tl.float64)
+
+
+@triton.jit
+def _row_sums(p_row, q_row, lo, hi, WITH_Q: tl.constexpr, BLOCK_V: tl.constexpr):
+    # (sum p, sum q) over the tokens [lo, hi) in float64 (sum q = 0 without WITH_Q).
+    offs = tl.arange(0, BLOCK_V)
+    p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    q_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    for start in range(lo, hi, BLOCK_V):
+        inside = start + offs < hi
+        p_acc += tl.load(p_row + start + offs, mask=inside, other=0.0).to(tl.float64)
+        if WITH_Q:
+            q_acc += tl.load(q_row + start + offs, mask=inside, other=0.0).to(tl.float64)
+    return tl.sum(p_acc, axis=0), tl.sum(q_acc, axis=0)
+
+
+@triton.jit
+def _min_sum(p_row, q_row, factor, lo, hi, BLOCK_V: tl.constexpr):
+    # sum_y min(q(y), factor p(y)) over the tokens [lo, hi) in float64.
+    offs = tl.arange(0, BLOCK_V)
+    full = tl.zeros([BLOCK_V], dtype=tl.float64)
+    for start in range(lo, hi, BLOCK_V):
+        inside = start + offs < hi
+        p_blk = tl.load(p_row + start + offs, mask=inside, other=0.0).to(tl.float64)
+        q_blk = tl.load(q_row + start + offs, mask=inside, other=0.0).to(tl.float64)
+        full += tl.minimum(q_blk, p_blk * factor)
+    return tl.sum(full, axis=0)
+
+
+@triton.jit
+def _sampled_child(q_row, q_sum, weight_ptr, b, stride_wb, node, slot, tok, RULE: tl.constexpr):
+    """Topk1Node.read: slot 0 the sampled child r ~ q_bar, slots 1.. the top set T ->
+    (q at the child tokens, on_top, q(off T) (1 without a sampled child), has_sampled,
+    the factor P~ q(off T) of F')."""
+    has_tok = tok >= 0
+    q_tok = tl.load(q_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
+    on_top = has_tok & (slot >= 1)
+    q_off = q_sum - tl.sum(tl.where(on_top, q_tok, 0.0), axis=0)
+    r_tok = tl.sum(tl.where(slot == 0, tok, 0), axis=0)
+    has_sampled = (r_tok >= 0) & (q_off > 0)
+    q_off = tl.where(has_sampled, q_off, 1.0)
+    return q_tok, on_top, q_off, has_sampled, _entry_scale(weight_ptr, b, stride_wb, node, RULE) * q_off
+
+
+@triton.jit
+def _node_rule(
+    p_row,
+    q_row,
+    weight_ptr,
+    stop_ptr,
+    q_bar_scale_ptr,
+    b,
+    stride_wb,
+    node,
+    slot,
+    kid,
+    tok,
+    p_sum,
+    q_sum,
+    full,
+    RULE: tl.constexpr,
+):
+    """The rule's O(C) arithmetic on the node's child slots, from its row sums and
+    ``full`` = sum_y min(q(y), P~ q(off T) p(y)) (unused by target_only), exactly
+    as the PyTorch rule writes it: writes the children's weights, h (univer) and
+    1 / q(off T) (0 without a sampled child)."""
+    has_tok = tok >= 0
+    p_tok = tl.load(p_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
+    if RULE == TARGET_ONLY:
+        # alpha_j = p(x_j) / (sum p - p of the distinct earlier tokens); a repeat gets 0.
+        earlier = (tok[:, None] == tok[None, :]) & (slot[None, :] < slot[:, None])
+        first = has_tok & (tl.max(earlier.to(tl.int32), axis=1) == 0)
+        mass = tl.where(first, p_tok, 0.0)
+        child = clipped_ratio(mass, tl.maximum(p_sum - (tl.cumsum(mass, axis=0) - mass), 0.0))
+    else:
+        q_tok, on_top, q_off, has_sampled, factor = _sampled_child(
+            q_row, q_sum, weight_ptr, b, stride_wb, node, slot, tok, RULE
+        )
+        scale = _entry_scale(weight_ptr, b, stride_wb, node, RULE)
+        p_r = tl.sum(tl.where(slot == 0, p_tok, 0.0), axis=0)
+        q_r = tl.sum(tl.where(slot == 0, q_tok, 0.0), axis=0)
+        # F = sum_{y not in T} min(q_bar(y), scale p(y)) = (sum_y min(q, scale q_off p) - on T) / q_off
+        top_min = tl.sum(tl.where(on_top, tl.minimum(q_tok, p_tok * factor), 0.0), axis=0)
+        carried = tl.maximum((full - top_min) / q_off, 0.0)
+        carried = tl.where(has_sampled, carried, 0.0)
+        q_bar_r = tl.where(has_sampled, q_r / q_off, 0.0)
+        p_top = tl.where(on_top, p_tok, 0.0)
+        if RULE == UNIVER:
+            top_mass = scale * p_top
+            rho = tl.maximum(scale * (p_sum - tl.sum(p_top, axis=0)) - carried, 0.0)
+            stop = continue_prob(rho, scale)
+            tl.store(stop_ptr + b * stride_wb + node, stop.to(stop_ptr.dtype.element_ty))
+            room = tl.maximum(1.0 - carried - (tl.cumsum(top_mass, axis=0) - top_mass), 0.0)
+            child = tl.where(slot == 0, clipped_ratio(scale * p_r, q_bar_r), clipped_ratio(top_mass, room))
+        else:  # GREEDY
+            g_total = p_sum - carried
+            room = tl.maximum(g_total - (tl.cumsum(p_top, axis=0) - p_top), 0.0)
+            child = tl.where(slot == 0, clipped_ratio(p_r, q_bar_r), clipped_ratio(p_top, room))
+        q_bar_scale = tl.where(has_sampled, 1.0 / q_off, 0.0)
+        tl.store(q_bar_scale_ptr + b * stride_wb + node, q_bar_scale)
+    child = tl.where(has_tok, child, 0.0)
+    tl.store(weight_ptr + b * stride_wb + kid, child.to(weight_ptr.dtype.element_ty), mask=kid >= 0)
 
 
 @triton.jit
@@ -67,74 +184,178 @@ def _topk1_level_kernel(
     SLOTS: tl.constexpr,  # num_slots rounded up to a power of 2
     BLOCK_V: tl.constexpr,
 ):
+    # One program per (request, node): both passes over the whole rows, then the rule.
     b = tl.program_id(0)
     node = tl.load(nodes_ptr + tl.program_id(1))
     p_row = p_ptr + b * stride_pb + node * stride_pn
     q_row = q_ptr + b * stride_qb + node * stride_qn
-
     slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
-    has_tok = tok >= 0
-    p_tok = tl.load(p_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
+    p_sum, q_sum = _row_sums(p_row, q_row, 0, vocab, RULE != TARGET_ONLY, BLOCK_V)
+    full = tl.zeros((), dtype=tl.float64)
+    if RULE != TARGET_ONLY:
+        _, _, _, _, factor = _sampled_child(q_row, q_sum, weight_ptr, b, stride_wb, node, slot, tok, RULE)
+        full = _min_sum(p_row, q_row, factor, 0, vocab, BLOCK_V)
+    _node_rule(
+        p_row, q_row, weight_ptr, stop_ptr, q_bar_scale_ptr, b, stride_wb, node, slot, kid, tok,
+        p_sum, q_sum, full, RULE,
+    )  # fmt: skip
 
-    offs = tl.arange(0, BLOCK_V)
-    p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
-    q_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
-    for start in range(0, vocab, BLOCK_V):
-        inside = start + offs < vocab
-        p_acc += tl.load(p_row + start + offs, mask=inside, other=0.0).to(tl.float64)
-        if RULE != TARGET_ONLY:
-            q_acc += tl.load(q_row + start + offs, mask=inside, other=0.0).to(tl.float64)
-    p_sum = tl.sum(p_acc, axis=0)
 
-    if RULE == TARGET_ONLY:
-        # alpha_j = p(x_j) / (sum p - p of the distinct earlier tokens); a repeat gets 0.
-        earlier = (tok[:, None] == tok[None, :]) & (slot[None, :] < slot[:, None])
-        first = has_tok & (tl.max(earlier.to(tl.int32), axis=1) == 0)
-        mass = tl.where(first, p_tok, 0.0)
-        child = clipped_ratio(mass, tl.maximum(p_sum - (tl.cumsum(mass, axis=0) - mass), 0.0))
-    else:
-        # Topk1Node.read: slot 0 the sampled child r ~ q_bar, slots 1.. the top set T.
-        q_tok = tl.load(q_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
-        on_top = has_tok & (slot >= 1)
-        q_off = tl.sum(q_acc, axis=0) - tl.sum(tl.where(on_top, q_tok, 0.0), axis=0)
-        r_tok = tl.sum(tl.where(slot == 0, tok, 0), axis=0)
-        p_r = tl.sum(tl.where(slot == 0, p_tok, 0.0), axis=0)
-        q_r = tl.sum(tl.where(slot == 0, q_tok, 0.0), axis=0)
-        has_sampled = (r_tok >= 0) & (q_off > 0)
-        q_off = tl.where(has_sampled, q_off, 1.0)
-        scale = _entry_scale(weight_ptr, b, stride_wb, node, RULE)
-        # F = sum_{y not in T} min(q_bar(y), scale p(y)) = (sum_y min(q, scale q_off p) - on T) / q_off
-        factor = scale * q_off
-        full = tl.zeros([BLOCK_V], dtype=tl.float64)
-        for start in range(0, vocab, BLOCK_V):
-            inside = start + offs < vocab
-            p_blk = tl.load(p_row + start + offs, mask=inside, other=0.0).to(tl.float64)
-            q_blk = tl.load(q_row + start + offs, mask=inside, other=0.0).to(tl.float64)
-            full += tl.minimum(q_blk, p_blk * factor)
-        top_min = tl.sum(tl.where(on_top, tl.minimum(q_tok, p_tok * factor), 0.0), axis=0)
-        carried = tl.maximum((tl.sum(full, axis=0) - top_min) / q_off, 0.0)
-        carried = tl.where(has_sampled, carried, 0.0)
-        q_bar_r = tl.where(has_sampled, q_r / q_off, 0.0)
-        p_top = tl.where(on_top, p_tok, 0.0)
-        if RULE == UNIVER:
-            top_mass = scale * p_top
-            rho = tl.maximum(scale * (p_sum - tl.sum(p_top, axis=0)) - carried, 0.0)
-            stop = continue_prob(rho, scale)
-            tl.store(stop_ptr + b * stride_wb + node, stop.to(stop_ptr.dtype.element_ty))
-            room = tl.maximum(1.0 - carried - (tl.cumsum(top_mass, axis=0) - top_mass), 0.0)
-            child = tl.where(slot == 0, clipped_ratio(scale * p_r, q_bar_r), clipped_ratio(top_mass, room))
-        else:  # GREEDY
-            g_total = p_sum - carried
-            room = tl.maximum(g_total - (tl.cumsum(p_top, axis=0) - p_top), 0.0)
-            child = tl.where(slot == 0, clipped_ratio(p_r, q_bar_r), clipped_ratio(p_top, room))
-        q_bar_scale = tl.where(has_sampled, 1.0 / q_off, 0.0)
-        tl.store(q_bar_scale_ptr + b * stride_wb + node, q_bar_scale)
-    child = tl.where(has_tok, child, 0.0)
-    tl.store(weight_ptr + b * stride_wb + kid, child.to(weight_ptr.dtype.element_ty), mask=kid >= 0)
+@triton.jit
+def _topk1_split_sums_kernel(
+    p_ptr,
+    q_ptr,
+    nodes_ptr,
+    parts_ptr,  # [B, n, S, 3] float64: per slice sum p, sum q (and F' for the min kernel)
+    stride_pb,
+    stride_pn,
+    stride_qb,
+    stride_qn,
+    stride_xb,
+    stride_xn,
+    vocab,
+    chunk,
+    RULE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # One program per (request, node of the level, vocabulary slice).
+    b, i, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    node = tl.load(nodes_ptr + i)
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, vocab)
+    p_row = p_ptr + b * stride_pb + node * stride_pn
+    q_row = q_ptr + b * stride_qb + node * stride_qn
+    p_sum, q_sum = _row_sums(p_row, q_row, lo, hi, RULE != TARGET_ONLY, BLOCK_V)
+    part = parts_ptr + b * stride_xb + i * stride_xn + s * 3
+    tl.store(part, p_sum)
+    tl.store(part + 1, q_sum)
+
+
+@triton.jit
+def _split_totals(parts_ptr, b, i, stride_xb, stride_xn, num_splits, SPLITS: tl.constexpr):
+    # The slices' partials of one node added in a fixed order: (sum p, sum q, F').
+    s = tl.arange(0, SPLITS)
+    part = parts_ptr + b * stride_xb + i * stride_xn + s * 3
+    keep = s < num_splits
+    p_sum = tl.sum(tl.load(part, mask=keep, other=0.0), axis=0)
+    q_sum = tl.sum(tl.load(part + 1, mask=keep, other=0.0), axis=0)
+    full = tl.sum(tl.load(part + 2, mask=keep, other=0.0), axis=0)
+    return p_sum, q_sum, full
+
+
+@triton.jit
+def _topk1_split_min_kernel(
+    p_ptr,
+    q_ptr,
+    tokens_ptr,
+    nodes_ptr,
+    children_ptr,
+    weight_ptr,
+    parts_ptr,
+    stride_pb,
+    stride_pn,
+    stride_qb,
+    stride_qn,
+    stride_tb,
+    stride_cn,
+    stride_wb,
+    stride_xb,
+    stride_xn,
+    vocab,
+    num_slots,
+    chunk,
+    num_splits,
+    RULE: tl.constexpr,
+    SLOTS: tl.constexpr,
+    SPLITS: tl.constexpr,  # num_splits rounded up to a power of 2
+    BLOCK_V: tl.constexpr,
+):
+    # One program per (request, node of the level, vocabulary slice): the slice's F'.
+    b, i, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    node = tl.load(nodes_ptr + i)
+    p_row = p_ptr + b * stride_pb + node * stride_pn
+    q_row = q_ptr + b * stride_qb + node * stride_qn
+    slot, _, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
+    _, q_sum, _ = _split_totals(parts_ptr, b, i, stride_xb, stride_xn, num_splits, SPLITS)
+    _, _, _, _, factor = _sampled_child(q_row, q_sum, weight_ptr, b, stride_wb, node, slot, tok, RULE)
+    lo = s * chunk
+    full = _min_sum(p_row, q_row, factor, lo, tl.minimum(lo + chunk, vocab), BLOCK_V)
+    tl.store(parts_ptr + b * stride_xb + i * stride_xn + s * 3 + 2, full)
+
+
+@triton.jit
+def _topk1_split_finish_kernel(
+    p_ptr,
+    q_ptr,
+    tokens_ptr,
+    nodes_ptr,
+    children_ptr,
+    weight_ptr,
+    stop_ptr,
+    q_bar_scale_ptr,
+    parts_ptr,
+    stride_pb,
+    stride_pn,
+    stride_qb,
+    stride_qn,
+    stride_tb,
+    stride_cn,
+    stride_wb,
+    stride_xb,
+    stride_xn,
+    num_slots,
+    num_splits,
+    RULE: tl.constexpr,
+    SLOTS: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    # One program per (request, node of the level): the slices' partials, then the rule.
+    b, i = tl.program_id(0), tl.program_id(1)
+    node = tl.load(nodes_ptr + i)
+    p_row = p_ptr + b * stride_pb + node * stride_pn
+    q_row = q_ptr + b * stride_qb + node * stride_qn
+    slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
+    p_sum, q_sum, full = _split_totals(parts_ptr, b, i, stride_xb, stride_xn, num_splits, SPLITS)
+    _node_rule(
+        p_row, q_row, weight_ptr, stop_ptr, q_bar_scale_ptr, b, stride_wb, node, slot, kid, tok,
+        p_sum, q_sum, full, RULE,
+    )  # fmt: skip
 
 
 def _launch_shape(num_slots: int, vocab: int) -> tuple[int, int]:
     return slot_block(num_slots), block_size(vocab)
+
+
+SPLITS_ENV = "VLLM_UNIVER_VERIFY_SPLITS"
+# A slice holds at least this many tokens (one full block); at most this many slices.
+MIN_SPLIT_V = 4096
+MAX_VOCAB_SPLITS = 64
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_count(programs: int, vocab: int, multiprocessors: int) -> int:
+    """Vocabulary slices per node so that a level of ``programs`` (request, node) pairs
+    fills the GPU: about two programs per multiprocessor, each slice at least
+    ``MIN_SPLIT_V`` tokens, at most ``MAX_VOCAB_SPLITS``; 1 where the level fills it."""
+    if programs >= multiprocessors:
+        return 1
+    wanted = triton.cdiv(2 * multiprocessors, max(programs, 1))
+    return int(max(1, min(MAX_VOCAB_SPLITS, wanted, vocab // MIN_SPLIT_V)))
+
+
+def vocab_splits(device: torch.device, programs: int, vocab: int) -> int:
+    """Slices per node for a level of ``programs`` (request, node) pairs on ``device``
+    (``split_count``; 1 off CUDA). ``VLLM_UNIVER_VERIFY_SPLITS`` forces the count."""
+    forced = os.environ.get(SPLITS_ENV)
+    if forced:
+        return max(1, min(int(forced), vocab))
+    if device.type != "cuda":
+        return 1
+    return split_count(programs, vocab, _multiprocessors(device.index if device.index is not None else 0))
 
 
 def topk1_level(
@@ -150,12 +371,37 @@ def topk1_level(
 ) -> None:
     """The node rule at ``nodes`` [n] (one depth level) of every request, in place:
     children's weights into ``weight`` [B, N+1], h into ``stop`` (univer) and
-    1 / q(off T) into ``q_bar_scale`` [B, N+1] float64."""
+    1 / q(off T) into ``q_bar_scale`` [B, N+1] float64. One launch, or three where
+    the vocabulary is split (``vocab_splits``)."""
     batch, _, vocab = p.shape
+    num_nodes = nodes.numel()
     slots, block_v = _launch_shape(children.shape[1], vocab)
-    _topk1_level_kernel[(batch, nodes.numel())](
-        p, q, tokens, nodes, children, weight, stop, q_bar_scale,
-        p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0), weight.stride(0),
-        vocab, children.shape[1],
-        RULE=RULES[rule], SLOTS=slots, BLOCK_V=block_v,
+    splits = vocab_splits(p.device, batch * num_nodes, vocab)
+    if splits == 1:
+        _topk1_level_kernel[(batch, num_nodes)](
+            p, q, tokens, nodes, children, weight, stop, q_bar_scale,
+            p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0),
+            weight.stride(0), vocab, children.shape[1],
+            RULE=RULES[rule], SLOTS=slots, BLOCK_V=block_v,
+        )  # fmt: skip
+        return
+    chunk = triton.cdiv(vocab, splits)
+    splits = triton.cdiv(vocab, chunk)  # no empty slice
+    block_v = min(block_v, triton.next_power_of_2(chunk))
+    parts = torch.empty(batch, num_nodes, splits, 3, dtype=torch.float64, device=p.device)
+    strides = (p.stride(0), p.stride(1), q.stride(0), q.stride(1))
+    _topk1_split_sums_kernel[(batch, num_nodes, splits)](
+        p, q, nodes, parts, *strides, parts.stride(0), parts.stride(1), vocab, chunk,
+        RULE=RULES[rule], BLOCK_V=block_v,
+    )  # fmt: skip
+    row_args = (tokens, nodes, children)
+    row_strides = (*strides, tokens.stride(0), children.stride(0), weight.stride(0), parts.stride(0), parts.stride(1))
+    if rule != "target_only":
+        _topk1_split_min_kernel[(batch, num_nodes, splits)](
+            p, q, *row_args, weight, parts, *row_strides, vocab, children.shape[1], chunk, splits,
+            RULE=RULES[rule], SLOTS=slots, SPLITS=triton.next_power_of_2(splits), BLOCK_V=block_v,
+        )  # fmt: skip
+    _topk1_split_finish_kernel[(batch, num_nodes)](
+        p, q, *row_args, weight, stop, q_bar_scale, parts, *row_strides, children.shape[1], splits,
+        RULE=RULES[rule], SLOTS=slots, SPLITS=triton.next_power_of_2(splits),
     )  # fmt: skip
