@@ -166,7 +166,7 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
     # univer_wor five times: its PyTorch rule (V = 6: exact ratio ranks), that rule compiled
     # (``compiled_rules``), compiled with Triton's FP fusion off, and its Triton kernels
     # (``triton_wor_verify``: log-scale classes, V > 64) on 2x2 and the trees of WOR_TREES.
-    # The topk1 rules again with every level's vocabulary split in three slices (on a GPU
+    # The tree rules again with every level's vocabulary split in three slices (on a GPU
     # they split where a level is too small to fill it: one request; not at 200 000 rows).
     cases = [(m, None, None, "2x2", 6, None) for m in METHODS] + [
         ("univer_wor", True, None, "2x2", 6, None),
@@ -175,7 +175,7 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
         ("univer_wor", None, None, "binary", 80, None),
         ("univer_wor", None, None, "eagle", 80, None),
         ("univer_wor", None, None, "3x2", 80, None),
-        *((m, None, None, "2x2", 6, 3) for m in ("univer", "greedy", "target_only")),
+        *((m, None, None, "2x2", 6, 3) for m in ("univer", "greedy", "target_only", "rrs", "rrsw", "traversal")),
     ]
     for method, compiled, inductor_config, shape, vocab, splits in cases:
         tree = TreeSpec.parse("1x3" if method in ("token", "block") else WOR_TREES.get(shape, shape))
@@ -316,8 +316,8 @@ def timings(device: torch.device, lines: list[str]) -> None:
     beside the PyTorch node rules, against the time it takes to read p and q once
     at the H200's 4.3 TB/s (issue 12: univer <= 3x that read, rrs / rrsw /
     traversal <= 3x univer)."""
-    # (column, method, fused): fused None = what verify picks on CUDA. `univer whole rows`:
-    # its kernels with one program per node, never a split vocabulary (``vocab_splits``).
+    # (column, method, fused): fused None = what verify picks on CUDA. `whole rows`: the
+    # kernels with one program per node, never a split vocabulary (``vocab_splits``).
     columns = [
         ("univer", "univer", None),
         ("univer whole rows", "univer", None),
@@ -326,6 +326,7 @@ def timings(device: torch.device, lines: list[str]) -> None:
         ("greedy torch", "greedy", False),
         ("target_only", "target_only", None),
         ("traversal", "traversal", None),
+        ("traversal whole rows", "traversal", None),
         ("traversal torch", "traversal", False),
         ("rrs", "rrs", None),
         ("rrsw", "rrsw", None),
@@ -364,7 +365,7 @@ def timings(device: torch.device, lines: list[str]) -> None:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
-                    with vocab_splits_forced(1 if column == "univer whole rows" else None):
+                    with vocab_splits_forced(1 if column.endswith("whole rows") else None):
                         ms = run(lambda: verify(method, tree, tokens, p, q, validate=False, fused=fused))
                     if column == "univer":
                         univer_ms = ms

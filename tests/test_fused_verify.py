@@ -35,6 +35,8 @@ from triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
+SPLITS_ENV = "VLLM_UNIVER_VERIFY_SPLITS"  # triton_topk1_verify's (imported in the subprocess only)
+
 # Prepended to each interpreter script: random rows, and the launch count.
 PRELUDE = textwrap.dedent("""
     import torch
@@ -77,7 +79,7 @@ PRELUDE = textwrap.dedent("""
         return tokens.masked_fill(gone, -1)
 """)
 
-CHECK = textwrap.dedent("""
+CHECK_FUNCTIONS = textwrap.dedent("""
     import torch
     from vllm_univer import TreeSpec, outcome_law, verify
     from vllm_univer.fused_tree_pass import fused_allocate
@@ -183,7 +185,9 @@ CHECK = textwrap.dedent("""
     w3, scale3 = w.expand(3, -1), params.expand(3, -1)
     got = _draw_with(target_only, tt, tokens.expand(3, -1), p3, p3, root, w3, scale3, us)
     assert got.tolist() == [2, 4, 4], got
+""")
 
+CHECK = CHECK_FUNCTIONS + textwrap.dedent("""
     for method in METHODS:
         for spec in ("2x2", "3x2", "1x3", IRREGULAR):
             for zeros in (False, True):
@@ -301,62 +305,24 @@ CHAIN_CHECK = textwrap.dedent("""
 """)
 
 
-SPLIT_CHECK = textwrap.dedent("""
-    import os
-    import torch
-    from vllm_univer import TreeSpec, verify
-    from vllm_univer.fused_tree_pass import fused_allocate
-    from vllm_univer.kernels.triton_topk1_verify import SPLITS_ENV, split_count
-    from vllm_univer.tree_pass import allocate, end_node_law, finish_stop
-    from vllm_univer.verifiers import Family, get_verifier
+# The same checks with every level's vocabulary split in slices (on CUDA where a level
+# cannot fill the GPU: one request), forced by the environment; the slice count itself.
+SPLIT_CHECK = CHECK_FUNCTIONS + textwrap.dedent("""
+    from vllm_univer.kernels.triton_topk1_verify import split_count
 
-    def allocate_with(splits, verifier, tt, tokens, p, q, work):
-        os.environ[SPLITS_ENV] = str(splits)
-        try:
-            return fused_allocate(verifier, tt, tokens, p, q, work)
-        finally:
-            del os.environ[SPLITS_ENV]
-
-    def check_case(method, spec, vocab, zeros, dtype, splits):
-        tree = TreeSpec.parse(spec)
-        tt = tree.on(torch.device("cpu"))
-        verifier = get_verifier(method)
-        batch, n1 = 3, tree.num_nodes + 1
-        p, q = rows(batch, n1, vocab, zeros), rows(batch, n1, vocab, not zeros)
-        q[0] = p[0]  # q = p: empty residuals at internal nodes
-        tokens = draft_tokens(tree, batch, vocab)
-        work = torch.float64 if dtype == torch.float64 else torch.float32
-        # The same formulas on the same rows, only the order of the float64 additions differs:
-        # the end-node laws agree with the whole rows' and the PyTorch rule's (weights and h
-        # themselves may differ by more where they come from a near-cancellation, e.g. q = p),
-        # and so do the residual rows' 1 / q(off T).
-        w_ref, s_ref = allocate(verifier, tt, tokens, p.to(dtype).double(), q.to(dtype).double())
-        laws = [end_node_law(verifier, tt, w_ref, s_ref)]
-        params = []
-        for count in (1, splits):
-            w, s, scale = allocate_with(count, verifier, tt, tokens, p.to(dtype), q.to(dtype), work)
-            s = finish_stop(tt, tokens, w, s).double() if verifier.family is Family.POSTORDER else None
-            laws.append(end_node_law(verifier, tt, w.double(), s))
-            params.append(scale)
-        tol = 1e-12 if dtype == torch.float64 else 2e-5
-        for law in laws[1:]:
-            assert torch.allclose(law, laws[0], atol=tol), (method, spec, splits, (law - laws[0]).abs().max())
-        assert torch.allclose(params[0], params[1], rtol=1e-12, atol=0), (method, spec, splits)
-
-    for method in ("univer", "greedy", "target_only"):
+    for method in METHODS:
         for spec in ("2x2", IRREGULAR):
             for zeros in (False, True):
-                check_case(method, spec, 7, zeros, torch.float64, 3)  # slices of 3, 3 and 1 tokens
-        check_case(method, "3x2", 5000, False, torch.float64, 3)  # slices of 1667 tokens, 2048-token blocks
-        check_case(method, "2x3", 300, True, torch.float32, 7)
+                check_case(method, spec, 7, zeros, torch.float64)  # slices of 3, 3 and 1 tokens
+        check_case(method, "2x2", 5000, False, torch.float64)  # slices of 1667 tokens, 2048-token blocks
+        check_case(method, "2x3", 300, True, torch.float32)
 
-    # verify(fused=True) with every level split: greedy rows are argmax matching, rows well formed.
-    os.environ[SPLITS_ENV] = "4"
+    # verify(fused=True): greedy rows are argmax matching, rows well formed, no host sync.
     tree = TreeSpec.parse("2x3")
     p, q = rows(6, tree.num_nodes + 1, 50, False), rows(6, tree.num_nodes + 1, 50, False)
     tokens = draft_tokens(tree, 6, 50)
     greedy = torch.arange(6) % 2 == 0
-    for method in ("univer", "greedy", "target_only"):
+    for method in METHODS:
         fused = verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(3), greedy=greedy,
                        fused=True)
         plain = verify(method, tree, tokens, p, q, greedy=greedy, fused=False)
@@ -365,7 +331,7 @@ SPLIT_CHECK = textwrap.dedent("""
         counts = fused_aten_ops(method, tree, tokens, p, q, greedy)
         assert counts["kernels"] <= 8 and counts["syncs"] == 0, (method, counts)
 
-    # The slice count: about two programs per multiprocessor, slices of at least 4096 tokens, at most 64.
+    # About two programs per multiprocessor, slices of at least 4096 tokens, at most 64.
     assert split_count(1, 151936, 132) == 37
     assert split_count(8, 151936, 132) == 33
     assert split_count(64, 151936, 132) == 5
@@ -380,10 +346,10 @@ def test_fused_topk1_verify_equals_the_node_rules_in_interpreter():
     run_interpreted(PRELUDE + 'METHODS = ("univer", "greedy", "target_only")' + CHECK, "FUSED OK")
 
 
-def test_fused_topk1_verify_with_split_vocabulary_equals_the_whole_rows_in_interpreter():
-    # One request cannot fill a GPU with one program per node: the vocabulary is split
-    # (forced here; on CUDA by the multiprocessor count).
-    run_interpreted(PRELUDE + SPLIT_CHECK, "SPLITS OK")
+@pytest.mark.parametrize("methods", [("univer", "greedy", "target_only"), ("rrs", "rrsw", "traversal")])
+def test_fused_verify_with_split_vocabulary_equals_the_node_rules_in_interpreter(methods):
+    script = PRELUDE + f"METHODS = {methods!r}" + SPLIT_CHECK
+    run_interpreted(script, "SPLITS OK", env={SPLITS_ENV: "3"})
 
 
 def test_fused_replay_verify_equals_the_node_rules_in_interpreter():

@@ -106,11 +106,11 @@ CHECK = textwrap.dedent("""
                     method, tree, tokens, p, q, greedy=greedy, fused=True, validate=False
                 ))
 
-    # The topk1 rules with the vocabulary split across programs (on a GPU: a level too small to fill it).
+    # The tree rules with the vocabulary split across programs (on a GPU: a level too small to fill it).
     import os
     from vllm_univer.kernels.triton_topk1_verify import SPLITS_ENV
     os.environ[SPLITS_ENV] = "3"
-    for method in ("univer", "greedy", "target_only"):
+    for method in ("univer", "greedy", "target_only", "rrs", "rrsw", "traversal"):
         for shape, v in (("irregular", 40), ("2x2", 5000)):
             tree = TreeSpec.parse(irregular.get(shape, shape))
             tokens, p, q = make_inputs(method, tree, batch, v, seed=1)

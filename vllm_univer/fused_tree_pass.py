@@ -1,7 +1,9 @@
 """``verify`` in a few fused launches (Triton): the tree methods with one per
 depth level for the node rules (univer, greedy, target_only:
 ``kernels/triton_topk1_verify.py``; rrs, rrsw, traversal:
-``kernels/triton_replay_verify.py``) and one for the rest of the step
+``kernels/triton_replay_verify.py``; a few per level where one program per
+node would leave the GPU idle, each node's vocabulary then split across
+programs) and one for the rest of the step
 (``kernels/triton_finish_step.py``); univer_wor, on trees of at most four
 children per node, one per level and one for the next token's draw (two where
 its three-child stage may run)
