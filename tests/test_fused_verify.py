@@ -62,6 +62,18 @@ PRELUDE = textwrap.dedent("""
         ops.by_name.subtract({k: ops.by_name[k] for k in INTERPRETER_OPS})
         return OpCounter.summary(+ops.by_name)
 
+    def check_fused_outputs(methods, tree, tokens, p, q, greedy, max_kernels):
+        # verify(fused=True): greedy rows equal the PyTorch path's (argmax matching), every
+        # row holds the accepted tokens, then the next one; few ATen ops, no host sync.
+        for method in methods:
+            fused = verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(3), greedy=greedy,
+                           fused=True)
+            plain = verify(method, tree, tokens, p, q, greedy=greedy, fused=False)
+            assert torch.equal(fused.output_token_ids[greedy], plain.output_token_ids[greedy]), method
+            assert ((fused.output_token_ids >= 0).sum(1) == fused.num_accepted + 1).all(), method
+            counts = fused_aten_ops(method, tree, tokens, p, q, greedy)
+            assert counts["kernels"] <= max_kernels and counts["syncs"] == 0, (method, counts)
+
     IRREGULAR = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
 
     def draft_tokens(tree, batch, vocab, distinct=True):
@@ -202,15 +214,7 @@ CHECK = CHECK_FUNCTIONS + textwrap.dedent("""
     p, q = rows(8, tree.num_nodes + 1, 50, False), rows(8, tree.num_nodes + 1, 50, False)
     tokens = draft_tokens(tree, 8, 50)
     greedy = torch.arange(8) % 2 == 0
-    for method in METHODS:
-        fused = verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(3), greedy=greedy,
-                       fused=True)
-        plain = verify(method, tree, tokens, p, q, greedy=greedy, fused=False)
-        assert torch.equal(fused.output_token_ids[greedy], plain.output_token_ids[greedy])
-        depth = fused.num_accepted
-        assert ((fused.output_token_ids >= 0).sum(1) == depth + 1).all()
-        counts = fused_aten_ops(method, tree, tokens, p, q, greedy)
-        assert counts["kernels"] <= 8 and counts["syncs"] == 0, (method, counts)  # 716-763 by the PyTorch rules
+    check_fused_outputs(METHODS, tree, tokens, p, q, greedy, 8)  # 716-763 ATen ops by the PyTorch rules
     print("FUSED OK")
 """)
 
@@ -293,14 +297,7 @@ CHAIN_CHECK = textwrap.dedent("""
     tokens = torch.randint(0, 50, (8, 6), generator=gen)
     tokens[::3, 1:] = 3
     greedy = torch.arange(8) % 2 == 0
-    for method in ("token", "block"):
-        fused = verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(3), greedy=greedy,
-                       fused=True)
-        plain = verify(method, tree, tokens, p, q, greedy=greedy, fused=False)
-        assert torch.equal(fused.output_token_ids[greedy], plain.output_token_ids[greedy])
-        assert ((fused.output_token_ids >= 0).sum(1) == fused.num_accepted + 1).all()
-        counts = fused_aten_ops(method, tree, tokens, p, q, greedy)
-        assert counts["kernels"] <= 3 and counts["syncs"] == 0, (method, counts)  # 363-427 by the PyTorch rules
+    check_fused_outputs(("token", "block"), tree, tokens, p, q, greedy, 3)  # 363-427 by the PyTorch rules
     print("CHAIN OK")
 """)
 
@@ -322,14 +319,7 @@ SPLIT_CHECK = CHECK_FUNCTIONS + textwrap.dedent("""
     p, q = rows(6, tree.num_nodes + 1, 50, False), rows(6, tree.num_nodes + 1, 50, False)
     tokens = draft_tokens(tree, 6, 50)
     greedy = torch.arange(6) % 2 == 0
-    for method in METHODS:
-        fused = verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(3), greedy=greedy,
-                       fused=True)
-        plain = verify(method, tree, tokens, p, q, greedy=greedy, fused=False)
-        assert torch.equal(fused.output_token_ids[greedy], plain.output_token_ids[greedy])
-        assert ((fused.output_token_ids >= 0).sum(1) == fused.num_accepted + 1).all()
-        counts = fused_aten_ops(method, tree, tokens, p, q, greedy)
-        assert counts["kernels"] <= 8 and counts["syncs"] == 0, (method, counts)
+    check_fused_outputs(METHODS, tree, tokens, p, q, greedy, 8)
 
     # About two programs per multiprocessor, slices of at least 4096 tokens, at most 64.
     assert split_count(1, 151936, 132) == 37

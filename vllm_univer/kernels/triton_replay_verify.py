@@ -35,7 +35,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob, replay_row, safe_ratio, slot_block
+from .triton_rows import (
+    block_size,
+    child_slots,
+    clipped_ratio,
+    continue_prob,
+    entry_scale,
+    replay_row,
+    safe_ratio,
+    slot_block,
+)
 from .triton_topk1_verify import vocab_splits
 
 # Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
@@ -171,14 +180,6 @@ def _store_rule(
 
 
 @triton.jit
-def _entry_scale(weight_ptr, b, stride_wb, node, RULE: tl.constexpr):
-    # The node's P~ (traversal); 1 for rrs / rrsw.
-    if RULE == TRAVERSAL:
-        return tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
-    return tl.full((), 1.0, tl.float64)
-
-
-@triton.jit
 def _replay_level_kernel(
     p_ptr,
     q_ptr,
@@ -219,7 +220,7 @@ def _replay_level_kernel(
     p_row = p_ptr + b * stride_pb + node * stride_pn
     q_row = q_ptr + b * stride_qb + node * stride_qn
     slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
-    scale = _entry_scale(weight_ptr, b, stride_wb, node, RULE)
+    scale = entry_scale(weight_ptr, b, stride_wb, node, RULE == TRAVERSAL)
     lo = tl.program_id(2) * chunk
     child, a_vec, c_vec, scale = _replay_node(
         p_row, q_row, tok, slot, scale, parts_ptr + b * stride_xb + i * stride_xn, num_slots, vocab,

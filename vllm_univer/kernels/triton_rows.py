@@ -31,6 +31,15 @@ def child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slo
 
 
 @triton.jit
+def entry_scale(weight_ptr, b, stride_wb, node, SCALED: tl.constexpr):
+    # The node's prefix scale P~ where the rule carries one (univer, traversal: the entry
+    # weight written by the level above), else 1 (the DESCENT rules).
+    if SCALED:
+        return tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
+    return tl.full((), 1.0, tl.float64)
+
+
+@triton.jit
 def clipped_ratio(num, den):
     # min(1, num / den) for num, den >= 0, with x/0 = 1 for x > 0 and 0/0 = 0 (ops.clipped_ratio).
     safe = tl.where(den > 0, den, 1.0)

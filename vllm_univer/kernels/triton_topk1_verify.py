@@ -43,20 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob, slot_block
+from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob, entry_scale, slot_block
 
 # Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
 # interpreter does not); host code passes their ``.value``.
 UNIVER, GREEDY, TARGET_ONLY = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 RULES = {"univer": UNIVER.value, "greedy": GREEDY.value, "target_only": TARGET_ONLY.value}
-
-
-@triton.jit
-def _entry_scale(weight_ptr, b, stride_wb, node, RULE: tl.constexpr):
-    # The node's prefix scale P~ (univer); 1 for the DESCENT rules.
-    if RULE == UNIVER:
-        return tl.load(weight_ptr + b * stride_wb + node).to(tl.float64)
-    return tl.full((), 1.0, tl.float64)
 
 
 @triton.jit
@@ -98,7 +90,7 @@ def _sampled_child(q_row, q_sum, weight_ptr, b, stride_wb, node, slot, tok, RULE
     r_tok = tl.sum(tl.where(slot == 0, tok, 0), axis=0)
     has_sampled = (r_tok >= 0) & (q_off > 0)
     q_off = tl.where(has_sampled, q_off, 1.0)
-    return q_tok, on_top, q_off, has_sampled, _entry_scale(weight_ptr, b, stride_wb, node, RULE) * q_off
+    return q_tok, on_top, q_off, has_sampled, entry_scale(weight_ptr, b, stride_wb, node, RULE == UNIVER) * q_off
 
 
 @triton.jit
@@ -135,7 +127,7 @@ def _node_rule(
         q_tok, on_top, q_off, has_sampled, factor = _sampled_child(
             q_row, q_sum, weight_ptr, b, stride_wb, node, slot, tok, RULE
         )
-        scale = _entry_scale(weight_ptr, b, stride_wb, node, RULE)
+        scale = entry_scale(weight_ptr, b, stride_wb, node, RULE == UNIVER)
         p_r = tl.sum(tl.where(slot == 0, p_tok, 0.0), axis=0)
         q_r = tl.sum(tl.where(slot == 0, q_tok, 0.0), axis=0)
         # F = sum_{y not in T} min(q_bar(y), scale p(y)) = (sum_y min(q, scale q_off p) - on T) / q_off
