@@ -43,7 +43,7 @@ from vllm_univer import METHODS, TreeSpec, outcome_law, verify  # noqa: E402
 from vllm_univer.compiled_rules import CUDA_CHECK_ENV  # noqa: E402
 from vllm_univer.kernels import tree_attention  # noqa: E402
 from vllm_univer.kernels.tree_attention import gather_paged  # noqa: E402
-from vllm_univer.kernels.triton_topk1_verify import SPLITS_ENV  # noqa: E402
+from vllm_univer.kernels.triton_rows import SPLITS_ENV  # noqa: E402
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def law_check(method, tree, tokens, p, q, device, compiled) -> tuple[bool, str]:
 @contextlib.contextmanager
 def vocab_splits_forced(splits: int | None):
     """The topk1 kernels' vocabulary slices per node forced to ``splits`` (None: as
-    ``triton_topk1_verify.vocab_splits`` picks them from the GPU)."""
+    ``triton_rows.vocab_splits`` picks them from the GPU)."""
     if splits is None:
         yield
         return

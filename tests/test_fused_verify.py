@@ -35,7 +35,7 @@ from triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
-SPLITS_ENV = "VLLM_UNIVER_VERIFY_SPLITS"  # triton_topk1_verify's (imported in the subprocess only)
+SPLITS_ENV = "VLLM_UNIVER_VERIFY_SPLITS"  # triton_rows' (imported in the subprocess only)
 
 # Prepended to each interpreter script: random rows, and the launch count.
 PRELUDE = textwrap.dedent("""
@@ -305,7 +305,7 @@ CHAIN_CHECK = textwrap.dedent("""
 # The same checks with every level's vocabulary split in slices (on CUDA where a level
 # cannot fill the GPU: one request), forced by the environment; the slice count itself.
 SPLIT_CHECK = CHECK_FUNCTIONS + textwrap.dedent("""
-    from vllm_univer.kernels.triton_topk1_verify import split_count
+    from vllm_univer.kernels.triton_rows import split_count
 
     for method in METHODS:
         for spec in ("2x2", IRREGULAR):

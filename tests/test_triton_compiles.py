@@ -108,7 +108,7 @@ CHECK = textwrap.dedent("""
 
     # The tree rules with the vocabulary split across programs (on a GPU: a level too small to fill it).
     import os
-    from vllm_univer.kernels.triton_topk1_verify import SPLITS_ENV
+    from vllm_univer.kernels.triton_rows import SPLITS_ENV
     os.environ[SPLITS_ENV] = "3"
     for method in ("univer", "greedy", "target_only", "rrs", "rrsw", "traversal"):
         for shape, v in (("irregular", 40), ("2x2", 5000)):

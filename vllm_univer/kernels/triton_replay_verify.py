@@ -19,7 +19,7 @@ P~ on entry), traversal's h = the final P~, and the steps' a_j, c_j: the end
 node's residual row R_C is replayed from them by ``triton_finish_step``.
 
 Where a level has too few nodes to fill the GPU (one request), each node's
-vocabulary is split in slices across programs (``triton_topk1_verify.vocab_splits``):
+vocabulary is split in slices across programs (``triton_rows.vocab_slices``):
 the level takes one launch per pass, each program adding up its slice's masses
 after that rejection (the node's state before it rebuilt from the earlier
 passes' slice sums, added in a fixed order), and one more for the rule's outputs.
@@ -44,8 +44,8 @@ from .triton_rows import (
     replay_row,
     safe_ratio,
     slot_block,
+    vocab_slices,
 )
-from .triton_topk1_verify import vocab_splits
 
 # Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
 # interpreter does not); host code passes their ``.value``.
@@ -248,19 +248,18 @@ def replay_level(
     """The node rule at ``nodes`` [n] (one depth level) of every request, in place:
     children's weights into ``weight`` [B, N+1], h into ``stop`` (traversal) and
     the rejections' a_j, c_j into ``steps`` [B, N+1, 2C] float64. One launch, or
-    one per pass and one more where the vocabulary is split (``vocab_splits``)."""
+    one per pass and one more where the vocabulary is split (``vocab_slices``)."""
     batch, _, vocab = p.shape
     num_nodes, num_slots = nodes.numel(), children.shape[1]
     masses_after_last = int(rule == "traversal")
     passes = num_slots - 1 + masses_after_last
-    splits = vocab_splits(p.device, batch * num_nodes, vocab) if passes > 0 else 1
-    block_v = block_size(vocab)
+    if passes > 0:
+        splits, chunk, block_v = vocab_slices(p.device, batch * num_nodes, vocab)
+    else:  # one child slot and no h: no pass over the rows to split
+        splits, chunk, block_v = 1, vocab, block_size(vocab)
     if splits == 1:
-        chunk, parts = vocab, steps  # not read
+        parts = steps  # not read
     else:
-        chunk = triton.cdiv(vocab, splits)
-        splits = triton.cdiv(vocab, chunk)  # no empty slice
-        block_v = min(block_v, triton.next_power_of_2(chunk))
         parts = torch.empty(batch, num_nodes, passes, 2, splits, dtype=torch.float64, device=p.device)
     args = (
         p, q, tokens, nodes, children, weight, stop, steps, parts,

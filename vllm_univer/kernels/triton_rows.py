@@ -13,10 +13,17 @@ A residual row is, per token y of the vocabulary, by ``kind``:
 
 It is drawn by a float64 inverse CDF in two passes over the vocabulary, never
 writing a [V] row.
+
+Where a verify level has too few (request, node) programs to fill the GPU, the
+kernels split each node's vocabulary into slices (``vocab_slices``).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
+import torch
 import triton
 import triton.language as tl
 
@@ -241,3 +248,47 @@ def slot_block(num_slots: int) -> int:
     """Child slots held in one program's registers: a power of two (Triton's
     ``tl.arange``), at least 2 (a one-child node still reads a [2] block)."""
     return triton.next_power_of_2(max(num_slots, 2))
+
+
+SPLITS_ENV = "VLLM_UNIVER_VERIFY_SPLITS"
+# A slice holds at least this many tokens (one full block); at most this many slices.
+MIN_SPLIT_V = 4096
+MAX_VOCAB_SPLITS = 64
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_count(programs: int, vocab: int, multiprocessors: int) -> int:
+    """Vocabulary slices per node so that a level of ``programs`` (request, node) pairs
+    fills the GPU: about two programs per multiprocessor, each slice at least
+    ``MIN_SPLIT_V`` tokens, at most ``MAX_VOCAB_SPLITS``; 1 where the level fills it."""
+    if programs >= multiprocessors:
+        return 1
+    wanted = triton.cdiv(2 * multiprocessors, max(programs, 1))
+    return int(max(1, min(MAX_VOCAB_SPLITS, wanted, vocab // MIN_SPLIT_V)))
+
+
+def vocab_splits(device: torch.device, programs: int, vocab: int) -> int:
+    """Slices per node for a level of ``programs`` (request, node) pairs on ``device``
+    (``split_count``; 1 off CUDA). ``VLLM_UNIVER_VERIFY_SPLITS`` forces the count."""
+    forced = os.environ.get(SPLITS_ENV)
+    if forced:
+        return max(1, min(int(forced), vocab))
+    if device.type != "cuda":
+        return 1
+    return split_count(programs, vocab, _multiprocessors(device.index if device.index is not None else 0))
+
+
+def vocab_slices(device: torch.device, programs: int, vocab: int) -> tuple[int, int, int]:
+    """How a verify level of ``programs`` (request, node) pairs reads each node's rows:
+    (slices, tokens per slice, vocabulary block). One slice of ``vocab`` tokens where
+    ``vocab_splits`` says 1; otherwise equal slices, none of them empty, and a block
+    no wider than a slice."""
+    splits = vocab_splits(device, programs, vocab)
+    if splits == 1:
+        return 1, vocab, block_size(vocab)
+    chunk = triton.cdiv(vocab, splits)
+    return triton.cdiv(vocab, chunk), chunk, min(block_size(vocab), triton.next_power_of_2(chunk))

@@ -25,8 +25,8 @@ then takes three launches, each program on one slice of one node's rows:
     finish   the slices' partials added in a fixed order, then the O(C) rule
 
 with the same formulas (only the order of the float64 additions differs).
-``vocab_splits`` picks the slices per level from the device's multiprocessor
-count; ``VLLM_UNIVER_VERIFY_SPLITS`` forces a count (1: never split).
+``triton_rows.vocab_slices`` picks the slices per level from the device's
+multiprocessor count; ``VLLM_UNIVER_VERIFY_SPLITS`` forces a count (1: never split).
 
 The rest of the step is ``triton_finish_step``.
 
@@ -36,14 +36,11 @@ tokens [B, N+1] int64 (-1: missing); children [N+1, C] int64 (-1 padded).
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import block_size, child_slots, clipped_ratio, continue_prob, entry_scale, slot_block
+from .triton_rows import child_slots, clipped_ratio, continue_prob, entry_scale, slot_block, vocab_slices
 
 # Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
 # interpreter does not); host code passes their ``.value``.
@@ -79,10 +76,16 @@ def _min_sum(p_row, q_row, factor, lo, hi, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _sampled_child(q_row, q_sum, weight_ptr, b, stride_wb, node, slot, tok, RULE: tl.constexpr):
+def _node_scale(weight_ptr, b, stride_wb, node, RULE: tl.constexpr):
+    # P~ on entry to the node for univer (written by the level above), 1 for greedy / target_only.
+    return entry_scale(weight_ptr, b, stride_wb, node, RULE == UNIVER)
+
+
+@triton.jit
+def _sampled_child(q_row, q_sum, scale, slot, tok):
     """Topk1Node.read: slot 0 the sampled child r ~ q_bar, slots 1.. the top set T ->
     (q at the child tokens, on_top, q(off T) (1 without a sampled child), has_sampled,
-    the factor P~ q(off T) of F')."""
+    the factor ``scale`` q(off T) of F', ``scale`` the node's entry scale P~)."""
     has_tok = tok >= 0
     q_tok = tl.load(q_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
     on_top = has_tok & (slot >= 1)
@@ -90,7 +93,7 @@ def _sampled_child(q_row, q_sum, weight_ptr, b, stride_wb, node, slot, tok, RULE
     r_tok = tl.sum(tl.where(slot == 0, tok, 0), axis=0)
     has_sampled = (r_tok >= 0) & (q_off > 0)
     q_off = tl.where(has_sampled, q_off, 1.0)
-    return q_tok, on_top, q_off, has_sampled, entry_scale(weight_ptr, b, stride_wb, node, RULE == UNIVER) * q_off
+    return q_tok, on_top, q_off, has_sampled, scale * q_off
 
 
 @triton.jit
@@ -106,12 +109,14 @@ def _node_rule(
     slot,
     kid,
     tok,
+    scale,
     p_sum,
     q_sum,
     full,
     RULE: tl.constexpr,
 ):
-    """The rule's O(C) arithmetic on the node's child slots, from its row sums and
+    """The rule's O(C) arithmetic on the node's child slots, from its entry scale
+    ``scale`` (``_node_scale``), its row sums and
     ``full`` = sum_y min(q(y), P~ q(off T) p(y)) (unused by target_only), exactly
     as the PyTorch rule writes it: writes the children's weights, h (univer) and
     1 / q(off T) (0 without a sampled child)."""
@@ -124,10 +129,7 @@ def _node_rule(
         mass = tl.where(first, p_tok, 0.0)
         child = clipped_ratio(mass, tl.maximum(p_sum - (tl.cumsum(mass, axis=0) - mass), 0.0))
     else:
-        q_tok, on_top, q_off, has_sampled, factor = _sampled_child(
-            q_row, q_sum, weight_ptr, b, stride_wb, node, slot, tok, RULE
-        )
-        scale = entry_scale(weight_ptr, b, stride_wb, node, RULE == UNIVER)
+        q_tok, on_top, q_off, has_sampled, factor = _sampled_child(q_row, q_sum, scale, slot, tok)
         p_r = tl.sum(tl.where(slot == 0, p_tok, 0.0), axis=0)
         q_r = tl.sum(tl.where(slot == 0, q_tok, 0.0), axis=0)
         # F = sum_{y not in T} min(q_bar(y), scale p(y)) = (sum_y min(q, scale q_off p) - on T) / q_off
@@ -183,13 +185,14 @@ def _topk1_level_kernel(
     q_row = q_ptr + b * stride_qb + node * stride_qn
     slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
     p_sum, q_sum = _row_sums(p_row, q_row, 0, vocab, RULE != TARGET_ONLY, BLOCK_V)
+    scale = _node_scale(weight_ptr, b, stride_wb, node, RULE)
     full = tl.zeros((), dtype=tl.float64)
     if RULE != TARGET_ONLY:
-        _, _, _, _, factor = _sampled_child(q_row, q_sum, weight_ptr, b, stride_wb, node, slot, tok, RULE)
+        _, _, _, _, factor = _sampled_child(q_row, q_sum, scale, slot, tok)
         full = _min_sum(p_row, q_row, factor, 0, vocab, BLOCK_V)
     _node_rule(
         p_row, q_row, weight_ptr, stop_ptr, q_bar_scale_ptr, b, stride_wb, node, slot, kid, tok,
-        p_sum, q_sum, full, RULE,
+        scale, p_sum, q_sum, full, RULE,
     )  # fmt: skip
 
 
@@ -224,15 +227,11 @@ def _topk1_split_sums_kernel(
 
 
 @triton.jit
-def _split_totals(parts_ptr, b, i, stride_xb, stride_xn, num_splits, SPLITS: tl.constexpr):
-    # The slices' partials of one node added in a fixed order: (sum p, sum q, F').
+def _split_total(parts_ptr, b, i, column, stride_xb, stride_xn, num_splits, SPLITS: tl.constexpr):
+    # One column of a node's slice partials (0: sum p, 1: sum q, 2: F') added in a fixed order.
     s = tl.arange(0, SPLITS)
-    part = parts_ptr + b * stride_xb + i * stride_xn + s * 3
-    keep = s < num_splits
-    p_sum = tl.sum(tl.load(part, mask=keep, other=0.0), axis=0)
-    q_sum = tl.sum(tl.load(part + 1, mask=keep, other=0.0), axis=0)
-    full = tl.sum(tl.load(part + 2, mask=keep, other=0.0), axis=0)
-    return p_sum, q_sum, full
+    part = parts_ptr + b * stride_xb + i * stride_xn + s * 3 + column
+    return tl.sum(tl.load(part, mask=s < num_splits, other=0.0), axis=0)
 
 
 @triton.jit
@@ -268,8 +267,10 @@ def _topk1_split_min_kernel(
     p_row = p_ptr + b * stride_pb + node * stride_pn
     q_row = q_ptr + b * stride_qb + node * stride_qn
     slot, _, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
-    _, q_sum, _ = _split_totals(parts_ptr, b, i, stride_xb, stride_xn, num_splits, SPLITS)
-    _, _, _, _, factor = _sampled_child(q_row, q_sum, weight_ptr, b, stride_wb, node, slot, tok, RULE)
+    # F' is not written yet: only sum q is read.
+    q_sum = _split_total(parts_ptr, b, i, 1, stride_xb, stride_xn, num_splits, SPLITS)
+    scale = _node_scale(weight_ptr, b, stride_wb, node, RULE)
+    _, _, _, _, factor = _sampled_child(q_row, q_sum, scale, slot, tok)
     lo = s * chunk
     full = _min_sum(p_row, q_row, factor, lo, tl.minimum(lo + chunk, vocab), BLOCK_V)
     tl.store(parts_ptr + b * stride_xb + i * stride_xn + s * 3 + 2, full)
@@ -307,47 +308,15 @@ def _topk1_split_finish_kernel(
     p_row = p_ptr + b * stride_pb + node * stride_pn
     q_row = q_ptr + b * stride_qb + node * stride_qn
     slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
-    p_sum, q_sum, full = _split_totals(parts_ptr, b, i, stride_xb, stride_xn, num_splits, SPLITS)
+    p_sum = _split_total(parts_ptr, b, i, 0, stride_xb, stride_xn, num_splits, SPLITS)
+    q_sum = _split_total(parts_ptr, b, i, 1, stride_xb, stride_xn, num_splits, SPLITS)
+    full = tl.zeros((), dtype=tl.float64)
+    if RULE != TARGET_ONLY:
+        full = _split_total(parts_ptr, b, i, 2, stride_xb, stride_xn, num_splits, SPLITS)
     _node_rule(
         p_row, q_row, weight_ptr, stop_ptr, q_bar_scale_ptr, b, stride_wb, node, slot, kid, tok,
-        p_sum, q_sum, full, RULE,
+        _node_scale(weight_ptr, b, stride_wb, node, RULE), p_sum, q_sum, full, RULE,
     )  # fmt: skip
-
-
-def _launch_shape(num_slots: int, vocab: int) -> tuple[int, int]:
-    return slot_block(num_slots), block_size(vocab)
-
-
-SPLITS_ENV = "VLLM_UNIVER_VERIFY_SPLITS"
-# A slice holds at least this many tokens (one full block); at most this many slices.
-MIN_SPLIT_V = 4096
-MAX_VOCAB_SPLITS = 64
-
-
-@functools.cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def split_count(programs: int, vocab: int, multiprocessors: int) -> int:
-    """Vocabulary slices per node so that a level of ``programs`` (request, node) pairs
-    fills the GPU: about two programs per multiprocessor, each slice at least
-    ``MIN_SPLIT_V`` tokens, at most ``MAX_VOCAB_SPLITS``; 1 where the level fills it."""
-    if programs >= multiprocessors:
-        return 1
-    wanted = triton.cdiv(2 * multiprocessors, max(programs, 1))
-    return int(max(1, min(MAX_VOCAB_SPLITS, wanted, vocab // MIN_SPLIT_V)))
-
-
-def vocab_splits(device: torch.device, programs: int, vocab: int) -> int:
-    """Slices per node for a level of ``programs`` (request, node) pairs on ``device``
-    (``split_count``; 1 off CUDA). ``VLLM_UNIVER_VERIFY_SPLITS`` forces the count."""
-    forced = os.environ.get(SPLITS_ENV)
-    if forced:
-        return max(1, min(int(forced), vocab))
-    if device.type != "cuda":
-        return 1
-    return split_count(programs, vocab, _multiprocessors(device.index if device.index is not None else 0))
 
 
 def topk1_level(
@@ -364,11 +333,11 @@ def topk1_level(
     """The node rule at ``nodes`` [n] (one depth level) of every request, in place:
     children's weights into ``weight`` [B, N+1], h into ``stop`` (univer) and
     1 / q(off T) into ``q_bar_scale`` [B, N+1] float64. One launch, or three where
-    the vocabulary is split (``vocab_splits``)."""
+    the vocabulary is split (``vocab_slices``)."""
     batch, _, vocab = p.shape
     num_nodes = nodes.numel()
-    slots, block_v = _launch_shape(children.shape[1], vocab)
-    splits = vocab_splits(p.device, batch * num_nodes, vocab)
+    slots = slot_block(children.shape[1])
+    splits, chunk, block_v = vocab_slices(p.device, batch * num_nodes, vocab)
     if splits == 1:
         _topk1_level_kernel[(batch, num_nodes)](
             p, q, tokens, nodes, children, weight, stop, q_bar_scale,
@@ -377,9 +346,6 @@ def topk1_level(
             RULE=RULES[rule], SLOTS=slots, BLOCK_V=block_v,
         )  # fmt: skip
         return
-    chunk = triton.cdiv(vocab, splits)
-    splits = triton.cdiv(vocab, chunk)  # no empty slice
-    block_v = min(block_v, triton.next_power_of_2(chunk))
     parts = torch.empty(batch, num_nodes, splits, 3, dtype=torch.float64, device=p.device)
     strides = (p.stride(0), p.stride(1), q.stride(0), q.stride(1))
     _topk1_split_sums_kernel[(batch, num_nodes, splits)](
