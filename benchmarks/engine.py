@@ -218,62 +218,81 @@ def timed_cell(llm, texts: list[str], params, one_at_a_time: bool = False) -> di
     return cell
 
 
-def run_one_engine(job: dict) -> dict:
-    from vllm import LLM, SamplingParams
+class Engine:
+    """One row's engine in this process (``run_one_engine``, ``serve_one_engine``):
+    the LLM with the step-part timers on, its prompts as chat texts, warmed up."""
 
-    spec = job["spec"]
-    if spec is not None:
-        spec = {**spec, "model": job["draft"]}
-    llm = LLM(
-        model=job["target"],
-        speculative_config=spec,
-        dtype=serving_dtype(),
-        enforce_eager=True,
-        max_model_len=2048,
-        max_num_seqs=MAX_BATCH,
-        seed=0,
-        disable_log_stats=False,
-    )
-    llm.collective_rpc(_time_step_parts)
-    tokenizer = llm.get_tokenizer()
-    structured = {}
-    if job.get("json"):
-        from vllm.sampling_params import StructuredOutputsParams
+    def __init__(self, job: dict):
+        from vllm import LLM, SamplingParams
 
-        structured = {"structured_outputs": StructuredOutputsParams(json=JSON_SCHEMA), "ignore_eos": False}
-    texts = {
-        dataset: [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": t + (JSON_HINT if structured else "")}],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            for t in prompts
-        ]
-        for dataset, prompts in job["prompts"].items()
-    }
-    # Warm-up: a short generate at every batch size of the matrix, so that no timed
-    # cell pays for first-time work at its shapes (oneDNN primitives, allocations).
-    for batch in sorted({c[0] for c in job["cells"]}):
-        llm.generate(texts["mtbench"][:batch], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
-    cells = []
-    for batch, temperature, new_tokens, dataset in job["cells"]:
+        spec = job["spec"]
+        if spec is not None:
+            spec = {**spec, "model": job["draft"]}
+        self.job = job
+        self.llm = LLM(
+            model=job["target"],
+            speculative_config=spec,
+            dtype=serving_dtype(),
+            enforce_eager=True,
+            max_model_len=2048,
+            max_num_seqs=MAX_BATCH,
+            seed=0,
+            disable_log_stats=False,
+        )
+        self.llm.collective_rpc(_time_step_parts)
+        tokenizer = self.llm.get_tokenizer()
+        self.structured = {}
+        if job.get("json"):
+            from vllm.sampling_params import StructuredOutputsParams
+
+            self.structured = {"structured_outputs": StructuredOutputsParams(json=JSON_SCHEMA), "ignore_eos": False}
+        self.texts = {
+            dataset: [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": t + (JSON_HINT if self.structured else "")}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+                for t in prompts
+            ]
+            for dataset, prompts in job["prompts"].items()
+        }
+        # Warm-up: a short generate at every batch size of the matrix, so that no timed
+        # cell pays for first-time work at its shapes (oneDNN primitives, allocations).
+        warm_up = SamplingParams(max_tokens=8, temperature=0)
+        for batch in sorted({c[0] for c in job["cells"]}):
+            self.llm.generate(self.texts["mtbench"][:batch], warm_up, use_tqdm=False)
+
+    def timed_runs(self, cell: list | tuple, repeats: int) -> list[dict]:
+        """``repeats`` timed runs of one cell (batch, temperature, new tokens, prompt set)."""
+        from vllm import SamplingParams
+
+        batch, temperature, new_tokens, dataset = cell
         # A list of temperatures: one per request in turn (a batch of mixed sampling parameters).
         temperatures = temperature if isinstance(temperature, list) else [temperature]
         params = [
             SamplingParams(
-                **{"temperature": t, "max_tokens": new_tokens, "ignore_eos": True, "seed": None, **structured}
+                **{"temperature": t, "max_tokens": new_tokens, "ignore_eos": True, "seed": None, **self.structured}
             )
             for t in temperatures
         ]
         params = params[0] if len(params) == 1 else [params[i % len(params)] for i in range(batch)]
+        # At batch 1 a run takes ``single_prompts`` prompts one request at a time, so that
+        # one prompt's luck does not decide the cell.
+        prompts = self.texts[dataset][: self.job["single_prompts"] if batch == 1 else batch]
+        return [timed_cell(self.llm, prompts, params, one_at_a_time=batch == 1) for _ in range(repeats)]
+
+
+def run_one_engine(job: dict) -> dict:
+    """``--one``: every cell of the job, each the fastest of its repeats."""
+    engine = Engine(job)
+    cells = []
+    for batch, temperature, new_tokens, dataset in job["cells"]:
         # The best of a few runs: this machine's speed drifts by tens of percent within minutes.
         # One request of 64 tokens is the noisiest cell (a few steps; at T = 1 the draws decide
-        # tau) and the cheapest to repeat; at batch 1 a run takes ``single_prompts`` prompts one
-        # request at a time, so that one prompt's luck does not decide the cell.
+        # tau) and the cheapest to repeat.
         repeats = job["repeats"] if batch > 1 else job["single_repeats"]
-        prompts = texts[dataset][: job["single_prompts"] if batch == 1 else batch]
-        runs = [timed_cell(llm, prompts, params, one_at_a_time=batch == 1) for _ in range(repeats)]
+        runs = engine.timed_runs((batch, temperature, new_tokens, dataset), repeats)
         cell = max(runs, key=lambda run: run["tok_per_s"])
         cells.append(
             {
@@ -286,6 +305,16 @@ def run_one_engine(job: dict) -> dict:
             }
         )
     return {"name": job["name"], "cells": cells}
+
+
+def serve_one_engine(job: dict) -> None:
+    """``--serve``: start the job's engine, answer ``{"ready": true}``, then one timed
+    run per cell read from stdin (one JSON line each), until stdin closes: engines of
+    several rows alive at once, their runs interleaved (``engine_ab.py --interleave``)."""
+    engine = Engine(job)
+    print_result({"ready": True})
+    for line in sys.stdin:
+        print_result(engine.timed_runs(json.loads(line), 1)[0])
 
 
 # ---------------------------------------------------------------- the matrix
@@ -603,9 +632,13 @@ def main() -> None:
         help="run the speed rows this many times, alternating their order; a cell's tok/s is the mean over rounds",
     )
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print_result(run_one_engine(json.load(sys.stdin)))
+        return
+    if args.serve:
+        serve_one_engine(json.loads(sys.stdin.readline()))
         return
     results = run_matrix(args)
     command = (

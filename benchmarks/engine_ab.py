@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 
 from engine import ENV, MAX_BATCH, RESULTS, device_label, engine_configs, engine_job  # noqa: E402
 
-from vllm_univer.tools.json_job import run_json_job  # noqa: E402
+from vllm_univer.tools.json_job import JsonWorker, run_json_job  # noqa: E402
 
 
 def main() -> None:
@@ -53,6 +53,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="default: as in engine.py's matrix")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="RUNS",
+        help="instead of rounds of fresh engines: every row's engine alive at once (a smaller KV cache each), "
+        "RUNS timed runs each, taking turns run by run (this machine's speed drifts within seconds)",
+    )
     ap.add_argument(
         "--statistic",
         choices=["fastest", "mean"],
@@ -82,27 +90,20 @@ def main() -> None:
     speed: dict[str, list[float]] = {name: [] for name in labels}
     cuts: dict[str, Counter] = {name: Counter() for name in labels}  # tree auto: request-steps per cut
     splits: dict[str, list[np.ndarray]] = {name: [] for name in labels}  # ms per step, see step_split
-    for r in range(args.rounds):
-        # Every other round in reverse order: no row always runs first after a pause.
-        order = labels if r % 2 == 0 else labels[::-1]
-        for name in order:
-            job = engine_job(configs[config_of[name]], [cell], target, draft, texts, args.repeats, args.repeats)
-            result, stderr = run_json_job([str(HERE / "engine.py"), "--one"], job, {**os.environ, **ENV, **job["env"]})
-            if result is None:
-                raise RuntimeError(f"{name} failed:\n{stderr[-5000:]}")
-            cell_result = result["cells"][0]
-            runs = cell_result["tok_per_s_runs"]
-            speed[name].append(max(runs) if args.statistic == "fastest" else float(np.mean(runs)))
-            cuts[name].update(cell_result.get("requests_at_cut", {}))
-            splits[name].append(step_split(cell_result))
-            _, tokens, forward, *_ = splits[name][-1]
-            print(
-                f"round {r} {name}: {speed[name][-1]:.2f} tok/s, target forward {forward:.1f} ms/step "
-                f"over {tokens:.1f} tokens",
-                flush=True,
-            )
-            if "sizer_state" in cell_result:  # tree auto: its cuts and what it knew at the end
-                print(f"  cuts {cell_result.get('requests_at_cut')}, {cell_result['sizer_state']}", flush=True)
+    jobs = {name: engine_job(configs[config_of[name]], [cell], target, draft, texts, 1, 1) for name in labels}
+    runs = interleaved_runs(jobs, cell, args.interleave) if args.interleave else fresh_engine_runs(jobs, cell, args)
+    for r, name, value, cell_result in runs:
+        speed[name].append(value)
+        cuts[name].update(cell_result.get("requests_at_cut", {}))
+        splits[name].append(step_split(cell_result))
+        _, tokens, forward, *_ = splits[name][-1]
+        print(
+            f"{'run' if args.interleave else 'round'} {r} {name}: {value:.2f} tok/s, target forward "
+            f"{forward:.1f} ms/step over {tokens:.1f} tokens",
+            flush=True,
+        )
+        if "sizer_state" in cell_result:  # tree auto: its cuts and what it knew at the end
+            print(f"  cuts {cell_result.get('requests_at_cut')}, {cell_result['sizer_state']}", flush=True)
 
     base = np.asarray(speed[labels[0]])
     # Settings of the allocator, the OpenMP runtime or the thread binding change every engine's speed: part
@@ -119,32 +120,46 @@ def main() -> None:
         "",
         f"Command: `{command}`. Machine: {device_label()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
-        f"tok/s per engine: the {args.statistic} of its {args.repeats} runs.",
+        f"Every row's engine alive at once (KV cache {INTERLEAVED_KV_GB} GB each), {args.interleave} timed runs each, "
+        "taking turns run by run (in reverse order every other turn); a ratio pairs the runs of one turn."
+        if args.interleave
+        else f"tok/s per engine: the {args.statistic} of its {args.repeats} runs.",
         "",
-        f"| row | tok/s per round | mean | vs {args.rows[0]}, paired (mean, min .. max) |",
+        f"| row | tok/s per {'run' if args.interleave else 'round'} | mean | vs {args.rows[0]}, paired "
+        "(mean +- standard error, min .. max) |",
         "|---|---|---|---|",
     ]
     for name, values in speed.items():
         ratio = np.asarray(values) / base
+        error = ratio.std(ddof=1) / np.sqrt(len(ratio)) if len(ratio) > 1 else float("nan")
         lines.append(
             f"| {name} | {' / '.join(f'{v:.2f}' for v in values)} | {np.mean(values):.2f} | "
-            f"{ratio.mean():.3f}x ({ratio.min():.3f} .. {ratio.max():.3f}) |"
+            f"{ratio.mean():.3f}x +- {error:.3f} ({ratio.min():.3f} .. {ratio.max():.3f}) |"
         )
     lines += [
         "",
         "ms per engine step of that run, mean over rounds (on CPU each part's wall time is its work): "
         "the target forward (and its query tokens per step, padding included); the rest of the runner's "
         "`execute_model` (inputs, attention metadata, logits); its `sample_tokens` (sampling or verification, "
-        "drafting); everything outside the runner (scheduler, outputs).",
+        "drafting); everything outside the runner (scheduler, outputs). Last column, where a row's target "
+        f"forward runs the same query tokens as {labels[0]}'s: the step's speed against {labels[0]}'s with its "
+        f"target forward replaced by {labels[0]}'s, i.e. what the row adds to the step beside the forward (the "
+        "same vLLM code on the same rows, whose speed differs between processes: see an A/A pair).",
         "",
         "| row | steps | target tokens | target forward | rest of execute_model | sample_tokens | outside the runner "
-        "| step |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| step | vs {labels[0]} at its target forward |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    base_steps, base_tokens, base_forward, *_ = np.mean(splits[labels[0]], axis=0)
+    base_step = sum(np.mean(splits[labels[0]], axis=0)[2:])
     for name, rounds in splits.items():
         steps, tokens, *ms = np.mean(rounds, axis=0)
+        same_rows = steps == base_steps and abs(tokens - base_tokens) < 1e-6
+        at_base = f"{base_step / (sum(ms) - ms[0] + base_forward):.3f}x" if same_rows else "-"
         lines.append(
-            f"| {name} | {steps:.0f} | {tokens:.1f} | " + " | ".join(f"{v:.1f}" for v in ms) + f" | {sum(ms):.1f} |"
+            f"| {name} | {steps:.0f} | {tokens:.1f} | "
+            + " | ".join(f"{v:.1f}" for v in ms)
+            + f" | {sum(ms):.1f} | {at_base} |"
         )
     for name, counts in cuts.items():
         if counts:
@@ -152,7 +167,8 @@ def main() -> None:
             shares = " / ".join(f"{cut}: {100 * n / total:.0f}%" for cut, n in sorted(counts.items()))
             lines += [
                 "",
-                f"`{name}` drafted (width x depth cut, 0x0: no speculation; the fastest run of each round): {shares}.",
+                f"`{name}` drafted (width x depth cut, 0x0: no speculation; "
+                f"{'every timed run' if args.interleave else 'the fastest run of each round'}): {shares}.",
             ]
     text = "\n".join(lines) + "\n"
     out = RESULTS / "engine_ab.md"
@@ -165,6 +181,52 @@ def main() -> None:
     with out.open("a") as f:
         f.write(text)
     print(text)
+
+
+def fresh_engine_runs(jobs: dict, cell: tuple, args):
+    """Rounds of fresh engines: each round starts every row's engine in its own process
+    (in reverse order every other round) -> (round, row, tok/s, its run's result)."""
+    labels = list(jobs)
+    for r in range(args.rounds):
+        # Every other round in reverse order: no row always runs first after a pause.
+        for name in labels if r % 2 == 0 else labels[::-1]:
+            job = {**jobs[name], "repeats": args.repeats, "single_repeats": args.repeats}
+            result, stderr = run_json_job([str(HERE / "engine.py"), "--one"], job, {**os.environ, **ENV, **job["env"]})
+            if result is None:
+                raise RuntimeError(f"{name} failed:\n{stderr[-5000:]}")
+            cell_result = result["cells"][0]
+            runs = cell_result["tok_per_s_runs"]
+            yield r, name, max(runs) if args.statistic == "fastest" else float(np.mean(runs)), cell_result
+
+
+# Each engine's KV cache where several are alive at once (ENV's 4 GB each would not fit
+# beside the models in 24 GB; a batch-16 cell needs a few hundred MB).
+INTERLEAVED_KV_GB = 1
+# Seconds between two runs: an idle engine's OpenMP threads spin a while after its run.
+TURN_PAUSE_S = 1.0
+
+
+def interleaved_runs(jobs: dict, cell: tuple, runs: int):
+    """Every row's engine alive at once (``engine.py --serve``), one untimed run each,
+    then ``runs`` timed runs each, taking turns run by run -> (run, row, tok/s, its result)."""
+    labels = list(jobs)
+    env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": str(INTERLEAVED_KV_GB)}
+    workers = {}
+    try:
+        for name in labels:  # started one at a time: loading two models at once would skew nothing but is slow
+            log = f"/tmp/engine_ab_{len(workers)}.log"
+            workers[name] = JsonWorker(
+                [str(HERE / "engine.py"), "--serve"], jobs[name], {**env, **jobs[name]["env"]}, log
+            )
+            workers[name].ask(list(cell))  # the first run of a cell is slow (first-time work at its shapes)
+        for r in range(runs):
+            for name in labels if r % 2 == 0 else labels[::-1]:
+                time.sleep(TURN_PAUSE_S)
+                result = workers[name].ask(list(cell))
+                yield r, name, result["tok_per_s"], result
+    finally:
+        for worker in workers.values():
+            worker.close()
 
 
 def step_split(cell: dict) -> np.ndarray:

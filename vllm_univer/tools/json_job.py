@@ -29,3 +29,35 @@ def run_json_job(args: list[str], job, env: dict, timeout: float | None = None) 
 def print_result(result) -> None:
     """The job side: answer with ``result``."""
     print(MARK + json.dumps(result), flush=True)
+
+
+class JsonWorker:
+    """A job's process kept alive to answer many requests: the job goes on its first
+    stdin line, then each request on one line, each answered by a ``RESULT`` line
+    (``print_result``). Its stderr goes to ``log_path`` (vLLM logs a lot; a pipe
+    nobody reads would block it)."""
+
+    def __init__(self, args: list[str], job, env: dict, log_path: str):
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env
+        )
+        self.first = self.ask(job)
+
+    def ask(self, request):
+        """Send ``request``, wait for its answer (lines before it are the job's own output)."""
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+        raise RuntimeError(f"worker exited with {self.proc.wait()} before answering; its stderr: {self.log_path}")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
