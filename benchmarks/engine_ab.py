@@ -51,6 +51,7 @@ def main() -> None:
         help="several: one per request in turn (a batch of mixed sampling parameters)",
     )
     ap.add_argument("--new-tokens", type=int, default=None, help="default: as in engine.py's matrix")
+    ap.add_argument("--single-prompts", type=int, default=1, help="at batch 1: prompts per run, one request at a time")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument(
@@ -90,7 +91,10 @@ def main() -> None:
     speed: dict[str, list[float]] = {name: [] for name in labels}
     cuts: dict[str, Counter] = {name: Counter() for name in labels}  # tree auto: request-steps per cut
     splits: dict[str, list[np.ndarray]] = {name: [] for name in labels}  # ms per step, see step_split
-    jobs = {name: engine_job(configs[config_of[name]], [cell], target, draft, texts, 1, 1) for name in labels}
+    jobs = {
+        name: engine_job(configs[config_of[name]], [cell], target, draft, texts, 1, 1, args.single_prompts)
+        for name in labels
+    }
     runs = interleaved_runs(jobs, cell, args.interleave) if args.interleave else fresh_engine_runs(jobs, cell, args)
     for r, name, value, cell_result in runs:
         speed[name].append(value)
