@@ -12,9 +12,11 @@
 # about 30 s). `all` (the default) runs both in one go where time is not counted.
 # The engine part: 7B / 0.5B shapes, batch 1 8 32, vLLM's piecewise CUDA graphs, TRITON_ATTN
 # (carry .gpu-bundle/fa3 and pass --attention-backend FLASH_ATTN for vLLM's default); rows most
-# telling first and none started after its deadline; each engine's first start compiles with
-# Inductor from a cold cache (2026-12-04: vLLM's chain k = 3 took over 120 s), hence 200 s per
-# engine. Where two GPUs exist, `tp2` runs tests/test_parallel.py's tensor-parallel checks.
+# telling first and none started after its deadline. Compilation backend eager (vLLM's own CUDA
+# ops between the graphs' pieces, no Inductor codegen): each engine's first start with Inductor
+# compiles from a cold cache (2026-12-04: vLLM's chain k = 3 took over 120 s), which would leave
+# room for 3-4 of the rows; pass --compile-backend inductor (and a larger GPU_ENGINE_S) for
+# vLLM's default. Where two GPUs exist, `tp2` runs tests/test_parallel.py's tensor-parallel checks.
 # Results go to $OUT (the device tool brings them back) or benchmarks/results.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -32,7 +34,7 @@ fi
 if [ "$part" = engine ] || [ "$part" = all ]; then
   budget="${GPU_ENGINE_S:-520}"
   timeout "$budget" python benchmarks/gpu_engine.py --out "$out" --engine-timeout 200 \
-    --attention-backend TRITON_ATTN --deadline $((budget - 200)) "$@" \
+    --attention-backend TRITON_ATTN --compile-backend eager --deadline $((budget - 200)) "$@" \
     || echo "[gpu_engine.sh] gpu_engine stopped (rc=$?); its report keeps the rows done"
 fi
 if [ "$part" = tp2 ]; then
