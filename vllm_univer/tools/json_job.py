@@ -43,19 +43,29 @@ class JsonWorker:
         self.proc = subprocess.Popen(
             [sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env
         )
-        self.first = self.ask(job)
+        try:
+            self.first = self.ask(job)
+        except RuntimeError:
+            self.close()
+            raise
 
     def ask(self, request):
         """Send ``request``, wait for its answer (lines before it are the job's own output)."""
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it has exited: said below
+            pass
         for line in self.proc.stdout:
             if line.startswith(MARK):
                 return json.loads(line[len(MARK) :])
         raise RuntimeError(f"worker exited with {self.proc.wait()} before answering; its stderr: {self.log_path}")
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
         try:
             self.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
