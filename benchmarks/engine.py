@@ -471,7 +471,8 @@ def report(results: list[dict], command: str) -> str:
         f"{serving_dtype()}, "
         "enforce_eager, MT-Bench or HumanEval prompts (chat template), ignore_eos. One engine per row, one process per "
         "engine, one engine at a time. Rows are saved in the JSON file beside this one; `--rerun NAME...` "
-        "replaces the named rows.",
+        "replaces the named rows. What each session read from these tables: "
+        "[engine_observations.md](engine_observations.md).",
         "",
         "tok/s: wall clock of `generate`, the fastest of the timed runs per cell (`--repeats`, 2 unless said; "
         "at batch 1 `--single-repeats`, 4 unless said, each run one prompt, or `--single-prompts` prompts "
@@ -665,10 +666,7 @@ def main() -> None:
     )
     text = report(results, command)
     out_md = RESULTS / f"{results_stem(args)}.md"
-    # Observations written by hand below the tables are kept.
-    previous = out_md.read_text() if out_md.exists() else ""
-    kept = previous[previous.find("\n## Observations") :] if "\n## Observations" in previous else ""
-    out_md.write_text(text + kept)
+    out_md.write_text(text)  # observations: engine_observations.md, written by hand
     print(text)
 
 
