@@ -1,20 +1,25 @@
-"""Engines of ``engine.py`` alternating on one matrix cell: a drift-paired comparison.
+"""Engines of ``engine.py`` alternating on one matrix cell: a paired comparison.
 
-``engine.py`` runs one engine per row, the rows one after the other; this
-machine's speed drifts between them by more than some of the effects it is
-read for (``tree: auto`` running plain steps only, against the engine without
-speculation). Here the named rows take turns, each round starting every engine
-afresh (its own process, warm-up included) on the same cell, so that each
-round's ratio compares engines minutes apart at most, in both orders:
+``engine.py`` runs one engine per row, the rows one after the other. On this
+machine two engines of the same configuration run up to 13 % apart, each at
+its own speed for as long as its process lives: more than some of the effects
+the matrix is read for (``tree: auto`` running plain steps only, against the
+engine without speculation). Here the named rows take turns on the same cell,
+in both orders:
 
     python benchmarks/engine_ab.py --rows "no speculation" "univer auto" --dataset humaneval --batch 8 --temperature 0
 
-Prints tokens/s per row and round (each the fastest of ``--repeats`` runs, as in
-``engine.py``) and the paired ratios of every row to the first, and appends
-the table to ``benchmarks/results/engine_ab.md``, with each engine's step split
-into the target forward, the rest of the runner and what runs outside it. A
-row named twice runs as two engines of the same configuration (an A/A pair:
-the drift between fresh engines, against which the other ratios are read).
+either in rounds, each round starting every engine afresh (its own process,
+warm-up included; tok/s the fastest of ``--repeats`` runs, as in
+``engine.py``), or with ``--interleave RUNS``: every engine alive at once,
+taking turns run by run, so that a ratio pairs runs seconds apart. Prints
+tokens/s per row and round (or run) and the paired ratios of every row to the
+first, and appends the table to ``benchmarks/results/engine_ab.md``, with each
+engine's step split into the target forward, the rest of the runner and what
+runs outside it, and the step against the first row's with its target forward
+replaced by the first row's. A row named twice runs as two engines of the same
+configuration (an A/A pair: the spread between engines, against which the
+other ratios are read).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ def main() -> None:
         default=0,
         metavar="RUNS",
         help="instead of rounds of fresh engines: every row's engine alive at once (a smaller KV cache each), "
-        "RUNS timed runs each, taking turns run by run (this machine's speed drifts within seconds)",
+        "RUNS timed runs each, taking turns run by run (a ratio pairs runs seconds apart)",
     )
     ap.add_argument(
         "--statistic",
