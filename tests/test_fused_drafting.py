@@ -7,8 +7,11 @@ a subprocess (TRITON_INTERPRET must be set before Triton is imported):
   was given, of the scheme's exact law (q; q off the tokens drawn so far for
   wor; q off the top set for topk1's slot 0), -1 where nothing is left;
   float64, float32 and bfloat16 rows, zeros and ties, two vocabulary blocks;
+* its ``into`` write of the children into the token table (-1 under a node
+  without a token, nothing else touched);
 * the engine drafter's level step (``TreeDrafter._draw_children``) on that path:
-  an irregular tree's child groups, mixed greedy rows and all-greedy logits.
+  an irregular tree's child groups, mixed greedy rows and all-greedy logits, a
+  node without a token, a seeded request (the kernel's draws written by the drafter).
 
 The engine takes this path on CUDA; on CPU it runs ``drafting.draft_children``,
 whose law the exact-law tests check.
@@ -108,6 +111,25 @@ DRAFT_CHECK = textwrap.dedent("""
     for m in (1, 2, 3):
         got = draft_children_fused("topk1", logits, torch.tensor([0, 1]), m, all_greedy=True)
         assert torch.equal(got, top_tokens(logits, m)), (m, got)
+
+    # ``into``: the same children written into a token table, -1 under a node without a
+    # token, nothing else touched (nodes 1 and 3 of a 7-entry table, children 4-5 and 2, 6).
+    q = rows(5, 3, 300, True, torch.float32)
+    for scheme in ("topk1", "wor", "iid"):
+        table = torch.randint(0, 300, (5, 7), generator=gen)
+        table[1, 3] = table[4, 1] = -1
+        before = table.clone()
+        nodes, kids = torch.tensor([1, 3]), torch.tensor([[4, 5], [2, 6]])
+        seed = int(torch.randint(0, 2**30, (1,), generator=gen))
+        greedy = torch.arange(5) % 2 == 0
+        args = (scheme, q, torch.tensor([2, 0]), 2, greedy)
+        plain = draft_children_fused(*args, generator=torch.Generator().manual_seed(seed))
+        got = draft_children_fused(*args, generator=torch.Generator().manual_seed(seed), into=(table, nodes, kids))
+        assert torch.equal(got, plain), scheme
+        want = before.clone()
+        want[:, kids.flatten()] = got.masked_fill((before[:, nodes] < 0).unsqueeze(-1), -1).flatten(1)
+        assert torch.equal(table, want), (scheme, table, want)
+        assert (table[1, [2, 6]] == -1).all() and (table[4, [4, 5]] == -1).all() and (table[0, [2, 4, 5, 6]] >= 0).all()
     print("DRAFT OK")
 
     # The drafter's level step takes the kernel where Triton reads the rows (forced
@@ -135,6 +157,20 @@ DRAFT_CHECK = textwrap.dedent("""
                 if scheme == "topk1" and m > 1:
                     assert torch.equal(drawn[~host][..., 1:], top_tokens(level[~host], m - 1)), (scheme, d)
                 assert (drawn >= 0).all() and (drawn.sort(-1).values.diff(dim=-1) != 0).all()  # distinct siblings
+        # A node without a token gets none below it; a seeded request draws from its own
+        # generator (the kernel then returns the draws and the drafter writes the table).
+        for generators in ({}, {2: torch.Generator().manual_seed(3)}):
+            tokens[:, shape.level_span[2][0] :] = -1  # depth 2 to be drawn again
+            tokens[1, 2] = -1  # node 2 (depth 1) of request 1
+            first, last = shape.level_span[1]
+            q = rows(reqs, last - first + 1, vocab, False, torch.float32)
+            TreeDrafter._draw_children(drafter, 1, tokens, q, greedy, generators, np.arange(reqs))
+            for parents, kids, m, in_level, _ in shape.groups[1]:
+                for k, parent in enumerate(parents.tolist()):
+                    below = tokens[:, kids[k]]
+                    assert (below[1] == -1).all() if parent == 2 else (below[1] >= 0).all(), (scheme, parent, below)
+                    assert (below[[0, 2, 3]] >= 0).all(), (scheme, generators, below)
+            tokens[1, 2] = 7  # a token again for the all-greedy step below
         logits = torch.randn(reqs, 3, vocab, generator=gen)
         every = GreedyRows(torch.ones(reqs, dtype=torch.bool), torch.ones(reqs, dtype=torch.bool), True, True)
         TreeDrafter._draw_children(drafter, 1, tokens, logits, every, {}, np.arange(reqs))

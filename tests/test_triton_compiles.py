@@ -121,10 +121,11 @@ CHECK = textwrap.dedent("""
 
     for scheme in ("chain", "iid", "wor", "topk1"):
         rows = torch.softmax(torch.randn(batch, 3, vocab, generator=gen), -1)
+        m = 1 if scheme == "chain" else 2
         for greedy in (None, torch.tensor([True, False, True])):
-            attempt(f"draft {scheme}", lambda: draft_children_fused(
-                scheme, rows, torch.tensor([2, 0]), 1 if scheme == "chain" else 2, greedy
-            ))
+            attempt(f"draft {scheme}", lambda: draft_children_fused(scheme, rows, torch.tensor([2, 0]), m, greedy))
+        into = (torch.zeros(batch, 7, dtype=torch.long), torch.tensor([1, 2]), torch.arange(3, 3 + 2 * m).view(2, m))
+        attempt(f"draft {scheme} into", lambda: draft_children_fused(scheme, rows, torch.tensor([2, 0]), m, into=into))
 
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.randn(batch, 2, vocab).to(dtype)

@@ -264,7 +264,13 @@ class TreeDrafter:
                 from ..kernels.triton_draft_children import draft_children_fused
 
                 some_greedy = greedy.rows if greedy.any and not greedy.all else None
-                drawn = draft_children_fused(self.scheme, level_rows, in_level_index, m, some_greedy, greedy.all)
+                # Unseeded, the kernel writes the children into ``tokens`` itself.
+                into = None if seeded else (tokens, parents, kids)
+                drawn = draft_children_fused(
+                    self.scheme, level_rows, in_level_index, m, some_greedy, greedy.all, into=into
+                )
+                if into is not None:
+                    continue
             else:
                 rows = level_rows[:, in_level]  # [R, g, V]
                 if greedy.all:

@@ -19,9 +19,14 @@ Each draw is two float64 passes over the row (its mass, then the search:
 uniforms come in as one [R, K, m] float64 tensor: the law is the scheme's for
 every request; only the stream of random numbers differs from the PyTorch path.
 
+With ``into`` the same program also writes the children into the step's
+token table (-1 under a node whose own token is -1), which the drafter would
+otherwise do with five more launches per call.
+
 Tensors: rows [R, W, V] (last dim contiguous; q, or logits for greedy rows);
 row_index [K] int64 (the nodes' rows among the W); uniforms [R, K, m] float64;
-greedy [R] bool; out [R, K, m] int64.
+greedy [R] bool; out [R, K, m] int64; into: tokens [R, N+1] int64, the K
+nodes' ids [K] int64 and their children's ids [K, m] int64.
 """
 
 from __future__ import annotations
@@ -45,18 +50,24 @@ def _draft_children_kernel(
     uniform_ptr,
     greedy_ptr,  # [R] int8 (read if HAS_GREEDY)
     out_ptr,
+    tokens_ptr,  # [R, N+1] int64 token table (written if WRITE_TOKENS)
+    node_ptr,  # [K] int64: the nodes' ids in the table
+    kid_ptr,  # [K, M] int64: their children's ids
     stride_rr,
     stride_rw,
     stride_ur,
     stride_uk,
     stride_or,
     stride_ok,
+    stride_tr,
+    stride_kk,
     vocab,
     SCHEME: tl.constexpr,
     M: tl.constexpr,  # children per node
     SLOTS: tl.constexpr,  # M rounded up to a power of 2
     HAS_GREEDY: tl.constexpr,
     ALL_GREEDY: tl.constexpr,
+    WRITE_TOKENS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -85,6 +96,12 @@ def _draft_children_kernel(
                 drawn = draw_excluding(row, none, slot, tl.load(uniforms + j), vocab, BLOCK_V)
             kids = tl.where(slot == j, drawn, kids)
     tl.store(out_ptr + r * stride_or + k * stride_ok + slot, kids, mask=slot < M)
+    if WRITE_TOKENS:
+        # A node without a token (its parent had no child to draw) has no children either.
+        node_token = tl.load(tokens_ptr + r * stride_tr + tl.load(node_ptr + k))
+        kids = tl.where(node_token < 0, -1, kids)
+        kid_ids = tl.load(kid_ptr + k * stride_kk + slot, mask=slot < M, other=0)
+        tl.store(tokens_ptr + r * stride_tr + kid_ids, kids, mask=slot < M)
 
 
 def draft_children_fused(
@@ -95,6 +112,7 @@ def draft_children_fused(
     greedy: torch.Tensor | None = None,
     all_greedy: bool = False,
     generator: torch.Generator | None = None,
+    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The children of K nodes of R requests, ``drafting.draft_children``'s law.
 
@@ -102,6 +120,8 @@ def draft_children_fused(
     every row is greedy), row_index [K] int64 (which of the W rows are the K
     nodes), greedy [R] bool (those rows take the top ``num_children`` tokens,
     ``top_tokens``), all_greedy: every row greedy (greedy then not read).
+    into: (tokens [R, N+1] int64, nodes [K] int64, kids [K, m] int64): also
+    ``tokens[:, kids] = children``, -1 under a node whose token is -1.
     Returns LongTensor [R, K, m], -1 where a child does not exist."""
     batch, _, vocab = rows.shape
     if rows.stride(-1) != 1:
@@ -114,10 +134,17 @@ def draft_children_fused(
     else:
         uniforms = torch.rand(batch, nodes, m, generator=generator, device=rows.device, dtype=torch.float64)
     flags = out if greedy is None else greedy.to(torch.int8)  # not read without greedy rows
+    if into is None:
+        tokens, node_ids, kid_ids = out, row_index, out  # not read
+    else:
+        tokens, node_ids, kid_ids = into
+        if tokens.shape[0] != batch or tokens.stride(-1) != 1 or kid_ids.shape != (nodes, m) or kid_ids.stride(-1) != 1:
+            raise ValueError("draft_children_fused: into must be (tokens [R, N+1], nodes [K], kids [K, m])")
     _draft_children_kernel[(batch, nodes)](
-        rows, row_index, uniforms, flags, out,
-        rows.stride(0), rows.stride(1), uniforms.stride(0), uniforms.stride(1), out.stride(0), out.stride(1), vocab,
+        rows, row_index, uniforms, flags, out, tokens, node_ids, kid_ids,
+        rows.stride(0), rows.stride(1), uniforms.stride(0), uniforms.stride(1), out.stride(0), out.stride(1),
+        tokens.stride(0), kid_ids.stride(0), vocab,
         SCHEME=SCHEMES[scheme], M=m, SLOTS=slot_block(m), HAS_GREEDY=greedy is not None,
-        ALL_GREEDY=all_greedy, BLOCK_V=block_size(vocab),
+        ALL_GREEDY=all_greedy, WRITE_TOKENS=into is not None, BLOCK_V=block_size(vocab),
     )  # fmt: skip
     return out
