@@ -159,8 +159,8 @@ def main() -> None:
         f"| step | vs {labels[0]} at its target forward |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    base_steps, base_tokens, base_forward, *_ = np.mean(splits[labels[0]], axis=0)
-    base_step = sum(np.mean(splits[labels[0]], axis=0)[2:])
+    base_steps, base_tokens, base_forward, *base_ms = np.mean(splits[labels[0]], axis=0)
+    base_step = base_forward + sum(base_ms)
     for name, rounds in splits.items():
         steps, tokens, *ms = np.mean(rounds, axis=0)
         same_rows = steps == base_steps and abs(tokens - base_tokens) < 1e-6

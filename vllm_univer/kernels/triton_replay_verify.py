@@ -41,6 +41,7 @@ from .triton_rows import (
     clipped_ratio,
     continue_prob,
     entry_scale,
+    node_rows,
     replay_row,
     safe_ratio,
     slot_block,
@@ -217,8 +218,7 @@ def _replay_level_kernel(
     # One program per (request, node of the level), and per vocabulary slice in SPLIT_PASS.
     b, i = tl.program_id(0), tl.program_id(1)
     node = tl.load(nodes_ptr + i)
-    p_row = p_ptr + b * stride_pb + node * stride_pn
-    q_row = q_ptr + b * stride_qb + node * stride_qn
+    p_row, q_row = node_rows(p_ptr, q_ptr, b, node, stride_pb, stride_pn, stride_qb, stride_qn)
     slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
     scale = entry_scale(weight_ptr, b, stride_wb, node, RULE == TRAVERSAL)
     lo = tl.program_id(2) * chunk

@@ -38,6 +38,12 @@ def child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slo
 
 
 @triton.jit
+def node_rows(p_ptr, q_ptr, b, node, stride_pb, stride_pn, stride_qb, stride_qn):
+    # Request b's p and q rows at ``node`` (pointers to their first token).
+    return p_ptr + b * stride_pb + node * stride_pn, q_ptr + b * stride_qb + node * stride_qn
+
+
+@triton.jit
 def entry_scale(weight_ptr, b, stride_wb, node, SCALED: tl.constexpr):
     # The node's prefix scale P~ where the rule carries one (univer, traversal: the entry
     # weight written by the level above), else 1 (the DESCENT rules).

@@ -40,7 +40,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import child_slots, clipped_ratio, continue_prob, entry_scale, slot_block, vocab_slices
+from .triton_rows import (
+    child_slots,
+    clipped_ratio,
+    continue_prob,
+    entry_scale,
+    node_rows,
+    slot_block,
+    vocab_slices,
+)
 
 # Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
 # interpreter does not); host code passes their ``.value``.
@@ -181,8 +189,7 @@ def _topk1_level_kernel(
     # One program per (request, node): both passes over the whole rows, then the rule.
     b = tl.program_id(0)
     node = tl.load(nodes_ptr + tl.program_id(1))
-    p_row = p_ptr + b * stride_pb + node * stride_pn
-    q_row = q_ptr + b * stride_qb + node * stride_qn
+    p_row, q_row = node_rows(p_ptr, q_ptr, b, node, stride_pb, stride_pn, stride_qb, stride_qn)
     slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
     p_sum, q_sum = _row_sums(p_row, q_row, 0, vocab, RULE != TARGET_ONLY, BLOCK_V)
     scale = _node_scale(weight_ptr, b, stride_wb, node, RULE)
@@ -218,8 +225,7 @@ def _topk1_split_sums_kernel(
     node = tl.load(nodes_ptr + i)
     lo = s * chunk
     hi = tl.minimum(lo + chunk, vocab)
-    p_row = p_ptr + b * stride_pb + node * stride_pn
-    q_row = q_ptr + b * stride_qb + node * stride_qn
+    p_row, q_row = node_rows(p_ptr, q_ptr, b, node, stride_pb, stride_pn, stride_qb, stride_qn)
     p_sum, q_sum = _row_sums(p_row, q_row, lo, hi, RULE != TARGET_ONLY, BLOCK_V)
     part = parts_ptr + b * stride_xb + i * stride_xn + s * 3
     tl.store(part, p_sum)
@@ -264,8 +270,7 @@ def _topk1_split_min_kernel(
     # One program per (request, node of the level, vocabulary slice): the slice's F'.
     b, i, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     node = tl.load(nodes_ptr + i)
-    p_row = p_ptr + b * stride_pb + node * stride_pn
-    q_row = q_ptr + b * stride_qb + node * stride_qn
+    p_row, q_row = node_rows(p_ptr, q_ptr, b, node, stride_pb, stride_pn, stride_qb, stride_qn)
     slot, _, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
     # F' is not written yet: only sum q is read.
     q_sum = _split_total(parts_ptr, b, i, 1, stride_xb, stride_xn, num_splits, SPLITS)
@@ -305,8 +310,7 @@ def _topk1_split_finish_kernel(
     # One program per (request, node of the level): the slices' partials, then the rule.
     b, i = tl.program_id(0), tl.program_id(1)
     node = tl.load(nodes_ptr + i)
-    p_row = p_ptr + b * stride_pb + node * stride_pn
-    q_row = q_ptr + b * stride_qb + node * stride_qn
+    p_row, q_row = node_rows(p_ptr, q_ptr, b, node, stride_pb, stride_pn, stride_qb, stride_qn)
     slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
     p_sum = _split_total(parts_ptr, b, i, 0, stride_xb, stride_xn, num_splits, SPLITS)
     q_sum = _split_total(parts_ptr, b, i, 1, stride_xb, stride_xn, num_splits, SPLITS)
