@@ -3,13 +3,17 @@
 # (../shared/gpu/make_bundle.sh; per part `bash .gpu-bundle/<part>/install.sh`, one device
 # call each, about 70 s together with the machine's start). Then one device call per part:
 #
+#   bash benchmarks/gpu_engine.sh graphs   # about 150 s: the engine under vLLM's piecewise CUDA
+#                                          # graphs, target and draft (tests/test_draft_forward.py:
+#                                          # greedy identity, drafts accepted as in an eager engine)
 #   bash benchmarks/gpu_engine.sh check    # about 200 s: benchmarks/gpu_check.py (verifiers'
 #                                          # laws, kernels, verify timings; cut off at GPU_CHECK_S)
 #   bash benchmarks/gpu_engine.sh engine   # about 520 s: benchmarks/gpu_engine.py (step time and
 #                                          # projected tokens/s against vLLM's draft_model chain)
 #
-# which fits the 15 device minutes of a session (calls back to back: the machine stays warm
-# about 30 s). `all` (the default) runs both in one go where time is not counted.
+# check + engine fit the 15 device minutes of a session (calls back to back: the machine stays
+# warm about 30 s); with graphs too, shorten them (GPU_CHECK_S=120 GPU_ENGINE_S=450). `all` (the
+# default) runs the three in one go where time is not counted.
 # The engine part: 7B / 0.5B shapes, batch 1 8 32, vLLM's piecewise CUDA graphs, TRITON_ATTN
 # (carry .gpu-bundle/fa3 and pass --attention-backend FLASH_ATTN for vLLM's default); rows most
 # telling first and none started after its deadline. Compilation backend eager (vLLM's own CUDA
@@ -27,6 +31,10 @@ shift || true
 out="${OUT:-benchmarks/results}"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L || true
+if [ "$part" = graphs ] || [ "$part" = all ]; then
+  UNIVER_TEST_ATTENTION_BACKEND=TRITON_ATTN timeout "${GPU_GRAPHS_S:-150}" \
+    python -m pytest -q -p no:cacheprovider tests/test_draft_forward.py -k cuda_graphs 2>&1 | tee "$out/graphs_gpu.txt"
+fi
 if [ "$part" = check ] || [ "$part" = all ]; then
   timeout "${GPU_CHECK_S:-200}" python benchmarks/gpu_check.py --out "$out" \
     || echo "[gpu_engine.sh] gpu_check failed or cut off (rc=$?); its report keeps the sections done"

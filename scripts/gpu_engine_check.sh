@@ -17,7 +17,7 @@ bash scripts/setup_venv.sh  # the CUDA build when nvidia-smi sees a GPU
 py="${VENV:-$repo/.venv}/bin/python"
 "$py" -m pytest -q tests/test_triton_tree_attention.py tests/test_cuda_tree_attention.py
 UNIVER_TEST_ATTENTION_BACKEND=FLASH_ATTN "$py" -m pytest -q tests/test_engine.py tests/test_engine_law.py tests/test_engine_errors.py \
-    tests/test_engine_options.py tests/test_server.py
+    tests/test_engine_options.py tests/test_server.py tests/test_draft_forward.py
 UNIVER_TEST_ATTENTION_BACKEND=TRITON_ATTN "$py" -m pytest -q tests/test_engine.py -k "every_verifier"
 PYTHONPATH=. "$py" benchmarks/gpu_check.py --out benchmarks/results
 "$py" benchmarks/engine.py --tag gpu

@@ -6,12 +6,14 @@ next test. Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one
 after another.
 
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
-"params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool, "rank_decisions": bool}]}. A prompt is a
+"params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool, "rank_decisions": bool,
+"draft_padding": int}]}. A prompt is a
 string or a list of token ids. Result (the last stdout line, after ``RESULT``):
 per engine {"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs":
 [[{token: logprob}]] per output, when asked for, "margins" and "top2" with
 ``margins``} | {"error": str, "traceback": str}], "spec": {counter: value}, "rank_decisions":
-[{"steps", "digest"} per worker] with ``"rank_decisions": true``}.
+[{"steps", "digest"} per worker] with ``"rank_decisions": true``, "padded_forwards": int with
+``draft_padding`` (every draft forward padded to a multiple of it, as for a CUDA-graph replay)}.
 
 An engine with ``"margins": true`` is a greedy reference: it samples from
 processed logprobs (``logprobs_mode="processed_logprobs"``: after penalties,
@@ -104,6 +106,28 @@ def _record_decisions(worker) -> None:
     univer.drafter.propose, runner.rejection_sampler = recorded_propose, recorded_verify
 
 
+def _pad_draft_forwards(worker, multiple: int) -> None:
+    """Make every draft forward of this worker's tree drafter take the path of a
+    CUDA-graph replay (inputs in the proposer's buffers, padded to a multiple of
+    ``multiple`` tokens), eagerly; count the padded forwards."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    proposer = worker.model_runner.univer.drafter.proposer
+    proposer.padded_forwards = 0
+
+    def dispatch(num_tokens, *args, **kwargs):
+        padded = -(-num_tokens // multiple) * multiple
+        proposer.padded_forwards += padded > num_tokens
+        return CUDAGraphMode.NONE, BatchDescriptor(num_tokens=padded)
+
+    proposer.cudagraph_dispatcher.dispatch = dispatch
+
+
+def _padded_forwards(worker) -> int:
+    return worker.model_runner.univer.drafter.proposer.padded_forwards
+
+
 def _decisions_digest(worker) -> dict:
     """How many drafting and verification steps this worker recorded, and a digest of them all."""
     import hashlib
@@ -140,6 +164,8 @@ def _run_engine(engine: dict) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
     if engine.get("rank_decisions"):  # every worker's drafts and outcomes, to compare across ranks
         llm.collective_rpc(_record_decisions)
+    if engine.get("draft_padding"):
+        llm.collective_rpc(_pad_draft_forwards, args=(engine["draft_padding"],))
     calls = []
     for call in engine["calls"]:
         try:
@@ -166,6 +192,8 @@ def _run_engine(engine: dict) -> dict:
     result = {"calls": calls, "spec": spec_counters(llm, ("vllm:spec_decode", "vllm:num_preemptions", "vllm:univer"))}
     if engine.get("rank_decisions"):
         result["rank_decisions"] = llm.collective_rpc(_decisions_digest)
+    if engine.get("draft_padding"):
+        result["padded_forwards"] = llm.collective_rpc(_padded_forwards)[0]
     if engine.get("sizer"):  # tree "auto": the depths it chose and what it learnt
         result["sizer"] = llm.collective_rpc(_sizer_summary)[0]
     if os.environ.get("VLLM_UNIVER_OP_COUNTS") == "1":  # set by the test that wants them

@@ -21,12 +21,12 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from ..drafting import draft_children, top_tokens
 from ..fused_tree_pass import triton_reads
 from ..tree import TreeSpec
+from .draft_forward import draft_model_inputs, run_draft_model
 from .draft_inputs import LevelInputs, build_draft_step_inputs
 from .host_to_device import upload
 from .step_buffer import StepBuffer
@@ -322,17 +322,9 @@ class TreeDrafter:
                 metadata.tree_plan = plan
             for name in group.layer_names:
                 per_layer[name] = metadata
-        slot_mappings = {name: slot_mapping for name in proposer._draft_attn_layer_names}
-        input_ids = token_ids.to(torch.int32)
-        positions = level.positions
-        with (
-            self.timers.measure("draft_forward"),
-            set_forward_context(per_layer, proposer.vllm_config, num_tokens=num_tokens, slot_mapping=slot_mappings),
-        ):
-            hidden = proposer.model(input_ids=input_ids, positions=positions, inputs_embeds=None)
-        if isinstance(hidden, tuple):
-            hidden = hidden[0]
-        return hidden
+        inputs = draft_model_inputs(proposer, token_ids, level.positions, slot_mapping)
+        with self.timers.measure("draft_forward"):
+            return run_draft_model(proposer, inputs, per_layer)
 
 
 class _Shape:
