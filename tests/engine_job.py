@@ -7,13 +7,13 @@ after another.
 
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
 "params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool, "rank_decisions": bool,
-"draft_padding": int}]}. A prompt is a
-string or a list of token ids. Result (the last stdout line, after ``RESULT``):
-per engine {"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs":
-[[{token: logprob}]] per output, when asked for, "margins" and "top2" with
-``margins``} | {"error": str, "traceback": str}], "spec": {counter: value}, "rank_decisions":
-[{"steps", "digest"} per worker] with ``"rank_decisions": true``, "padded_forwards": int with
-``draft_padding`` (every draft forward padded to a multiple of it, as for a CUDA-graph replay)}.
+"draft_padding": int}]}. A prompt is a string or a list of token ids. Result (the last stdout line,
+after ``RESULT``): per engine {"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs":
+[[{token: logprob}]] per output, when asked for, "margins" and "top2" with ``margins``} | {"error": str,
+"traceback": str}], "spec": {counter: value}, "rank_decisions": [{"steps", "digest", "level0_tokens"}
+per worker] with ``"rank_decisions": true`` (level0_tokens: per step, the tokens the draft's level 0 ran
+and the requests drafted), "padded_forwards": int with ``draft_padding`` (every draft forward padded
+to a multiple of it, as for a CUDA-graph replay)}.
 
 An engine with ``"margins": true`` is a greedy reference: it samples from
 processed logprobs (``logprobs_mode="processed_logprobs"``: after penalties,
@@ -93,9 +93,13 @@ def _record_decisions(worker) -> None:
     univer.decisions = decisions = []
     propose, verify = univer.drafter.propose, runner.rejection_sampler
 
+    univer.level0_tokens = level0 = []
+
     def recorded_propose(*args, **kwargs):
         drafts = propose(*args, **kwargs)
         decisions.append(("draft", drafts))
+        if univer.drafter.forward_tokens:  # (tokens the draft's level 0 ran, requests drafted)
+            level0.append((univer.drafter.forward_tokens[0], sum(len(d) > 0 for d in drafts)))
         return drafts
 
     def recorded_verify(*args, **kwargs):
@@ -132,9 +136,9 @@ def _decisions_digest(worker) -> dict:
     """How many drafting and verification steps this worker recorded, and a digest of them all."""
     import hashlib
 
-    decisions = worker.model_runner.univer.decisions
-    digest = hashlib.sha256(repr(decisions).encode()).hexdigest()
-    return {"steps": len(decisions), "digest": digest}
+    univer = worker.model_runner.univer
+    digest = hashlib.sha256(repr(univer.decisions).encode()).hexdigest()
+    return {"steps": len(univer.decisions), "digest": digest, "level0_tokens": univer.level0_tokens}
 
 
 def _sampling_params(kwargs: dict):

@@ -45,6 +45,11 @@ def test_padded_draft_forwards_draft_the_same_trees(tiny_pair):
         assert padded["padded_forwards"] > 10, (label, padded["padded_forwards"])
         assert plain["rank_decisions"][0]["steps"] > 20, label
         assert plain["rank_decisions"] == padded["rank_decisions"], label
+        # After the prompts, level 0 runs each request's root, and the last accepted node where the
+        # path ended on a leaf: the draft cache's lengths follow every verification.
+        level0 = plain["rank_decisions"][0]["level0_tokens"]
+        assert level0[0][0] > 6 * 10, (label, level0[0])
+        assert all(tokens <= 2 * requests for tokens, requests in level0[1:]), (label, level0)
 
 
 # vLLM's piecewise CUDA graphs for target and draft, without Inductor's codegen (engines start fast).

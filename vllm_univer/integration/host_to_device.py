@@ -1,4 +1,5 @@
-"""Host-built step inputs copied to the device without a host sync.
+"""Host-built step inputs copied to the device without a host sync, and small
+step results copied back without one (``DeviceToHost``).
 
 ``tensor.to("cuda")`` from host memory is a synchronous copy: PyTorch waits for
 the stream to drain, so the host cannot build the next forward's inputs while
@@ -39,6 +40,32 @@ def upload_packed(
     packed = np.concatenate([a.reshape(-1).astype(_NUMPY[dtype], copy=False) for a in arrays])
     views = upload(packed, device).split([a.size for a in arrays])
     return [view.view(a.shape) for view, a in zip(views, arrays)]
+
+
+class DeviceToHost:
+    """A small device tensor on its way to the host: the copy is queued on the
+    stream (into fresh pinned memory, ``non_blocking``) and waited for only when
+    ``numpy()`` reads it, after the host has launched whatever came next.
+
+    ``tensor.cpu()`` would drain the stream where it is called: in the middle of
+    a step, the device would then idle while the host launches the rest.
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event = None
+        if tensor.device.type != "cuda":  # the host's own memory, or a device without events here
+            self._host = tensor.cpu()
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=is_pin_memory_available())
+        self._host.copy_(tensor, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def numpy(self) -> np.ndarray:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host.numpy()
 
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}

@@ -46,6 +46,7 @@ class TreeDrafter:
         self._use(tree)
         self.q_rows = StepBuffer(runner.device)  # the draft rows q, [B, N+1, V]
         self.forward_tokens: list[int] = []  # query tokens of each draft forward of the last step
+        self._kept_range = torch.arange(0, device=runner.device)
 
     def _use(self, tree: TreeSpec) -> None:
         """Draft ``tree`` from now on (``tree: auto`` switches among width cuts)."""
@@ -176,7 +177,7 @@ class TreeDrafter:
         tokens = torch.full((reqs, n1), -1, dtype=torch.long, device=device)
         tokens[:, 0] = step.root_tokens
         # Host-side facts about the rows decided once here: the level loop reads no device value.
-        greedy = GreedyRows(upload(greedy, device), greedy, bool(greedy.any()), bool(greedy.all()))
+        greedy = GreedyRows(upload(greedy, device, torch.int8), greedy, bool(greedy.any()), bool(greedy.all()))
         all_greedy = greedy.all
         q = None
         if not all_greedy:
@@ -207,9 +208,9 @@ class TreeDrafter:
             plan = None
             if not tree.is_chain:
                 plan = TreeAttentionPlan(
-                    query_rows=torch.arange(n * width, device=device).view(n, width),
+                    query_rows=self._range(n * width).view(n, width),
                     row_valid=None,
-                    request_index=torch.arange(n, device=device),
+                    request_index=self._range(n),
                     context_lens=step.context_lens[:n],
                     mask=self._shapes[tree].level_masks[d],
                     covers_all_rows=True,
@@ -223,6 +224,12 @@ class TreeDrafter:
             # Views of the first n rows: the draws land in ``tokens`` itself.
             self._draw_children(d, tokens[:n], rows, greedy.first(n), generators, active[:n])
         return tokens, q
+
+    def _range(self, n: int) -> torch.Tensor:
+        """0 .. n-1 on the device: a view of one range kept across steps (no launch per level)."""
+        if self._kept_range.numel() < n:
+            self._kept_range = torch.arange(max(n, 2 * self._kept_range.numel()), device=self.runner.device)
+        return self._kept_range[:n]
 
     def _level_rows(self, q, depth: int, logits: torch.Tensor, temp: torch.Tensor, banned) -> torch.Tensor:
         """What the children of the depth-``depth`` nodes are drawn from, [R, width, V]:
@@ -278,7 +285,7 @@ class TreeDrafter:
                 else:
                     drawn = draft_children(self.scheme, rows, m)
                     if greedy.any:
-                        drawn = torch.where(greedy.rows.view(-1, 1, 1), top_tokens(rows, m), drawn)
+                        drawn = torch.where(greedy.rows.view(-1, 1, 1).bool(), top_tokens(rows, m), drawn)
             # Seeded requests draw from their own generator (outputs independent of the batch).
             for row, generator in seeded:
                 drawn[row] = draft_children(self.scheme, level_rows[row, in_level], m, generator=generator)
@@ -357,7 +364,8 @@ class _Shape:
 
 
 class GreedyRows(NamedTuple):
-    """Which active rows are greedy: on the device, on the host, and any / all."""
+    """Which active rows are greedy: on the device (int8, what the drafting kernel
+    reads), on the host (bool), and any / all."""
 
     rows: torch.Tensor
     host: torch.Tensor

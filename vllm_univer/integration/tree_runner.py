@@ -159,6 +159,9 @@ class TreeRunner:
             self.sizer.choose_ahead()
 
     def propose(self, sampled_token_ids, sampling_metadata):
+        # The draft cache's lengths after this step's verification (read back from the
+        # device without stalling it mid-step): the sizer's backlog and the drafter read them.
+        self.sampler.settle()
         shape, depth = None, None
         if self.sizer is not None:
             shape, depth = self.sizer.choose(self.runner.input_batch.num_reqs)

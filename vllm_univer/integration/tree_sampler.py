@@ -22,7 +22,7 @@ from ..sizing.chain_estimate import chain_survival, greedy_chain_survival
 from ..tree import TreeSpec
 from ..verifiers import scheme_for
 from .bias_and_min_p import RequestBiasAndMinP
-from .host_to_device import upload
+from .host_to_device import DeviceToHost, upload
 from .path_masks import TreePathMasks
 from .step_buffer import StepBuffer
 from .target_probs import TreePenalties, processed_logits, tree_target_probs
@@ -56,12 +56,14 @@ class TreeVerificationSampler:
         self._nodes_through: dict[TreeSpec, torch.Tensor] = {}
         self.probs_buffer = StepBuffer(runner.device)  # the target probabilities, [B, N+1, V]
         self.bias_and_min_p = RequestBiasAndMinP()
+        self._pending = None  # the last verification's host-side update (``settle``)
 
     def __call__(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
         with self.timers.measure("verify"):
             return self._verify(metadata, logits, sampling_metadata)
 
     def _verify(self, metadata, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
+        self.settle()  # a step whose drafter did not run (vLLM skips it near max_model_len)
         device = logits.device
         num_draft_list = list(metadata.num_draft_tokens)
         batch = len(num_draft_list)
@@ -99,8 +101,8 @@ class TreeVerificationSampler:
 
         tokens, q, q_missing = self._trees_for(req_ids, num_draft_list, tree_logits, shape, n1)
         tokens = tokens[:, :n1]
-        exists = tree.depth.unsqueeze(0) <= keep_depth.unsqueeze(1)
-        tokens = tokens.masked_fill(~upload(exists, device), -1)
+        missing = tree.depth.unsqueeze(0) > keep_depth.unsqueeze(1)  # below a request's cut (host)
+        tokens = tokens.masked_fill(upload(missing, device), -1)
         transforms = self._path_transforms(tree, tokens, sampling_metadata, batch)
         if sampling_metadata.all_greedy:
             # Argmax matching needs neither probabilities nor q: the argmax of the
@@ -117,14 +119,15 @@ class TreeVerificationSampler:
             )
         end = result.end_node
         # vLLM's layout: [B, D+1] of the configured tree, -1 padded.
-        output = torch.full((batch, self.tree.max_depth + 1), -1, dtype=torch.long, device=device)
-        output[:, : result.output_token_ids.shape[1]] = result.output_token_ids
+        output = result.output_token_ids
+        if output.shape[1] < self.tree.max_depth + 1:  # a shallower cut or shape
+            output = torch.nn.functional.pad(output, (0, self.tree.max_depth + 1 - output.shape[1]), value=-1)
 
         path = self._accepted_path(tree, end)
         with self.timers.measure("kv_moves"):
             self._keep_accepted_kv(batch, path)
         chain = self._chain_survival(shape, tree, tokens, path, rows_for_chain)
-        self._update_draft_kv_len(req_ids, num_draft_list, keep_depth, tree.on(device).depth[end], shape, chain)
+        self._defer_draft_kv_len(req_ids, num_draft_list, keep_depth, tree.on(device).depth[end], shape, chain)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, upload(rows, device), path, output, sampling_metadata.max_num_logprobs)
@@ -264,25 +267,40 @@ class TreeVerificationSampler:
         request, src, dst = (upload(t, device) for t in (request, src, dst))
         move_paged_kv(caches, block_table, request, src, dst)
 
-    def _update_draft_kv_len(
+    def settle(self) -> None:
+        """Apply what the last verification left to the host (``_defer_draft_kv_len``):
+        the drafter calls this before it reads the draft cache's lengths."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending()
+
+    def _defer_draft_kv_len(
         self, req_ids, num_draft, keep_depth: torch.Tensor, accepted: torch.Tensor, shape: TreeSpec, chain=None
     ) -> None:
         """The draft cache now holds the context, the root and the accepted nodes
         the drafter ran (every node above the deepest level of the tree as cut).
-        ``chain``: [B, D] the chain's estimated acceptance, or None (``_chain_survival``)."""
-        computed = self.runner.input_batch.num_computed_tokens_cpu
-        if chain is None:
-            accepted = accepted.cpu().numpy()
-        else:  # one copy to the host for both
-            both = torch.cat([accepted.unsqueeze(1).to(chain.dtype), chain], 1).cpu().numpy()
-            accepted, chain = both[:, 0].astype(np.int64), both[:, 1:]
+        ``accepted``: [B] depth of each end node, on the device; ``chain``: [B, D]
+        the chain's estimated acceptance, or None (``_chain_survival``).
+
+        Both reach the host in one copy, read at ``settle()``: reading them here
+        would stall the device in mid-step while the host launches the rest."""
+        both = accepted.unsqueeze(1) if chain is None else torch.cat([accepted.unsqueeze(1).to(chain.dtype), chain], 1)
+        copy = DeviceToHost(both)
+        computed = self.runner.input_batch.num_computed_tokens_cpu[: len(req_ids)].copy()
         keep_depth = keep_depth.numpy()
-        if self.sizer is not None and len(req_ids) == len(num_draft):  # not vLLM's profile run (no requests)
-            self._defer_learning(req_ids, num_draft, keep_depth, accepted, shape, chain)
-        for i, (req_id, n, k, cut) in enumerate(zip(req_ids, num_draft, accepted.tolist(), keep_depth.tolist())):
-            if n > 0:
-                self.state.draft_kv_len[req_id] = int(computed[i]) + 1 + min(k, max(cut - 1, 0))
         self._restart_prompt_chunks(req_ids, num_draft)
+
+        def update() -> None:
+            host = copy.numpy()
+            accepted = host[:, 0].astype(np.int64)
+            chain_host = None if chain is None else host[:, 1:]
+            if self.sizer is not None and len(req_ids) == len(num_draft):  # not vLLM's profile run (no requests)
+                self._defer_learning(req_ids, num_draft, keep_depth, accepted, shape, chain_host)
+            for i, (req_id, n, k, cut) in enumerate(zip(req_ids, num_draft, accepted.tolist(), keep_depth.tolist())):
+                if n > 0:
+                    self.state.draft_kv_len[req_id] = int(computed[i]) + 1 + min(k, max(cut - 1, 0))
+
+        self._pending = update
 
     def _defer_learning(self, req_ids, num_draft, keep_depth, accepted, shape: TreeSpec, chain) -> None:
         """What the sizer learns from this step's verified trees, handed over to be

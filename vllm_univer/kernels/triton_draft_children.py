@@ -118,7 +118,7 @@ def draft_children_fused(
 
     rows [R, W, V] (last dim contiguous; a q buffer's level, or logits where
     every row is greedy), row_index [K] int64 (which of the W rows are the K
-    nodes), greedy [R] bool (those rows take the top ``num_children`` tokens,
+    nodes), greedy [R] bool or int8 (those rows take the top ``num_children`` tokens,
     ``top_tokens``), all_greedy: every row greedy (greedy then not read).
     into: (tokens [R, N+1] int64, nodes [K] int64, kids [K, m] int64): also
     ``tokens[:, kids] = children``, -1 under a node whose token is -1.
