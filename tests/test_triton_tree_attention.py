@@ -93,3 +93,31 @@ CHECK = textwrap.dedent("""
 
 def test_triton_paged_tree_attention_equals_reference_in_interpreter():
     run_interpreted(CHECK, "OK", timeout=900)
+
+
+VLLM_BAR = textwrap.dedent("""
+    import sys
+    import torch
+    import triton
+    import triton.language as tl
+    import triton.language.extra.libdevice as tldevice
+    import vllm.triton_utils as triton_utils
+
+    # vLLM's CPU build hides Triton (no CPU driver); its kernel runs in the interpreter with the real module.
+    triton_utils.triton, triton_utils.tl, triton_utils.tldevice = triton, tl, tldevice
+    sys.path.insert(0, "benchmarks")
+    from vllm_attention import chain_matches_triton_attn
+
+    gen = torch.Generator().manual_seed(0)
+    err = chain_matches_triton_attn(torch.device("cpu"), torch.float32, gen, reqs=2, context=40, t=6)
+    assert err < 1e-5, err
+    print("OK", err)
+""")
+
+
+def test_chain_equals_vllm_triton_attn_kernel_in_interpreter():
+    """What gpu_check times tree attention against (vLLM's TRITON_ATTN kernel, causal,
+    same rows and contexts) computes what the package's kernel computes on a chain:
+    the comparison is like for like, and its call of vLLM's kernel is right."""
+    pytest.importorskip("vllm")
+    run_interpreted(VLLM_BAR, "OK", timeout=900)
