@@ -6,7 +6,8 @@
 #   2. the engine tests on CUDA through vLLM's FlashAttention backend: greedy
 #      identity for every verifier and tree, preemption, chunked prefill, mixed
 #      batches, the goodness-of-fit law tests, errors, a real server;
-#   3. the same with the Triton attention backend (greedy identity only);
+#   3. the same with the Triton attention backend (greedy identity only), then greedy identity
+#      and the T = 1 law with CUDA graphs through both backends;
 #   4. the kernel timings (benchmarks/gpu_check.py) and the engine benchmark on
 #      the real Qwen pair, written to benchmarks/results/*_gpu.md.
 set -euo pipefail
@@ -19,5 +20,10 @@ py="${VENV:-$repo/.venv}/bin/python"
 UNIVER_TEST_ATTENTION_BACKEND=FLASH_ATTN "$py" -m pytest -q tests/test_engine.py tests/test_engine_law.py tests/test_engine_errors.py \
     tests/test_engine_options.py tests/test_server.py tests/test_draft_forward.py
 UNIVER_TEST_ATTENTION_BACKEND=TRITON_ATTN "$py" -m pytest -q tests/test_engine.py -k "every_verifier"
+# The same under vLLM's piecewise CUDA graphs (target and draft), both backends.
+for backend in FLASH_ATTN TRITON_ATTN; do
+  UNIVER_TEST_CUDA_GRAPHS=1 UNIVER_TEST_ATTENTION_BACKEND=$backend "$py" -m pytest -q tests/test_engine.py \
+      tests/test_engine_law.py -k "generated_law or every_verifier"
+done
 PYTHONPATH=. "$py" benchmarks/gpu_check.py --out benchmarks/results
 "$py" benchmarks/engine.py --tag gpu

@@ -39,9 +39,12 @@ ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 BASE_KWARGS = {"dtype": "float32", "enforce_eager": True, "block_size": 32, "seed": 0, "disable_log_stats": False}
-# On a GPU machine, scripts/gpu_engine_check.sh reruns the engine tests per attention backend.
+# On a GPU machine, scripts/gpu_engine_check.sh reruns the engine tests per attention backend,
+# and with vLLM's piecewise CUDA graphs (target and draft; no Inductor codegen, engines start fast).
 if os.environ.get("UNIVER_TEST_ATTENTION_BACKEND"):
     BASE_KWARGS["attention_backend"] = os.environ["UNIVER_TEST_ATTENTION_BACKEND"]
+if os.environ.get("UNIVER_TEST_CUDA_GRAPHS") == "1":
+    BASE_KWARGS.update(enforce_eager=False, compilation_config={"backend": "eager"})
 
 
 def run_engines(engines: list[dict], timeout: float = 1200, env: dict | None = None) -> list[dict]:
