@@ -16,66 +16,41 @@ from __future__ import annotations
 import torch
 
 
-def _layout(query, context_lens, t: int):
+def _causal_call(query, keys, values, block_table, context_lens, t: int, out, scale: float) -> dict:
+    """The arguments both of vLLM's kernels take alike (same names, same meaning)."""
     reqs = context_lens.shape[0]
-    cu_seqlens_q = torch.arange(0, reqs * t + 1, t, dtype=torch.int32, device=query.device)
     seqused_k = (context_lens + t).to(torch.int32)
-    return cu_seqlens_q, seqused_k, int(seqused_k.max())
+    return dict(
+        q=query,
+        k=keys,
+        v=values,
+        out=out,
+        cu_seqlens_q=torch.arange(0, reqs * t + 1, t, dtype=torch.int32, device=query.device),
+        max_seqlen_q=t,
+        seqused_k=seqused_k,
+        max_seqlen_k=int(seqused_k.max()),
+        softmax_scale=scale,
+        causal=True,
+        block_table=block_table,
+    )
 
 
 def triton_attn_causal(query, keys, values, block_table, context_lens, t: int, out, scale: float):
     """TRITON_ATTN's kernel (``unified_attention``), as ``TritonAttentionImpl.forward`` calls it."""
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
-    cu_seqlens_q, seqused_k, max_seqlen_k = _layout(query, context_lens, t)
+    call = _causal_call(query, keys, values, block_table, context_lens, t, out, scale)
     descale = torch.ones(1, device=query.device).expand(context_lens.shape[0], keys.shape[2])
-
-    def run():
-        unified_attention(
-            q=query,
-            k=keys,
-            v=values,
-            out=out,
-            cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_q=t,
-            seqused_k=seqused_k,
-            max_seqlen_k=max_seqlen_k,
-            softmax_scale=scale,
-            causal=True,
-            window_size=(-1, -1),
-            block_table=block_table,
-            softcap=0,
-            q_descale=None,
-            k_descale=descale,
-            v_descale=descale,
-        )
-
-    return run
+    call.update(window_size=(-1, -1), softcap=0, q_descale=None, k_descale=descale, v_descale=descale)
+    return lambda: unified_attention(**call)
 
 
 def flash_attn_causal(query, keys, values, block_table, context_lens, t: int, out, scale: float, fa_version=3):
     """FLASH_ATTN's kernel (vLLM's FlashAttention extension, ``flash_attn_varlen_func``)."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    cu_seqlens_q, seqused_k, max_seqlen_k = _layout(query, context_lens, t)
-
-    def run():
-        flash_attn_varlen_func(
-            q=query,
-            k=keys,
-            v=values,
-            out=out,
-            cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_q=t,
-            seqused_k=seqused_k,
-            max_seqlen_k=max_seqlen_k,
-            softmax_scale=scale,
-            causal=True,
-            block_table=block_table,
-            fa_version=fa_version,
-        )
-
-    return run
+    call = _causal_call(query, keys, values, block_table, context_lens, t, out, scale)
+    return lambda: flash_attn_varlen_func(**call, fa_version=fa_version)
 
 
 def chain_matches_triton_attn(device, dtype, gen, reqs: int = 3, context: int = 40, t: int = 6, **shape) -> float:
