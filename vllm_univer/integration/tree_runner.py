@@ -8,6 +8,7 @@ consecutive cache slots) and the tree attention plan for their rows.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .host_to_device import upload_packed
@@ -93,15 +94,17 @@ class TreeRunner:
         self._pending_plan = None
         if spec_decode_metadata is None:
             return
-        num_draft = torch.tensor(spec_decode_metadata.num_draft_tokens, dtype=torch.long)
-        tree_reqs = torch.nonzero(num_draft > 0).flatten()
-        if tree_reqs.numel() == 0:
+        # Host arrays in numpy: a few microseconds per operation where small CPU
+        # tensors cost ten, and the device waits for this before the target forward.
+        num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
+        tree_reqs = np.nonzero(num_draft > 0)[0]
+        if tree_reqs.size == 0:
             return
         runner = self.runner
         device = runner.positions.device
         batch = num_draft.shape[0]
-        query_start = torch.from_numpy(runner.query_start_loc.np[: batch + 1].astype("int64"))
-        computed = torch.from_numpy(runner.input_batch.num_computed_tokens_cpu[:batch].astype("int64"))
+        query_start = runner.query_start_loc.np[: batch + 1].astype(np.int64)
+        computed = runner.input_batch.num_computed_tokens_cpu[:batch].astype(np.int64)
         # The shape of the trees drafted for this step (``tree: auto`` switches among
         # width cuts). A request skipped while the shape changed has more rows than
         # this shape has nodes: its tree is not verified (``TreeState.gather``), its
@@ -111,17 +114,18 @@ class TreeRunner:
             # A chain's node at depth k sits at position L + k, where vLLM put it, and
             # sees what causal attention shows it: vLLM's own kernel, no tree rows.
             return
-        n = num_draft[tree_reqs].clamp(max=tree.num_nodes)
+        n = np.minimum(num_draft[tree_reqs], tree.num_nodes)
         # Trees are breadth-first prefixes (depth cuts, scheduler cuts): attention
         # runs over the longest one, not the whole shape (a 2x5 cut to depth 1 has
         # 3 rows of 63).
         nodes = int(n.max())
-        row_valid = torch.arange(nodes + 1).unsqueeze(0) <= n.unsqueeze(1)  # [R, nodes+1]
+        row_valid = np.arange(nodes + 1)[None, :] <= n[:, None]  # [R, nodes+1]
         rows = tree_rows(query_start[tree_reqs], n, nodes)
-        positions = computed[tree_reqs].unsqueeze(1) + tree.depth[: nodes + 1].unsqueeze(0)
+        context = computed[tree_reqs]
+        positions = context[:, None] + tree.depth.numpy()[None, : nodes + 1]
         # The plan's index tensors reach the device in one copy (two with the masks).
         query_rows, valid_rows, valid_positions, request_index, context_lens = upload_packed(
-            [rows, rows[row_valid], positions[row_valid], tree_reqs, computed[tree_reqs]], device, torch.int64
+            [rows, rows[row_valid], positions[row_valid], tree_reqs, context], device, torch.int64
         )
         mask = tree.ancestor_mask[: nodes + 1, : nodes + 1]
         row_valid_dev, mask = upload_packed([row_valid, mask], device, torch.bool)
@@ -134,7 +138,7 @@ class TreeRunner:
             mask=mask,
             # A batch of tree decodes only: vLLM's causal kernel would compute rows we overwrite.
             covers_all_rows=int(query_start[batch]) == int((n + 1).sum()),
-            max_context_len=int(computed[tree_reqs].max()),
+            max_context_len=int(context.max()),
         )
 
     def attach_plan(self, attn_metadata) -> None:

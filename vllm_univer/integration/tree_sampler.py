@@ -31,15 +31,14 @@ from .tree_state import TreeState
 logger = init_logger(__name__)
 
 
-def tree_rows(first_row: torch.Tensor, num_draft: torch.Tensor, num_nodes: int) -> torch.Tensor:
-    """Rows of the root and nodes 1..N of each request in a flat batch.
+def tree_rows(first_row: np.ndarray, num_draft: np.ndarray, num_nodes: int) -> np.ndarray:
+    """Rows of the root and nodes 1..N of each request in a flat batch (host arrays).
 
     first_row [R] (the root's row), num_draft [R] (nodes scheduled, a
-    breadth-first prefix) -> [R, N+1]; nodes past the scheduled prefix repeat
+    breadth-first prefix) -> int64 [R, N+1]; nodes past the scheduled prefix repeat
     the last scheduled row (the caller masks or ignores them).
     """
-    node = torch.arange(num_nodes + 1, device=first_row.device)
-    return first_row.unsqueeze(1) + torch.minimum(node.unsqueeze(0), num_draft.unsqueeze(1))
+    return first_row[:, None] + np.minimum(np.arange(num_nodes + 1)[None, :], num_draft[:, None])
 
 
 class TreeVerificationSampler:
@@ -53,7 +52,7 @@ class TreeVerificationSampler:
         self.kv_layers = kv_layers  # callable -> list of (keys, values) cache views
         self.timers = timers
         self._cut_trees: dict[tuple[TreeSpec, int], TreeSpec] = {}
-        self._nodes_through: dict[TreeSpec, torch.Tensor] = {}
+        self._nodes_through: dict[TreeSpec, np.ndarray] = {}
         self.probs_buffer = StepBuffer(runner.device)  # the target probabilities, [B, N+1, V]
         self.bias_and_min_p = RequestBiasAndMinP()
         self._pending = None  # the last verification's host-side update (``settle``)
@@ -76,7 +75,7 @@ class TreeVerificationSampler:
             # sets logit_bias or min_p, which that sampler drops under speculation.
             self._restart_prompt_chunks(req_ids, num_draft_list)
             return self.runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
-        scheduled = torch.tensor(num_draft_list, dtype=torch.long)
+        scheduled = np.asarray(num_draft_list, dtype=np.int64)  # host arrays in numpy: microseconds each
         # The trees of this step share one shape: the configured tree or (``tree:
         # auto``) the width cut the drafter last used. The scheduler may cut a tree
         # short (token budget, max_model_len) and ``auto`` drafts depth cuts: a
@@ -87,11 +86,11 @@ class TreeVerificationSampler:
         keep_depth = self._depth_of_prefix(shape, scheduled)
         tree = self._cut_tree(shape, max(1, int(keep_depth.max())))
         n1 = tree.num_nodes + 1
-        num_draft = scheduled.clamp(max=tree.num_nodes)
+        num_draft = np.minimum(scheduled, tree.num_nodes)
 
         # Rows of each request's root and nodes in ``logits``; missing nodes repeat a valid row.
-        rows = tree_rows((scheduled + 1).cumsum(0) - (scheduled + 1), num_draft, tree.num_nodes)
-        if bool((num_draft == tree.num_nodes).all()) and logits.shape[0] == rows.numel():
+        rows = tree_rows(np.cumsum(scheduled + 1) - (scheduled + 1), num_draft, tree.num_nodes)
+        if bool((num_draft == tree.num_nodes).all()) and logits.shape[0] == rows.size:
             tree_logits = logits.view(batch, n1, -1)  # every tree whole: rows in order, no copy
         else:
             tree_logits = logits[upload(rows, device)]  # [B, n1, V]
@@ -101,7 +100,7 @@ class TreeVerificationSampler:
 
         tokens, q, q_missing = self._trees_for(req_ids, num_draft_list, tree_logits, shape, n1)
         tokens = tokens[:, :n1]
-        missing = tree.depth.unsqueeze(0) > keep_depth.unsqueeze(1)  # below a request's cut (host)
+        missing = tree.depth.numpy()[None, :] > keep_depth[:, None]  # below a request's cut
         tokens = tokens.masked_fill(upload(missing, device), -1)
         transforms = self._path_transforms(tree, tokens, sampling_metadata, batch)
         if sampling_metadata.all_greedy:
@@ -133,16 +132,16 @@ class TreeVerificationSampler:
             logprobs = self._logprobs(logits, upload(rows, device), path, output, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
-    def _nodes_through_depth(self, shape: TreeSpec) -> torch.Tensor:
+    def _nodes_through_depth(self, shape: TreeSpec) -> np.ndarray:
         """[D+1]: nodes of ``shape`` at depth <= d, root included (built once per shape)."""
         if shape not in self._nodes_through:
-            self._nodes_through[shape] = torch.tensor(shape.nodes_per_depth).cumsum(0)
+            self._nodes_through[shape] = np.cumsum(shape.nodes_per_depth)
         return self._nodes_through[shape]
 
-    def _depth_of_prefix(self, shape: TreeSpec, num_draft: torch.Tensor) -> torch.Tensor:
-        """[R] scheduled nodes of ``shape`` (breadth-first prefixes) -> [R] the depth
-        of the shape they fill completely (0: not even depth 1)."""
-        return torch.searchsorted(self._nodes_through_depth(shape), num_draft + 1, right=True) - 1
+    def _depth_of_prefix(self, shape: TreeSpec, num_draft: np.ndarray) -> np.ndarray:
+        """int64 [R] scheduled nodes of ``shape`` (breadth-first prefixes) -> [R] the
+        depth of the shape they fill completely (0: not even depth 1)."""
+        return np.searchsorted(self._nodes_through_depth(shape), num_draft + 1, side="right") - 1
 
     def _cut_tree(self, shape: TreeSpec, depth: int) -> TreeSpec:
         """``shape`` cut to ``depth`` (a breadth-first prefix: node ids unchanged)."""
@@ -275,7 +274,7 @@ class TreeVerificationSampler:
             pending()
 
     def _defer_draft_kv_len(
-        self, req_ids, num_draft, keep_depth: torch.Tensor, accepted: torch.Tensor, shape: TreeSpec, chain=None
+        self, req_ids, num_draft, keep_depth: np.ndarray, accepted: torch.Tensor, shape: TreeSpec, chain=None
     ) -> None:
         """The draft cache now holds the context, the root and the accepted nodes
         the drafter ran (every node above the deepest level of the tree as cut).
@@ -287,7 +286,6 @@ class TreeVerificationSampler:
         both = accepted.unsqueeze(1) if chain is None else torch.cat([accepted.unsqueeze(1).to(chain.dtype), chain], 1)
         copy = DeviceToHost(both)
         computed = self.runner.input_batch.num_computed_tokens_cpu[: len(req_ids)].copy()
-        keep_depth = keep_depth.numpy()
         self._restart_prompt_chunks(req_ids, num_draft)
 
         def update() -> None:
