@@ -39,12 +39,14 @@ ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 BASE_KWARGS = {"dtype": "float32", "enforce_eager": True, "block_size": 32, "seed": 0, "disable_log_stats": False}
+# vLLM's piecewise CUDA graphs for target and draft, without Inductor's codegen (engines start fast).
+CUDA_GRAPHS = {"enforce_eager": False, "compilation_config": {"backend": "eager"}}
 # On a GPU machine, scripts/gpu_engine_check.sh reruns the engine tests per attention backend,
-# and with vLLM's piecewise CUDA graphs (target and draft; no Inductor codegen, engines start fast).
+# and under CUDA graphs.
 if os.environ.get("UNIVER_TEST_ATTENTION_BACKEND"):
     BASE_KWARGS["attention_backend"] = os.environ["UNIVER_TEST_ATTENTION_BACKEND"]
 if os.environ.get("UNIVER_TEST_CUDA_GRAPHS") == "1":
-    BASE_KWARGS.update(enforce_eager=False, compilation_config={"backend": "eager"})
+    BASE_KWARGS.update(CUDA_GRAPHS)
 
 
 def run_engines(engines: list[dict], timeout: float = 1200, env: dict | None = None) -> list[dict]:
@@ -95,7 +97,6 @@ def _record_decisions(worker) -> None:
     univer = runner.univer
     univer.decisions = decisions = []
     propose, verify = univer.drafter.propose, runner.rejection_sampler
-
     univer.level0_tokens = level0 = []
 
     def recorded_propose(*args, **kwargs):

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_job import run_engines  # noqa: E402
+from engine_job import CUDA_GRAPHS, run_engines  # noqa: E402
 from greedy_identity import assert_greedy_identical  # noqa: E402
 from test_engine import call, engine, prompts, reference, univer  # noqa: E402
 
@@ -50,10 +50,6 @@ def test_padded_draft_forwards_draft_the_same_trees(tiny_pair):
         level0 = plain["rank_decisions"][0]["level0_tokens"]
         assert level0[0][0] > 6 * 10, (label, level0[0])
         assert all(tokens <= 2 * requests for tokens, requests in level0[1:]), (label, level0)
-
-
-# vLLM's piecewise CUDA graphs for target and draft, without Inductor's codegen (engines start fast).
-CUDA_GRAPHS = {"enforce_eager": False, "compilation_config": {"backend": "eager"}}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (benchmarks/gpu_engine.sh graphs)")

@@ -25,7 +25,7 @@ otherwise do with five more launches per call.
 
 Tensors: rows [R, W, V] (last dim contiguous; q, or logits for greedy rows);
 row_index [K] int64 (the nodes' rows among the W); uniforms [R, K, m] float64;
-greedy [R] bool; out [R, K, m] int64; into: tokens [R, N+1] int64, the K
+greedy [R] bool or int8; out [R, K, m] int64; into: tokens [R, N+1] int64, the K
 nodes' ids [K] int64 and their children's ids [K, m] int64.
 """
 
