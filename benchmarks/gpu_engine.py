@@ -117,7 +117,18 @@ ROWS = [
     ("univer 3x3", {"method": "univer", "tree": "3x3"}, ("3x3", "univer")),
     ("traversal 2x5", {"method": "univer", "tree": "2x5", "verifier": "traversal"}, ("2x5", "traversal")),
     ("traversal auto", {"method": "univer", "tree": "auto", "verifier": "traversal"}, ("auto", "traversal")),
+    # A control, not a contender (the goal compares with the rows named "vLLM chain"): vLLM's
+    # chain in the modes method univer runs in, piecewise graphs and sync scheduling. Between
+    # it and "vLLM chain k=3" lies what vLLM's full graphs and async scheduling give its chain.
+    ("control: chain k=3, piecewise, sync", {"method": "draft_model", "num_speculative_tokens": 3}, ("1x3", "token")),
 ]
+# Engine options of a row beyond its speculative config (merged into vLLM's defaults).
+ROW_ENGINE_OPTIONS = {
+    "control: chain k=3, piecewise, sync": {
+        "async_scheduling": False,
+        "compilation_config": {"cudagraph_mode": "PIECEWISE"},
+    },
+}
 ROW_BY_NAME = {row[0]: row for row in ROWS}
 AUTO_WIDTHS = (1, 2)  # the width cuts of max_tree 2x5: its chain 1x5 and 2x5 itself
 PROMPT_LEN = 128
@@ -182,6 +193,10 @@ def run_one_engine(job: dict) -> dict:
     from vllm_univer.tools.spec_counters import spec_counters
 
     spec = None if job["spec"] is None else {**job["spec"], "model": job["draft"]}
+    options = dict(job.get("engine_options") or {})
+    compilation = options.pop("compilation_config", {})
+    if job.get("compile_backend"):
+        compilation = {"backend": job["compile_backend"], **compilation}
     llm = LLM(
         model=job["target"],
         tokenizer=None,
@@ -190,9 +205,10 @@ def run_one_engine(job: dict) -> dict:
         speculative_config=spec,
         dtype="bfloat16" if torch.cuda.is_available() else "float32",
         enforce_eager=job["eager"],
-        # "eager": vLLM's piecewise CUDA graphs and its own CUDA ops, without Inductor's codegen
-        # (a cold Inductor compile took 120 s+ per engine on the H200).
-        **({"compilation_config": {"backend": job["compile_backend"]}} if job.get("compile_backend") else {}),
+        # Compilation backend "eager": vLLM's CUDA graphs and its own CUDA ops, without Inductor's
+        # codegen (a cold Inductor compile took 120 s+ per engine on the H200).
+        **({"compilation_config": compilation} if compilation else {}),
+        **options,
         max_model_len=PROMPT_LEN + job["max_tokens"] + 256,
         max_num_seqs=max(job["batches"]),
         seed=0,
@@ -254,7 +270,18 @@ def run_one_engine(job: dict) -> dict:
                 "drafter other": 1e3 * (spent.get("draft", 0.0) - spent.get("draft_forward", 0.0)) / per_step,
             }
         cells.append(cell)
-    return {"cells": cells}
+    return {"cells": cells, "modes": engine_modes(llm.llm_engine.vllm_config)}
+
+
+def engine_modes(config) -> str:
+    """How vLLM resolved this engine: its CUDA-graph mode and whether it schedules
+    asynchronously. vLLM's defaults differ by row: its own draft_model chain and no
+    speculation get FULL_AND_PIECEWISE graphs and async scheduling on a GPU, where
+    method "univer" runs PIECEWISE (tree attention outside the graphs) and synchronous
+    scheduling (trees are drafted from the committed tokens)."""
+    graphs = config.compilation_config.cudagraph_mode
+    scheduling = "async" if config.scheduler_config.async_scheduling else "sync"
+    return f"{getattr(graphs, 'name', graphs)}, {scheduling}"
 
 
 # ------------------------------------------------------------------ the matrix
@@ -289,6 +316,7 @@ def run(args, save) -> list[dict]:
                 "eager": args.eager,
                 "attention_backend": args.attention_backend,
                 "compile_backend": args.compile_backend,
+                "engine_options": ROW_ENGINE_OPTIONS.get(name),
             }
             print(f"[gpu_engine] {pair} {name}{' (eager)' if args.eager else ''} ...", flush=True)
             start = time.perf_counter()
@@ -328,11 +356,13 @@ def report(results: list[dict], command: str, device: str) -> str:
         "`auto` rows: tree auto (max_tree 2x5) choosing on this machine's measured costs with the study's "
         "acceptance as fixed hazards (`VLLM_UNIVER_AUTO_HAZARDS`; random weights accept nothing); their tau is the "
         "study's tau of each cut they drafted (chains: Block Verification), averaged over request-steps (listed "
-        "under the table: WxD = width W, depth D; 0x0 = no speculation).",
+        "under the table: WxD = width W, depth D; 0x0 = no speculation). Graphs, scheduling: the CUDA-graph mode "
+        "and scheduling vLLM resolved for the row's engine (its defaults give its own rows full graphs for uniform "
+        "decode steps and async scheduling on a GPU; method univer runs piecewise graphs and sync scheduling).",
         "",
         "| pair | row | batch | step ms | verify ms | draft fwd ms | drafter other ms | package share | tau (study) "
-        "| proj. tok/s | vs no spec | vs best chain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| proj. tok/s | vs no spec | vs best chain | graphs, scheduling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_cell: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
     shares: dict[tuple[str, str, int], float] = {}
@@ -355,7 +385,7 @@ def report(results: list[dict], command: str, device: str) -> str:
     for row in results:
         if "error" in row:
             what = row["error"] if row["error"].startswith("skipped") else "failed: see the JSON"
-            lines.append(f"| {row['pair']} | {row['name']} | - | {what} | | | | | | | | |")
+            lines.append(f"| {row['pair']} | {row['name']} | - | {what} | | | | | | | | | |")
             continue
         for cell in row["cells"]:
             rates = by_cell[(row["pair"], cell["batch"])]
@@ -368,7 +398,7 @@ def report(results: list[dict], command: str, device: str) -> str:
             columns += [f"{100 * share:.1f} %" if share is not None else "-", f"{cell['tau']:.2f}"]
             columns += [f"{cell['projected']:.1f}"]
             columns += [f"{cell['projected'] / plain:.2f}x" if plain else "-"]
-            columns += [f"{cell['projected'] / max(chains):.2f}x" if chains else "-"]
+            columns += [f"{cell['projected'] / max(chains):.2f}x" if chains else "-", row.get("modes", "-")]
             lines.append("| " + " | ".join(str(c) for c in columns) + " |")
     for row in results:
         for cell in row.get("cells", []):
@@ -439,7 +469,7 @@ def main() -> None:
     args.graphs_error = None
 
     def save(results: list[dict]) -> str:
-        mode = "enforce_eager" if args.eager else "vLLM's piecewise CUDA graphs"
+        mode = "enforce_eager" if args.eager else "vLLM's CUDA graphs (each row's mode in the table)"
         if not args.eager and args.compile_backend:
             mode += f", compilation backend {args.compile_backend}"
         if args.graphs_error:
