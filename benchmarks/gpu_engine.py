@@ -269,8 +269,53 @@ def run_one_engine(job: dict) -> dict:
                 "draft forwards": 1e3 * spent.get("draft_forward", 0.0) / per_step,
                 "drafter other": 1e3 * (spent.get("draft", 0.0) - spent.get("draft_forward", 0.0)) / per_step,
             }
+        if torch.cuda.is_available():
+            try:
+                cell["gpu_busy"] = decode_busy_share(lambda n: timed(batch, n), min(m, 32))
+            except Exception as e:  # a diagnostic: the row keeps its timings without it
+                cell["gpu_busy_error"] = repr(e)[:300]
         cells.append(cell)
     return {"cells": cells, "modes": engine_modes(llm.llm_engine.vllm_config)}
+
+
+def decode_busy_share(generate, max_tokens: int, device: str = "cuda") -> float:
+    """Share of decoding's wall time in which the GPU ran anything (kernels, copies):
+    ``generate(n)`` (n tokens per request) profiled for ``max_tokens`` and for 1 token,
+    the union of the device's activity intervals over the wall time, the two runs
+    subtracted (prefill and the first token out). The profiler slows the host a little:
+    a lower bound. 1 - share of a step is where the GPU waited for the host.
+    (``device="cpu"``: the same over CPU ops, to check this code where there is no GPU.)"""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    on_gpu = device == "cuda"
+    activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU
+    device_type = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    busy, wall = [], []
+    for n in (max_tokens, 1):
+        sync()
+        with torch.profiler.profile(activities=[activity]) as prof:
+            start = time.perf_counter()
+            generate(n)
+            sync()
+            wall.append(time.perf_counter() - start)
+        busy.append(busy_seconds(prof, device_type))
+    return (busy[0] - busy[1]) / max(wall[0] - wall[1], 1e-9)
+
+
+def busy_seconds(prof, device_type) -> float:
+    """Length of the union of the intervals of ``prof``'s events on ``device_type``."""
+    spans = sorted(
+        (e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events() if e.device_type() == device_type
+    )
+    total, reach = 0, None
+    for start, end in spans:
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total / 1e9
 
 
 def engine_modes(config) -> str:
@@ -358,11 +403,13 @@ def report(results: list[dict], command: str, device: str) -> str:
         "study's tau of each cut they drafted (chains: Block Verification), averaged over request-steps (listed "
         "under the table: WxD = width W, depth D; 0x0 = no speculation). Graphs, scheduling: the CUDA-graph mode "
         "and scheduling vLLM resolved for the row's engine (its defaults give its own rows full graphs for uniform "
-        "decode steps and async scheduling on a GPU; method univer runs piecewise graphs and sync scheduling).",
+        "decode steps and async scheduling on a GPU; method univer runs piecewise graphs and sync scheduling). "
+        "GPU busy: the share of decoding's wall time in which the GPU ran anything (torch.profiler, up to 32 "
+        "tokens, prefill subtracted; a lower bound): the rest of a step the GPU waited for the host.",
         "",
         "| pair | row | batch | step ms | verify ms | draft fwd ms | drafter other ms | package share | tau (study) "
-        "| proj. tok/s | vs no spec | vs best chain | graphs, scheduling |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| proj. tok/s | vs no spec | vs best chain | GPU busy | graphs, scheduling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_cell: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
     shares: dict[tuple[str, str, int], float] = {}
@@ -385,7 +432,7 @@ def report(results: list[dict], command: str, device: str) -> str:
     for row in results:
         if "error" in row:
             what = row["error"] if row["error"].startswith("skipped") else "failed: see the JSON"
-            lines.append(f"| {row['pair']} | {row['name']} | - | {what} | | | | | | | | | |")
+            lines.append(f"| {row['pair']} | {row['name']} | - | {what} | | | | | | | | | | |")
             continue
         for cell in row["cells"]:
             rates = by_cell[(row["pair"], cell["batch"])]
@@ -398,7 +445,8 @@ def report(results: list[dict], command: str, device: str) -> str:
             columns += [f"{100 * share:.1f} %" if share is not None else "-", f"{cell['tau']:.2f}"]
             columns += [f"{cell['projected']:.1f}"]
             columns += [f"{cell['projected'] / plain:.2f}x" if plain else "-"]
-            columns += [f"{cell['projected'] / max(chains):.2f}x" if chains else "-", row.get("modes", "-")]
+            columns += [f"{cell['projected'] / max(chains):.2f}x" if chains else "-"]
+            columns += [f"{100 * cell['gpu_busy']:.0f} %" if "gpu_busy" in cell else "-", row.get("modes", "-")]
             lines.append("| " + " | ".join(str(c) for c in columns) + " |")
     for row in results:
         for cell in row.get("cells", []):
