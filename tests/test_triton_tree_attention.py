@@ -87,6 +87,31 @@ CHECK = textwrap.dedent("""
     check("2x3", 4, 2, 32, [1, 17, 90], splits=3)
     check("2x5", 4, 2, 32, [3, 70, 20], level=(3, 6), splits=4)
     check("2x3", 4, 2, 32, [9, 48], cut=[5, 3], splits=5)
+
+    # One launch prepared for a forward serves each of its layers (own query, cache and
+    # output; shared rows, masks, block table and split buffers): every layer's rows exact.
+    from vllm_univer.kernels.triton_paged_tree_attention import PagedTreeAttention
+
+    tree = TreeSpec.parse("2x3")
+    n, context = tree.num_nodes + 1, torch.tensor([5, 70])
+    table = torch.randperm(BLOCKS, generator=gen)[:12].view(2, 6).int()
+    rows = torch.arange(2 * n).view(2, n)
+    valid = torch.arange(n).unsqueeze(0) < torch.tensor([[n], [4]])
+    layers = [(paged_cache(2, 32, torch.float32, False), torch.randn(2 * n, 4, 32, generator=gen)) for _ in range(3)]
+    for splits in (1, 3):
+        outputs = [torch.full_like(q, 7.0) for _, q in layers]
+        (keys, values), query = layers[0]
+        attention = PagedTreeAttention(query, keys, values, table, context, rows, tree.ancestor_mask, outputs[0],
+                                       scale=0.3, row_valid=valid, max_context_len=70, num_splits=splits)
+        for ((keys, values), query), output in zip(layers, outputs):
+            attention(query, keys, values, output)
+        for ((keys, values), query), output in zip(layers, outputs):
+            positions = context.unsqueeze(1) + torch.arange(n)
+            ref = tree_attention(query[rows].double(), gather_paged(keys, table, positions).double(),
+                                 gather_paged(values, table, positions).double(), keys.double(), values.double(),
+                                 table, context, tree.ancestor_mask, scale=0.3)
+            torch.testing.assert_close(output[rows][valid].double(), ref[valid], atol=2e-5, rtol=2e-5)
+            assert (output[rows][~valid] == 7.0).all()
     print("OK")
 """)
 

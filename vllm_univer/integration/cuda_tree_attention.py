@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.triton_paged_tree_attention import paged_tree_attention_triton
+from ..kernels.triton_paged_tree_attention import PagedTreeAttention
 from .kv_cache_views import standard_kv_views
 from .tree_attention_plan import TreeAttentionPlan
 
@@ -25,23 +25,30 @@ def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, o
     """
     heads, head_size = impl.num_heads, impl.head_size
     key_cache, value_cache = standard_kv_views(kv_cache, head_size)
-    # What every layer reads alike, converted once per forward (not once per layer).
-    table = attn_metadata.block_table
-    block_table = plan.derived(("block_table", id(table)), lambda: table[plan.request_index])
-    mask = plan.derived("mask_int8", lambda: plan.mask.to(torch.int8).contiguous())
-    row_valid = plan.row_valid
-    if row_valid is not None:
-        row_valid = plan.derived("row_valid_int8", lambda: plan.row_valid.to(torch.int8))
-    paged_tree_attention_triton(
-        query.view(-1, heads, head_size),
+    query, output = query.view(-1, heads, head_size), output.view(-1, heads, head_size)
+    # The layers of a forward share everything but their query, cache and output:
+    # the kernel's launch is prepared by the first layer (block table rows, int8
+    # masks, strides, key splits) and reused by the others. Keyed by what the
+    # preparation read of the layer's tensors, should a model mix layer shapes.
+    layout = (query.shape, query.stride(), key_cache.shape, key_cache.stride(), value_cache.stride())
+    key = ("tree_attention", id(attn_metadata.block_table), layout, output.stride(), query.dtype, impl.scale)
+    attention = plan.derived(
+        key, lambda: _prepare(plan, attn_metadata.block_table, query, key_cache, value_cache, output, impl.scale)
+    )
+    attention(query, key_cache, value_cache, output)
+
+
+def _prepare(plan: TreeAttentionPlan, table, query, key_cache, value_cache, output, scale) -> PagedTreeAttention:
+    return PagedTreeAttention(
+        query,
         key_cache,
         value_cache,
-        block_table,
+        table[plan.request_index],
         plan.context_lens,
         plan.query_rows,
-        mask,
-        output.view(-1, heads, head_size),
-        scale=impl.scale,
-        row_valid=row_valid,
+        plan.mask.to(torch.int8).contiguous(),
+        output,
+        scale=scale,
+        row_valid=None if plan.row_valid is None else plan.row_valid.to(torch.int8),
         max_context_len=plan.max_context_len,
     )

@@ -201,92 +201,144 @@ def paged_tree_attention_triton(
         requests over long contexts split their keys across programs (``num_splits``,
         default chosen from the device's multiprocessor count), each writing a
         partial result that is merged by log-sum-exp.
+
+    One call; a forward's layers share one ``PagedTreeAttention`` instead.
     """
-    tokens, heads, head_size = query.shape
-    kv_heads = key_cache.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
-    num_reqs, num_queries = query_rows.shape
-    if ancestor_mask.shape[0] != num_queries:
-        raise ValueError(f"ancestor_mask has {ancestor_mask.shape[0]} rows for {num_queries} tree queries")
-    if query.stride(-1) != 1 or output.stride(-1) != 1:
-        raise ValueError("query and output need a contiguous last dimension")
-    if num_reqs == 0:
-        return
-    num_tree_keys = ancestor_mask.shape[1]
-    groups = heads // kv_heads
-    scale = scale if scale is not None else 1.0 / math.sqrt(head_size)
-    mask = ancestor_mask.to(device=query.device, dtype=torch.int8).contiguous()
-    rows = query_rows.to(torch.int64)
-    valid = row_valid.to(torch.int8) if row_valid is not None else rows  # dummy pointer when absent
-    block_m, block_n = (32 if num_queries * groups > 16 else 16), 32
-    block_d = max(16, triton.next_power_of_2(head_size))
-    tiles = triton.cdiv(num_queries * groups, block_m)
-    if num_splits is None:
-        num_splits = _num_splits(query.device, num_reqs * kv_heads * tiles, max_context_len)
-    max_keys = (max_context_len if max_context_len is not None else 1 << 30) + num_tree_keys
-    keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n if num_splits > 1 else 1 << 30
-    part_out = part_lse = output  # unused pointers when one program walks all keys
-    if num_splits > 1:
-        part_out = torch.empty(
-            num_reqs, num_splits, num_queries, heads, head_size, device=query.device, dtype=torch.float32
-        )
-        part_lse = torch.empty(num_reqs, num_splits, num_queries, heads, device=query.device, dtype=torch.float32)
-    _paged_tree_attention_kernel[(num_reqs, kv_heads * num_splits, tiles)](
-        query,
-        key_cache,
-        value_cache,
-        output,
-        block_table,
-        context_lens,
-        rows,
-        valid,
-        mask,
-        query.stride(0),
-        query.stride(1),
-        *key_cache.stride(),
-        *value_cache.stride(),
-        output.stride(0),
-        output.stride(1),
-        block_table.stride(0),
-        rows.stride(0),
-        valid.stride(0),
-        part_out,
-        part_lse,
-        *(part_out.stride()[:4] if num_splits > 1 else (0, 0, 0, 0)),
-        *(part_lse.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-        num_queries,
-        num_tree_keys,
-        head_size,
-        groups,
-        key_cache.shape[1],
-        scale,
-        keys_per_split,
-        HAS_ROW_VALID=row_valid is not None,
-        IEEE_DOT=query.dtype == torch.float32,
-        NUM_SPLITS=num_splits,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-    )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_reqs, num_queries, heads)](
-            part_out,
-            part_lse,
-            output,
+    attention = PagedTreeAttention(
+        query, key_cache, value_cache, block_table, context_lens, query_rows, ancestor_mask, output,
+        scale=scale, row_valid=row_valid, max_context_len=max_context_len, num_splits=num_splits,
+    )  # fmt: skip
+    attention(query, key_cache, value_cache, output)
+
+
+class PagedTreeAttention:
+    """``paged_tree_attention_triton`` prepared once for every layer of a forward.
+
+    The layers of a forward differ only in their query, cache and output tensors
+    (same shapes and strides); everything else a launch needs (query rows, masks,
+    block table, strides, grid, key splits, the splits' partial buffers) is built
+    here once, so each layer's call is its launch alone. Arguments as in
+    ``paged_tree_attention_triton``; the tensors given here fix the shapes and
+    strides every later call's tensors must have.
+    """
+
+    def __init__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_rows: torch.Tensor,
+        ancestor_mask: torch.Tensor,
+        output: torch.Tensor,
+        scale: float | None = None,
+        row_valid: torch.Tensor | None = None,
+        max_context_len: int | None = None,
+        num_splits: int | None = None,
+    ):
+        tokens, heads, head_size = query.shape
+        kv_heads = key_cache.shape[2]
+        if heads % kv_heads:
+            raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
+        num_reqs, num_queries = query_rows.shape
+        if ancestor_mask.shape[0] != num_queries:
+            raise ValueError(f"ancestor_mask has {ancestor_mask.shape[0]} rows for {num_queries} tree queries")
+        if query.stride(-1) != 1 or output.stride(-1) != 1:
+            raise ValueError("query and output need a contiguous last dimension")
+        self.num_reqs = num_reqs
+        if num_reqs == 0:
+            return
+        num_tree_keys = ancestor_mask.shape[1]
+        groups = heads // kv_heads
+        scale = scale if scale is not None else 1.0 / math.sqrt(head_size)
+        mask = ancestor_mask.to(device=query.device, dtype=torch.int8).contiguous()
+        rows = query_rows.to(torch.int64)
+        valid = row_valid.to(torch.int8) if row_valid is not None else rows  # dummy pointer when absent
+        block_m, block_n = (32 if num_queries * groups > 16 else 16), 32
+        block_d = max(16, triton.next_power_of_2(head_size))
+        tiles = triton.cdiv(num_queries * groups, block_m)
+        if num_splits is None:
+            num_splits = _num_splits(query.device, num_reqs * kv_heads * tiles, max_context_len)
+        self.num_splits = num_splits
+        max_keys = (max_context_len if max_context_len is not None else 1 << 30) + num_tree_keys
+        keys_per_split = 1 << 30
+        if num_splits > 1:
+            keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n
+        # The splits' partial results; the layers run one after another on the stream and
+        # share them. With one split the kernel never reads these pointers.
+        part_out = part_lse = rows
+        if num_splits > 1:
+            part_out = torch.empty(
+                num_reqs, num_splits, num_queries, heads, head_size, device=query.device, dtype=torch.float32
+            )
+            part_lse = torch.empty(num_reqs, num_splits, num_queries, heads, device=query.device, dtype=torch.float32)
+        self.part_out, self.part_lse = part_out, part_lse
+        self._grid = (num_reqs, kv_heads * num_splits, tiles)
+        # Every argument after (query, keys, values, output), in the kernel's order.
+        self._args = (
+            block_table,
+            context_lens,
             rows,
             valid,
-            *part_out.stride()[:4],
-            *part_lse.stride()[:3],
+            mask,
+            query.stride(0),
+            query.stride(1),
+            *key_cache.stride(),
+            *value_cache.stride(),
             output.stride(0),
             output.stride(1),
+            block_table.stride(0),
             rows.stride(0),
             valid.stride(0),
+            part_out,
+            part_lse,
+            *(part_out.stride()[:4] if num_splits > 1 else (0, 0, 0, 0)),
+            *(part_lse.stride()[:3] if num_splits > 1 else (0, 0, 0)),
+            num_queries,
+            num_tree_keys,
             head_size,
+            groups,
+            key_cache.shape[1],
+            scale,
+            keys_per_split,
+        )
+        self._meta = dict(
             HAS_ROW_VALID=row_valid is not None,
+            IEEE_DOT=query.dtype == torch.float32,
             NUM_SPLITS=num_splits,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
             BLOCK_D=block_d,
         )
+        if num_splits > 1:
+            self._merge_grid = (num_reqs, num_queries, heads)
+            # Every argument after (partial outputs, their lse, output), in the merge kernel's order.
+            self._merge_args = (
+                rows,
+                valid,
+                *part_out.stride()[:4],
+                *part_lse.stride()[:3],
+                output.stride(0),
+                output.stride(1),
+                rows.stride(0),
+                valid.stride(0),
+                head_size,
+            )
+            self._merge_meta = dict(HAS_ROW_VALID=row_valid is not None, NUM_SPLITS=num_splits, BLOCK_D=block_d)
+
+    def __call__(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        """One layer: its query [tokens, Hq, Dh], key/value caches and output, shaped
+        and strided as the tensors this was prepared with."""
+        if self.num_reqs == 0:
+            return
+        _paged_tree_attention_kernel[self._grid](query, key_cache, value_cache, output, *self._args, **self._meta)
+        if self.num_splits > 1:
+            _merge_splits_kernel[self._merge_grid](
+                self.part_out, self.part_lse, output, *self._merge_args, **self._merge_meta
+            )
 
 
 @triton.jit
