@@ -7,7 +7,9 @@
 #                                          # graphs, target and draft (tests/test_draft_forward.py:
 #                                          # greedy identity, drafts accepted as in an eager engine)
 #   bash benchmarks/gpu_engine.sh check    # about 200 s: benchmarks/gpu_check.py (verifiers'
-#                                          # laws, kernels, verify timings; cut off at GPU_CHECK_S)
+#                                          # laws, kernels, verify timings; cut off at GPU_CHECK_S),
+#                                          # then attention_host_overhead.py (~20 s: host time per
+#                                          # attention layer, ours and vLLM's, real launches)
 #   bash benchmarks/gpu_engine.sh engine   # about 520 s: benchmarks/gpu_engine.py (step time and
 #                                          # projected tokens/s against vLLM's draft_model chain)
 #
@@ -38,6 +40,8 @@ fi
 if [ "$part" = check ] || [ "$part" = all ]; then
   timeout "${GPU_CHECK_S:-200}" python benchmarks/gpu_check.py --out "$out" \
     || echo "[gpu_engine.sh] gpu_check failed or cut off (rc=$?); its report keeps the sections done"
+  timeout 60 python benchmarks/attention_host_overhead.py --out "$out" \
+    || echo "[gpu_engine.sh] attention_host_overhead failed or cut off (rc=$?)"
 fi
 if [ "$part" = engine ] || [ "$part" = all ]; then
   budget="${GPU_ENGINE_S:-520}"
