@@ -141,6 +141,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument(
+        "--interpreted-launches",
+        action="store_true",
+        help="on a CPU, run the kernels (with TRITON_INTERPRET=1) instead of stubbing their launch: "
+        "checks the GPU run's calls, times nothing useful",
+    )
     args = ap.parse_args()
 
     on_gpu = torch.cuda.is_available()
@@ -148,14 +154,16 @@ def main() -> None:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if not on_gpu:
         use_real_triton_in_vllm()
-        stub_triton_launches()
+        if not args.interpreted_launches:
+            stub_triton_launches()
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
     from vllm_univer.integration import patches
 
     patches.patch_attention_forwards()
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    machine = torch.cuda.get_device_name() if on_gpu else f"CPU ({torch.get_num_threads()} threads), launches stubbed"
+    launches = "kernels in Triton's interpreter" if args.interpreted_launches else "launches stubbed"
+    machine = torch.cuda.get_device_name() if on_gpu else f"CPU ({torch.get_num_threads()} threads), {launches}"
     lines = [
         "# Host time per attention layer: tree attention against vLLM's TRITON_ATTN forward",
         "",
