@@ -292,6 +292,7 @@ def decode_busy_share(generate, max_tokens: int, device: str = "cuda") -> float:
     on_gpu = device == "cuda"
     activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU
     device_type = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
+    kinds = {"kernel", "gpu_memcpy", "gpu_memset"} if on_gpu else {"cpu_op"}
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     busy, wall = [], []
     for n in (max_tokens, 1):
@@ -301,14 +302,17 @@ def decode_busy_share(generate, max_tokens: int, device: str = "cuda") -> float:
             generate(n)
             sync()
             wall.append(time.perf_counter() - start)
-        busy.append(busy_seconds(prof, device_type))
+        busy.append(busy_seconds(prof, device_type, kinds))
     return (busy[0] - busy[1]) / max(wall[0] - wall[1], 1e-9)
 
 
-def busy_seconds(prof, device_type) -> float:
-    """Length of the union of the intervals of ``prof``'s events on ``device_type``."""
+def busy_seconds(prof, device_type, kinds: set[str]) -> float:
+    """Length of the union of the intervals of ``prof``'s events on ``device_type`` of
+    the activity ``kinds`` (GPU annotations would span the gaps between kernels)."""
     spans = sorted(
-        (e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events() if e.device_type() == device_type
+        (e.start_ns(), e.end_ns())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == device_type and e.activity_type() in kinds
     )
     total, reach = 0, None
     for start, end in spans:
