@@ -8,7 +8,7 @@
 #                                          # greedy identity, drafts accepted as in an eager engine)
 #   bash benchmarks/gpu_engine.sh check    # about 200 s: benchmarks/gpu_check.py (verifiers'
 #                                          # laws, kernels, verify timings; cut off at GPU_CHECK_S),
-#                                          # then attention_host_overhead.py (~20 s: host time per
+#                                          # then attention_host_overhead.py (<= 45 s: host time per
 #                                          # attention layer, ours and vLLM's, real launches)
 #   bash benchmarks/gpu_engine.sh engine   # about 520 s: benchmarks/gpu_engine.py (step time and
 #                                          # projected tokens/s against vLLM's draft_model chain)
@@ -40,7 +40,7 @@ fi
 if [ "$part" = check ] || [ "$part" = all ]; then
   timeout "${GPU_CHECK_S:-200}" python benchmarks/gpu_check.py --out "$out" \
     || echo "[gpu_engine.sh] gpu_check failed or cut off (rc=$?); its report keeps the sections done"
-  timeout 60 python benchmarks/attention_host_overhead.py --out "$out" \
+  timeout 45 python benchmarks/attention_host_overhead.py --reps 50 --out "$out" \
     || echo "[gpu_engine.sh] attention_host_overhead failed or cut off (rc=$?)"
 fi
 if [ "$part" = engine ] || [ "$part" = all ]; then
