@@ -72,6 +72,8 @@ def chain_matches_triton_attn(device, dtype, gen, reqs: int = 3, context: int = 
     rows = torch.arange(reqs * t, device=device).view(reqs, t)
     ours, theirs = torch.zeros_like(query), torch.zeros_like(query)
     scale = dh**-0.5
-    paged_tree_attention_triton(query, keys, values, table, lens, rows, mask, ours, scale, max_context_len=context)
+    paged_tree_attention_triton(
+        query, keys, values, table, lens, rows, mask, ours, scale=scale, max_context_len=context
+    )
     triton_attn_causal(query, keys, values, table, lens, t, theirs, scale)()
     return float((ours.double() - theirs.double()).abs().max())

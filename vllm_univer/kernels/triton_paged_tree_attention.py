@@ -180,10 +180,7 @@ def paged_tree_attention_triton(
     query_rows: torch.Tensor,
     ancestor_mask: torch.Tensor,
     output: torch.Tensor,
-    scale: float | None = None,
-    row_valid: torch.Tensor | None = None,
-    max_context_len: int | None = None,
-    num_splits: int | None = None,
+    **options,
 ) -> None:
     """Write exact tree attention into ``output`` at the tree queries' rows.
 
@@ -195,19 +192,20 @@ def paged_tree_attention_triton(
     context_lens [R] (int): L per request; tree key j is cached at position L + j.
     query_rows [R, Tq] (long): flat row of tree query t of request r.
     ancestor_mask [Tq, Tk] bool (or int8): query t sees tree key j.
-    row_valid [R, Tq] bool (or int8) or None: rows to compute (others are left
-        untouched). Int8 contiguous masks are read as they are (no conversion launch).
-    max_context_len: a Python bound on context_lens (no host sync); with it, few
-        requests over long contexts split their keys across programs (``num_splits``,
-        default chosen from the device's multiprocessor count), each writing a
-        partial result that is merged by log-sum-exp.
+
+    Options (keywords): scale (default 1 / sqrt(Dh)); row_valid [R, Tq] bool (or
+    int8) or None: rows to compute (others are left untouched; int8 contiguous
+    masks are read as they are, no conversion launch); max_context_len: a Python
+    bound on context_lens (no host sync), with which few requests over long
+    contexts split their keys across programs (num_splits, default chosen from
+    the device's multiprocessor count), each writing a partial result that is
+    merged by log-sum-exp.
 
     One call; a forward's layers share one ``PagedTreeAttention`` instead.
     """
     attention = PagedTreeAttention(
-        query, key_cache, value_cache, block_table, context_lens, query_rows, ancestor_mask, output,
-        scale=scale, row_valid=row_valid, max_context_len=max_context_len, num_splits=num_splits,
-    )  # fmt: skip
+        query, key_cache, value_cache, block_table, context_lens, query_rows, ancestor_mask, output, **options
+    )
     attention(query, key_cache, value_cache, output)
 
 
