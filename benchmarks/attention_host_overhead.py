@@ -52,12 +52,11 @@ def stub_triton_launches() -> None:
 
 def case_inputs(hq, hkv, dh, tree_spec, level, batch, context, device, dtype):
     from vllm_univer import TreeSpec
+    from vllm_univer.integration.tree_drafter import _Shape
 
     tree = TreeSpec.parse(tree_spec)
-    mask = tree.ancestor_mask
-    if level is not None:
-        first, last = (int((tree.depth < level).sum()), int((tree.depth <= level).sum()) - 1)
-        mask = mask[first : last + 1, : last + 1]
+    # A draft level: the mask the drafter hands that level's forward.
+    mask = tree.ancestor_mask if level is None else _Shape(tree, device).level_masks[level]
     t = mask.shape[0]
     blocks = -(-(context + mask.shape[1]) // BLOCK)
     table = torch.arange(batch * blocks, dtype=torch.int32, device=device).view(batch, blocks)

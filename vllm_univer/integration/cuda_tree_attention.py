@@ -10,8 +10,6 @@ paged cache and written into the backend's output (no gather of the context).
 
 from __future__ import annotations
 
-import torch
-
 from ..kernels.triton_paged_tree_attention import PagedTreeAttention
 from .kv_cache_views import standard_kv_views
 from .tree_attention_plan import TreeAttentionPlan
@@ -28,7 +26,7 @@ def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, o
     query, output = query.view(-1, heads, head_size), output.view(-1, heads, head_size)
     # The layers of a forward share everything but their query, cache and output:
     # the kernel's launch is prepared by the first layer (block table rows, int8
-    # masks, strides, key splits) and reused by the others. Keyed by what the
+    # masks, strides, key splits: PagedTreeAttention) and reused by the others. Keyed by what the
     # preparation read of the layer's tensors, should a model mix layer shapes.
     layout = (query.shape, query.stride(), key_cache.shape, key_cache.stride(), value_cache.stride())
     key = ("tree_attention", id(attn_metadata.block_table), layout, output.stride(), query.dtype, impl.scale)
@@ -46,9 +44,9 @@ def _prepare(plan: TreeAttentionPlan, table, query, key_cache, value_cache, outp
         table[plan.request_index],
         plan.context_lens,
         plan.query_rows,
-        plan.mask.to(torch.int8).contiguous(),
+        plan.mask,
         output,
         scale=scale,
-        row_valid=None if plan.row_valid is None else plan.row_valid.to(torch.int8),
+        row_valid=plan.row_valid,
         max_context_len=plan.max_context_len,
     )

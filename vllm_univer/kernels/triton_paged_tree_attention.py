@@ -259,14 +259,12 @@ class PagedTreeAttention:
         if num_splits is None:
             num_splits = _num_splits(query.device, num_reqs * kv_heads * tiles, max_context_len)
         self.num_splits = num_splits
-        max_keys = (max_context_len if max_context_len is not None else 1 << 30) + num_tree_keys
-        keys_per_split = 1 << 30
+        # With one split the kernel walks every key and never reads the partial-result pointers.
+        keys_per_split, part_out, part_lse = 1 << 30, rows, rows
         if num_splits > 1:
+            max_keys = (max_context_len if max_context_len is not None else 1 << 30) + num_tree_keys
             keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n
-        # The splits' partial results; the layers run one after another on the stream and
-        # share them. With one split the kernel never reads these pointers.
-        part_out = part_lse = rows
-        if num_splits > 1:
+            # The splits' partial results: the layers run one after another on the stream and share them.
             part_out = torch.empty(
                 num_reqs, num_splits, num_queries, heads, head_size, device=query.device, dtype=torch.float32
             )
