@@ -66,7 +66,7 @@ def case_inputs(hq, hkv, dh, tree_spec, level, batch, context, device, dtype):
 
 
 def ours(impl, layers, mask, t, table, kv_cache, query, context):
-    from vllm_univer.integration.tree_attention_plan import TreeAttentionPlan
+    from vllm_univer.integration.attention.tree_attention_plan import TreeAttentionPlan
 
     batch = table.shape[0]
     device = query.device

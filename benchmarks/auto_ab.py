@@ -95,10 +95,10 @@ def main() -> None:
     ]
 
     def set_schedule(worker, depths, widths):
-        worker.model_runner.univer.sizer.set_schedule(depths, widths)
+        worker.model_runner.tree_speculation.sizer.set_schedule(depths, widths)
 
     def depth_counts(worker):
-        return dict(worker.model_runner.univer.sizer.requests_at_depth)
+        return dict(worker.model_runner.tree_speculation.sizer.requests_at_depth)
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True)
     llm.generate(texts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up at this batch

@@ -60,10 +60,10 @@ def run_case(batch: int, context: int, shape: str, dtype: torch.dtype) -> dict:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from vllm_univer import TreeSpec
-    from vllm_univer.integration.cpu_tree_attention import forward_tree_rows
-    from vllm_univer.integration.kv_cache_views import cpu_kv_views
-    from vllm_univer.integration.tree_attention_plan import TreeAttentionPlan
-    from vllm_univer.kernels import tree_attention
+    from vllm_univer.integration.attention import tree_attention
+    from vllm_univer.integration.attention.cpu_tree_attention import forward_tree_rows
+    from vllm_univer.integration.attention.kv_cache_views import cpu_kv_views
+    from vllm_univer.integration.attention.tree_attention_plan import TreeAttentionPlan
 
     isa = _get_attn_isa(dtype, BLOCK, DH)
     tree = TreeSpec.parse(shape)
@@ -154,7 +154,7 @@ def run_case(batch: int, context: int, shape: str, dtype: torch.dtype) -> dict:
 
 
 def main() -> None:
-    from vllm_univer.host_cpu import host_cpu
+    from vllm_univer.tools.host_cpu import host_cpu
 
     dtype = getattr(torch, host_cpu().serving_dtype()[0])
     results = [run_case(b, c, s, dtype) for b, c, s in CASES]

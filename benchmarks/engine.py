@@ -117,7 +117,7 @@ def engine_configs(quick: bool) -> list[dict]:
 def serving_dtype() -> str:
     import torch
 
-    from vllm_univer.host_cpu import host_cpu
+    from vllm_univer.tools.host_cpu import host_cpu
 
     return "bfloat16" if torch.cuda.is_available() else host_cpu().serving_dtype()[0]
 
@@ -161,7 +161,7 @@ def _worker_counters(worker) -> dict:
     """In one call: the package's step timers, tree auto's sizer summary, and the
     ``_time_step_parts`` totals (each {} where the engine has none)."""
     runner = worker.model_runner
-    univer = getattr(runner, "univer", None)
+    univer = getattr(runner, "tree_speculation", None)
     return {
         "timers": dict(univer.timers.totals) if univer is not None else {},
         "sizer": univer.sizer.summary() if univer is not None and univer.sizer is not None else {},
@@ -439,7 +439,7 @@ def device_label() -> str:
 
     if torch.cuda.is_available():
         return f"CUDA build, {torch.cuda.get_device_name()}"
-    from vllm_univer.host_cpu import host_cpu
+    from vllm_univer.tools.host_cpu import host_cpu
 
     return f"CPU build, {host_cpu().label}, {platform.platform()}"
 

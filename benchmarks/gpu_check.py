@@ -41,10 +41,10 @@ from verifier_overhead import make_inputs  # noqa: E402
 from vllm_attention import chain_matches_triton_attn, flash_attn_causal, triton_attn_causal  # noqa: E402
 
 from vllm_univer import METHODS, TreeSpec, outcome_law, verify  # noqa: E402
-from vllm_univer.compiled_rules import CUDA_CHECK_ENV  # noqa: E402
-from vllm_univer.kernels import tree_attention  # noqa: E402
-from vllm_univer.kernels.tree_attention import gather_paged  # noqa: E402
-from vllm_univer.kernels.triton_rows import SPLITS_ENV  # noqa: E402
+from vllm_univer.core.compiled_rules import CUDA_CHECK_ENV  # noqa: E402
+from vllm_univer.core.kernels.triton_rows import SPLITS_ENV  # noqa: E402
+from vllm_univer.integration.attention import tree_attention  # noqa: E402
+from vllm_univer.integration.attention.tree_attention import gather_paged  # noqa: E402
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def paged_inputs(device, dtype, gen, reqs=4, context=300, spec="2x5", hq=12, hkv
 
 
 def paged_kernel_error(device, dtype, gen, num_splits=None) -> float:
-    from vllm_univer.kernels.triton_paged_tree_attention import paged_tree_attention_triton
+    from vllm_univer.integration.attention.triton_paged_tree_attention import paged_tree_attention_triton
 
     tree, query, keys, values, table, lens, rows = paged_inputs(device, dtype, gen)
     mask = tree.ancestor_mask.to(device)
@@ -132,7 +132,7 @@ def vocab_splits_forced(splits: int | None):
 def compiled_afresh(**inductor_config):
     """The compiled node rules compiled again, under ``inductor_config``, and
     afresh once more afterwards (nothing compiled here is kept)."""
-    from vllm_univer import compiled_rules
+    from vllm_univer.core import compiled_rules
 
     def reset():
         compiled_rules.compiled_node_rule.cache_clear()
@@ -240,7 +240,7 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
 def drafting_correctness(device: torch.device, lines: list[str]) -> bool:
     """The engine's CUDA drafting kernel (``draft_children_fused``): children of one
     row drawn 50 000 times per scheme against the scheme's exact law."""
-    from vllm_univer.kernels.triton_draft_children import draft_children_fused
+    from vllm_univer.core.kernels.triton_draft_children import draft_children_fused
 
     ok = True
     draws = 50000
@@ -270,7 +270,7 @@ def attention_timings(device: torch.device, lines: list[str]) -> None:
     """Paged tree attention per verification forward: the Triton kernel vs the PyTorch
     path, and vs vLLM's own kernels on the same query rows and contexts (causal: a chain
     of as many tokens), the bar of issue 12 (at most 1.5x)."""
-    from vllm_univer.kernels.triton_paged_tree_attention import paged_tree_attention_triton
+    from vllm_univer.integration.attention.triton_paged_tree_attention import paged_tree_attention_triton
 
     lines += [
         "",
@@ -488,7 +488,7 @@ def chain_timings(device: torch.device, lines: list[str]) -> None:
 def block_sweep(device: torch.device, lines: list[str]) -> None:
     """The fused verify kernels' vocabulary block (``triton_rows.MAX_BLOCK_V``),
     swept on 2x5 at V = 151 936: which block to keep (ms per verify call)."""
-    from vllm_univer.kernels import triton_rows
+    from vllm_univer.core.kernels import triton_rows
 
     blocks = (1024, 2048, 4096)
     methods = ("univer", "traversal", "rrsw")
@@ -521,9 +521,9 @@ def kv_move_timings(device: torch.device, lines: list[str]) -> None:
     Hkv 4, Dh 128, block 16, 2x5 paths): the one-launch kernel against the
     per-cache gather + scatter after reading the paths on the host (the CPU
     engine's path); both checked equal, bit for bit."""
-    from vllm_univer.integration.kv_cache_views import standard_kv_views
-    from vllm_univer.kernels.kv_compaction import accepted_path_moves, move_paged_kv
-    from vllm_univer.kernels.triton_kv_moves import fused_kv_moves_apply, move_accepted_kv
+    from vllm_univer.integration.attention.kv_cache_views import standard_kv_views
+    from vllm_univer.integration.attention.kv_compaction import accepted_path_moves, move_paged_kv
+    from vllm_univer.integration.attention.triton_kv_moves import fused_kv_moves_apply, move_accepted_kv
 
     lines += [
         "",
@@ -570,8 +570,8 @@ def kv_move_timings(device: torch.device, lines: list[str]) -> None:
 def draft_softmax_timings(device: torch.device, lines: list[str]) -> None:
     """A draft level's q rows, softmax(logits / T) into the q buffer (V = 151 936,
     bf16 logits): the one-launch kernel against the PyTorch steps off CUDA."""
-    from vllm_univer.integration.target_probs import softmax_
-    from vllm_univer.kernels.triton_temperature_softmax import temperature_softmax
+    from vllm_univer.core.kernels.triton_temperature_softmax import temperature_softmax
+    from vllm_univer.integration.sampling.target_probs import softmax_
 
     lines += [
         "",

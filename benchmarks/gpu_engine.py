@@ -173,7 +173,7 @@ def auto_hazards(tau: dict[tuple[str, str], float], method: str) -> dict[str, li
 
 # ------------------------------------------------------------------ one engine
 def _timers_on(worker, on: bool) -> dict:
-    univer = getattr(worker.model_runner, "univer", None)
+    univer = getattr(worker.model_runner, "tree_speculation", None)
     if univer is None:
         return {}
     univer.timers.enabled = on
@@ -181,7 +181,7 @@ def _timers_on(worker, on: bool) -> dict:
 
 
 def _sizer_cuts(worker) -> dict:
-    univer = getattr(worker.model_runner, "univer", None)
+    univer = getattr(worker.model_runner, "tree_speculation", None)
     sizer = getattr(univer, "sizer", None)
     return sizer.summary().get("requests_at_cut", {}) if sizer is not None else {}
 

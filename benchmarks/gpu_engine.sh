@@ -4,7 +4,7 @@
 # call each, about 70 s together with the machine's start). Then one device call per part:
 #
 #   bash benchmarks/gpu_engine.sh graphs   # about 150 s: the engine under vLLM's piecewise CUDA
-#                                          # graphs, target and draft (tests/test_draft_forward.py:
+#                                          # graphs, target and draft (tests/end_to_end/test_draft_forward.py:
 #                                          # greedy identity, drafts accepted as in an eager engine)
 #   bash benchmarks/gpu_engine.sh check    # about 200 s: benchmarks/gpu_check.py (verifiers'
 #                                          # laws, kernels, verify timings; cut off at GPU_CHECK_S),
@@ -22,7 +22,7 @@
 # ops between the graphs' pieces, no Inductor codegen): each engine's first start with Inductor
 # compiles from a cold cache (2026-12-04: vLLM's chain k = 3 took over 120 s), which would leave
 # room for 3-4 of the rows; pass --compile-backend inductor (and a larger GPU_ENGINE_S) for
-# vLLM's default. Where two GPUs exist, `tp2` runs tests/test_parallel.py's tensor-parallel checks.
+# vLLM's default. Where two GPUs exist, `tp2` runs tests/end_to_end/test_parallel.py's tensor-parallel checks.
 # Results go to $OUT (the device tool brings them back) or benchmarks/results.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -35,7 +35,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L || true
 if [ "$part" = graphs ] || [ "$part" = all ]; then
   UNIVER_TEST_ATTENTION_BACKEND=TRITON_ATTN timeout "${GPU_GRAPHS_S:-150}" \
-    python -m pytest -q -p no:cacheprovider tests/test_draft_forward.py -k cuda_graphs 2>&1 | tee "$out/graphs_gpu.txt"
+    python -m pytest -q -p no:cacheprovider tests/end_to_end/test_draft_forward.py -k cuda_graphs 2>&1 | tee "$out/graphs_gpu.txt"
 fi
 if [ "$part" = check ] || [ "$part" = all ]; then
   timeout "${GPU_CHECK_S:-200}" python benchmarks/gpu_check.py --out "$out" \
@@ -50,6 +50,6 @@ if [ "$part" = engine ] || [ "$part" = all ]; then
     || echo "[gpu_engine.sh] gpu_engine stopped (rc=$?); its report keeps the rows done"
 fi
 if [ "$part" = tp2 ]; then
-  timeout 540 python -m pytest -q tests/test_parallel.py -k tensor_parallel 2>&1 | tee "$out/tp2_gpu.txt"
+  timeout 540 python -m pytest -q tests/end_to_end/test_parallel.py -k tensor_parallel 2>&1 | tee "$out/tp2_gpu.txt"
 fi
 echo "[gpu_engine.sh] $part done in ${SECONDS} s"

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from vllm_univer.host_cpu import host_cpu  # noqa: E402
+from vllm_univer.tools.host_cpu import host_cpu  # noqa: E402
 from vllm_univer.tools.local_server import free_port, stop, vllm_serve  # noqa: E402
 
 PROMPT = "Write a Python function that reverses a list."

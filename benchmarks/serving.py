@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_univer.host_cpu import host_cpu
+from vllm_univer.tools.host_cpu import host_cpu
 from vllm_univer.tools.local_server import vllm_serve
 
 HERE = Path(__file__).resolve().parent

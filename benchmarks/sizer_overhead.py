@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_univer.core.tree import TreeSpec
 from vllm_univer.sizing import (
     AcceptanceModel,
     ForwardCost,
@@ -38,7 +39,6 @@ from vllm_univer.sizing import (
     prior_hazards,
     tree_choice,
 )
-from vllm_univer.tree import TreeSpec
 
 RESULTS = Path(__file__).parent / "results"
 STEP_MS_H200_7B = 7.0  # a Qwen2.5-7B decode step on one H200, for scale (issue 12)

@@ -36,7 +36,7 @@ from acceptance import CachedLM, draft_and_score, expected_accepted, prompt_ids,
 from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts  # noqa: E402
 
 from vllm_univer import TreeSpec  # noqa: E402
-from vllm_univer.verifiers.univer_wor import UniVerWorVerifier  # noqa: E402
+from vllm_univer.core.verifiers.univer_wor import UniVerWorVerifier  # noqa: E402
 
 RECORDS = HERE / "results" / "univer_wor_paired.jsonl"
 REPORT = HERE / "results" / "univer_wor_paired.md"
@@ -46,15 +46,18 @@ RULE_METHODS = ("node_rule", "_in_pairs", "_three", "_select")
 
 def rule_at(commit: str):
     """univer_wor's verifier class as it was at ``commit`` (its module loaded from git)."""
-    source = subprocess.run(
-        ["git", "show", f"{commit}:vllm_univer/verifiers/univer_wor.py"],
-        cwd=HERE.parent,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    source = source.replace("from ..ops import", "from vllm_univer.ops import")
-    source = source.replace("from .base import", "from vllm_univer.verifiers.base import")
+    # The file's home before and after the core moved into vllm_univer/core (2026-12-06).
+    for home in ("vllm_univer/core/verifiers", "vllm_univer/verifiers"):
+        shown = subprocess.run(
+            ["git", "show", f"{commit}:{home}/univer_wor.py"], cwd=HERE.parent, capture_output=True, text=True
+        )
+        if shown.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"no univer_wor.py at {commit}: {shown.stderr.strip()}")
+    source = shown.stdout
+    source = source.replace("from ..ops import", "from vllm_univer.core.ops import")
+    source = source.replace("from .base import", "from vllm_univer.core.verifiers.base import")
     path = Path("/tmp") / f"univer_wor_{commit}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"univer_wor_{commit}", path)

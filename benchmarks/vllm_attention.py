@@ -58,7 +58,7 @@ def chain_matches_triton_attn(device, dtype, gen, reqs: int = 3, context: int = 
     t - 1 drafts (tree attention then is causal attention) and ``triton_attn_causal``
     on the same rows: the two are timed against each other as like for like."""
     from vllm_univer import TreeSpec
-    from vllm_univer.kernels.triton_paged_tree_attention import paged_tree_attention_triton
+    from vllm_univer.integration.attention.triton_paged_tree_attention import paged_tree_attention_triton
 
     hq, hkv, dh, bs = shape.get("hq", 4), shape.get("hkv", 2), shape.get("dh", 32), shape.get("bs", 16)
     lens = torch.randint(1, context, (reqs,), generator=gen)

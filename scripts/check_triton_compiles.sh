@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compile every Triton kernel of the package for sm_90 with another Triton release
-# (tests/test_triton_compiles.py), e.g. the one a GPU machine runs:
+# (tests/core/test_triton_compiles.py), e.g. the one a GPU machine runs:
 #   bash scripts/check_triton_compiles.sh 3.6.0
 # The wheel is fetched from the package index once, into ~/.cache/vllm-univer.
 set -euo pipefail
@@ -11,4 +11,4 @@ source .venv/bin/activate
 if [ ! -d "$site/triton" ]; then
   python -m pip install -q --no-deps --target "$site" "triton==${version}"
 fi
-VLLM_UNIVER_TRITON_SITE="$site" python -m pytest -q tests/test_triton_compiles.py -s | grep -E "with Triton|passed|failed|FAILURE"
+VLLM_UNIVER_TRITON_SITE="$site" python -m pytest -q tests/core/test_triton_compiles.py -s | grep -E "with Triton|passed|failed|FAILURE"

@@ -16,14 +16,14 @@ cd "$repo"
 nvidia-smi >/dev/null || { echo "no GPU visible (nvidia-smi failed)" >&2; exit 1; }
 bash scripts/setup_venv.sh  # the CUDA build when nvidia-smi sees a GPU
 py="${VENV:-$repo/.venv}/bin/python"
-"$py" -m pytest -q tests/test_triton_tree_attention.py tests/test_cuda_tree_attention.py
-UNIVER_TEST_ATTENTION_BACKEND=FLASH_ATTN "$py" -m pytest -q tests/test_engine.py tests/test_engine_law.py tests/test_engine_errors.py \
-    tests/test_engine_options.py tests/test_server.py tests/test_draft_forward.py
-UNIVER_TEST_ATTENTION_BACKEND=TRITON_ATTN "$py" -m pytest -q tests/test_engine.py -k "every_verifier"
+"$py" -m pytest -q tests/integration/attention/test_triton_tree_attention.py tests/integration/attention/test_cuda_tree_attention.py
+UNIVER_TEST_ATTENTION_BACKEND=FLASH_ATTN "$py" -m pytest -q tests/end_to_end/test_engine.py tests/end_to_end/test_engine_law.py tests/end_to_end/test_engine_errors.py \
+    tests/end_to_end/test_engine_options.py tests/end_to_end/test_server.py tests/end_to_end/test_draft_forward.py
+UNIVER_TEST_ATTENTION_BACKEND=TRITON_ATTN "$py" -m pytest -q tests/end_to_end/test_engine.py -k "every_verifier"
 # The same under vLLM's piecewise CUDA graphs (target and draft), both backends.
 for backend in FLASH_ATTN TRITON_ATTN; do
-  UNIVER_TEST_CUDA_GRAPHS=1 UNIVER_TEST_ATTENTION_BACKEND=$backend "$py" -m pytest -q tests/test_engine.py \
-      tests/test_engine_law.py -k "generated_law or every_verifier"
+  UNIVER_TEST_CUDA_GRAPHS=1 UNIVER_TEST_ATTENTION_BACKEND=$backend "$py" -m pytest -q tests/end_to_end/test_engine.py \
+      tests/end_to_end/test_engine_law.py -k "generated_law or every_verifier"
 done
 PYTHONPATH=. "$py" benchmarks/gpu_check.py --out benchmarks/results
 "$py" benchmarks/engine.py --tag gpu

@@ -51,7 +51,7 @@ def hardware_defaults(user_args: list[str]) -> tuple[str, str, list[str], dict[s
     if torch.cuda.is_available():
         dtype = os.environ.get("DTYPE", "bfloat16")
         return dtype, f"GPU: {torch.cuda.get_device_name()}, dtype {dtype}", [], {}
-    from vllm_univer.host_cpu import host_cpu
+    from vllm_univer.tools.host_cpu import host_cpu
 
     cpu = host_cpu()
     dtype, why = cpu.serving_dtype()

@@ -82,19 +82,19 @@ def _prompt(p):
 
 
 def _op_counts(worker) -> dict:
-    univer = getattr(worker.model_runner, "univer", None)
+    univer = getattr(worker.model_runner, "tree_speculation", None)
     return univer.timers.op_counts() if univer is not None else {}
 
 
 def _sizer_summary(worker) -> dict:
-    univer = getattr(worker.model_runner, "univer", None)
+    univer = getattr(worker.model_runner, "tree_speculation", None)
     return univer.sizer.summary() if univer is not None and univer.sizer is not None else {}
 
 
 def _record_decisions(worker) -> None:
     """Keep, on this worker, every tree it drafts and every verification outcome."""
     runner = worker.model_runner
-    univer = runner.univer
+    univer = runner.tree_speculation
     univer.decisions = decisions = []
     propose, verify = univer.drafter.propose, runner.rejection_sampler
     univer.level0_tokens = level0 = []
@@ -121,7 +121,7 @@ def _pad_draft_forwards(worker, multiple: int) -> None:
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import BatchDescriptor
 
-    proposer = worker.model_runner.univer.drafter.proposer
+    proposer = worker.model_runner.tree_speculation.drafter.proposer
     proposer.padded_forwards = 0
 
     def dispatch(num_tokens, *args, **kwargs):
@@ -133,14 +133,14 @@ def _pad_draft_forwards(worker, multiple: int) -> None:
 
 
 def _padded_forwards(worker) -> int:
-    return worker.model_runner.univer.drafter.proposer.padded_forwards
+    return worker.model_runner.tree_speculation.drafter.proposer.padded_forwards
 
 
 def _decisions_digest(worker) -> dict:
     """How many drafting and verification steps this worker recorded, and a digest of them all."""
     import hashlib
 
-    univer = worker.model_runner.univer
+    univer = worker.model_runner.tree_speculation
     digest = hashlib.sha256(repr(univer.decisions).encode()).hexdigest()
     return {"steps": len(univer.decisions), "digest": digest, "level0_tokens": univer.level0_tokens}
 

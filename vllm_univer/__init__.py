@@ -5,10 +5,10 @@ The verifier core (this namespace) is pure PyTorch and does not import vLLM:
     from vllm_univer import TreeSpec, draft_children, verify, outcome_law, METHODS
 """
 
-from .api import VerifyOutput, outcome_law, verify, verify_greedy
-from .drafting import SCHEMES, draft_children
-from .tree import MAX_TREE_NODES, TreeSpec
-from .verifiers import METHODS, scheme_for
+from .core.api import VerifyOutput, outcome_law, verify, verify_greedy
+from .core.drafting import SCHEMES, draft_children
+from .core.tree import MAX_TREE_NODES, TreeSpec
+from .core.verifiers import METHODS, scheme_for
 
 __version__ = "0.1.0"
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from ..tree import TreeSpec
-from ..verifiers import METHODS, get_verifier
+from ..core.tree import TreeSpec
+from ..core.verifiers import METHODS, get_verifier
 
 METHOD_NAME = "univer"
 DEFAULT_TREE = "2x5"

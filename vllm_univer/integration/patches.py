@@ -53,7 +53,7 @@ def patch_engine_args_create_speculative_config() -> None:
 
 
 def patch_model_runner() -> None:
-    """``GPUModelRunner`` (also the base of ``CPUModelRunner``): attach a ``TreeRunner``
+    """``GPUModelRunner`` (also the base of ``CPUModelRunner``): attach a ``TreeSpeculation``
     after construction, check the attention layers once the KV cache exists,
     rewrite tree positions after ``_prepare_inputs``, hand the tree attention plan
     to ``_build_attention_metadata``'s result, choose the step's trees once
@@ -62,28 +62,28 @@ def patch_model_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from .speculative_config import is_univer
-    from .tree_runner import TreeRunner
+    from .tree_speculation import TreeSpeculation
 
     def make_init(original):
         def __init__(self, vllm_config, device, *args, **kwargs):
             original(self, vllm_config, device, *args, **kwargs)
-            self.univer = TreeRunner(self) if is_univer(self.speculative_config) else None
+            self.tree_speculation = TreeSpeculation(self) if is_univer(self.speculative_config) else None
 
         return __init__
 
     def make_initialize_kv_cache(original):
         def initialize_kv_cache(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            if getattr(self, "univer", None) is not None:
-                self.univer.check_layers()  # refuse unsupported layers at start-up, not on the first step
+            if getattr(self, "tree_speculation", None) is not None:
+                self.tree_speculation.check_layers()  # refuse unsupported layers at start-up, not on the first step
 
         return initialize_kv_cache
 
     def make_prepare_inputs(original):
         def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
             result = original(self, scheduler_output, num_scheduled_tokens)
-            if getattr(self, "univer", None) is not None:
-                self.univer.prepare_tree_tokens(result[1])
+            if getattr(self, "tree_speculation", None) is not None:
+                self.tree_speculation.prepare_tree_tokens(result[1])
             return result
 
         return _prepare_inputs
@@ -91,8 +91,8 @@ def patch_model_runner() -> None:
     def make_build_attention_metadata(original):
         def _build_attention_metadata(self, *args, **kwargs):
             attn_metadata, common = original(self, *args, **kwargs)
-            if getattr(self, "univer", None) is not None:
-                self.univer.attach_plan(attn_metadata)
+            if getattr(self, "tree_speculation", None) is not None:
+                self.tree_speculation.attach_plan(attn_metadata)
             return attn_metadata, common
 
         return _build_attention_metadata
@@ -100,18 +100,22 @@ def patch_model_runner() -> None:
     def make_execute_model(original):
         def execute_model(self, scheduler_output, *args, **kwargs):
             output = original(self, scheduler_output, *args, **kwargs)
-            if getattr(self, "univer", None) is not None and output is None and self.execute_model_state is not None:
-                self.univer.after_forward_launch()  # sampling follows in ``sample_tokens``
+            if (
+                getattr(self, "tree_speculation", None) is not None
+                and output is None
+                and self.execute_model_state is not None
+            ):
+                self.tree_speculation.after_forward_launch()  # sampling follows in ``sample_tokens``
             return output
 
         return execute_model
 
     def make_propose(original):
         def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, *args, **kwargs):
-            if getattr(self, "univer", None) is None:
+            if getattr(self, "tree_speculation", None) is None:
                 return original(self, scheduler_output, sampled_token_ids, sampling_metadata, *args, **kwargs)
             self._draft_probs = None
-            return self.univer.propose(sampled_token_ids, sampling_metadata)
+            return self.tree_speculation.propose(sampled_token_ids, sampling_metadata)
 
         return propose_draft_token_ids
 
@@ -130,8 +134,8 @@ def patch_attention_forwards() -> None:
     runs for the other rows unless the plan covers every row."""
     import importlib
 
-    from . import cpu_tree_attention, cuda_tree_attention
-    from .tree_attention_plan import BACKENDS
+    from .attention import cpu_tree_attention, cuda_tree_attention
+    from .attention.tree_attention_plan import BACKENDS
 
     tree_rows_by_backend = {
         "cpu": cpu_tree_attention.forward_tree_rows,
@@ -189,7 +193,7 @@ def patch_input_processor_validate_params() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from .request_options import unsupported_option
+    from .sampling.request_options import unsupported_option
     from .speculative_config import is_univer
 
     def make(original):
@@ -236,8 +240,8 @@ def patch_structured_output_manager() -> None:
     chain (the grammar-masked target law gives such nodes probability 0)."""
     from vllm.v1.structured_output import StructuredOutputManager
 
+    from .sampling.tree_grammar import TreeGrammarBitmask, tree_grammar_bitmask
     from .speculative_config import is_univer
-    from .tree_grammar import TreeGrammarBitmask, tree_grammar_bitmask
 
     def tree_of(manager) -> TreeGrammarBitmask | None:
         spec = manager.vllm_config.speculative_config
@@ -302,7 +306,7 @@ def patch_proposer_dummy_run() -> None:
 def patch_worker_warm_up() -> None:
     """``Worker.compile_or_warm_up_model`` (GPU) and ``CPUWorker``'s own: after
     vLLM's warm-up, ``tree: auto`` times the target's and the draft's forwards
-    (``TreeRunner.calibrate``), so the server is calibrated before it answers.
+    (``TreeSpeculation.calibrate``), so the server is calibrated before it answers.
 
     ``CPUWorker`` is imported on vLLM's CPU platform only: importing vLLM's CPU
     worker replaces ``torch.cuda.Event`` / ``Stream`` process-wide with no-op
@@ -319,9 +323,9 @@ def patch_worker_warm_up() -> None:
     def make(original):
         def compile_or_warm_up_model(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            tree_runner = getattr(self.model_runner, "univer", None)
-            if tree_runner is not None:
-                tree_runner.calibrate()
+            tree_speculation = getattr(self.model_runner, "tree_speculation", None)
+            if tree_speculation is not None:
+                tree_speculation.calibrate()
             return result
 
         return compile_or_warm_up_model

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..op_counter import OpCounter
+from ..tools.op_counter import OpCounter
 
 
 class StepTimers:

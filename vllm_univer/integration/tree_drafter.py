@@ -1,12 +1,12 @@
 """Drafting a token tree per request with vLLM's draft model, level by level.
 
-For each request whose step produced a token (the new root, at position R):
+For each request whose step produced a token (the new root, at position L):
 
 * level 0 runs, causally, every token whose draft KV is missing: normally just
   the root; also the last accepted node when the path ended on a node the
   drafter never ran (a leaf), and the whole prompt after prefill;
-* level d = 1 .. D-1 runs the tree nodes of depth d, at RoPE position R + d,
-  written to slot R + node, each attending to the context and to its own
+* level d = 1 .. D-1 runs the tree nodes of depth d, at RoPE position L + d,
+  written to slot L + node, each attending to the context and to its own
   ancestors only (``TreeAttentionPlan`` read from the draft layers' cache).
 
 The children of every node are drawn from its exact draft row q with the
@@ -23,15 +23,15 @@ import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from ..drafting import draft_children, top_tokens
-from ..fused_tree_pass import triton_reads
-from ..tree import TreeSpec
+from ..core.drafting import draft_children, top_tokens
+from ..core.fused_tree_pass import triton_reads
+from ..core.tree import TreeSpec
+from .attention.tree_attention_plan import TreeAttentionPlan
 from .draft_forward import draft_model_inputs, run_draft_model
 from .draft_inputs import LevelInputs, build_draft_step_inputs
 from .host_to_device import upload
+from .sampling.target_probs import softmax_, split_greedy
 from .step_buffer import StepBuffer
-from .target_probs import softmax_, split_greedy
-from .tree_attention_plan import TreeAttentionPlan
 from .tree_state import DraftedTrees, TreeState
 
 
@@ -203,7 +203,7 @@ class TreeDrafter:
             first, last = self.level_span[d]
             width, n = last - first + 1, level_reqs[d]  # the first n requests are cut below d
             node_ids = tokens[:n, first : last + 1].clamp(min=0).flatten()  # stays on the device
-            # A chain's node at depth d (position and slot R + d) sees the context and
+            # A chain's node at depth d (position and slot L + d) sees the context and
             # its ancestors, the slots just below it: causal attention, vLLM's kernel.
             plan = None
             if not tree.is_chain:
@@ -241,7 +241,7 @@ class TreeDrafter:
         first, last = self.level_span[depth]
         rows = q[:, first : last + 1]
         if triton_reads(rows, logits):  # CUDA: one launch, three passes over the rows
-            from ..kernels.triton_temperature_softmax import temperature_softmax
+            from ..core.kernels.triton_temperature_softmax import temperature_softmax
 
             return temperature_softmax(logits, temp.view(-1), banned, rows)
         banned = None if banned is None else banned.unsqueeze(1)
@@ -261,14 +261,14 @@ class TreeDrafter:
     def _draw_children(self, depth, tokens, level_rows, greedy, generators, active) -> None:
         """Children of the depth-``depth`` nodes, drawn from their rows ``level_rows``
         [R, width, V] (q; or logits when every request is greedy): on CUDA one
-        Triton launch per child count (``kernels/triton_draft_children.py``, the
+        Triton launch per child count (``core/kernels/triton_draft_children.py``, the
         same law), else ``drafting.draft_children``."""
         row_of = {int(b): r for r, b in enumerate(active)} if generators else {}
         seeded = [(row_of[b], g) for b, g in generators.items() if b in row_of and not bool(greedy.host[row_of[b]])]
         fused = triton_reads(level_rows)
         for parents, kids, m, in_level, in_level_index in self.child_groups[depth]:
             if fused:
-                from ..kernels.triton_draft_children import draft_children_fused
+                from ..core.kernels.triton_draft_children import draft_children_fused
 
                 some_greedy = greedy.rows if greedy.any and not greedy.all else None
                 # Unseeded, the kernel writes the children into ``tokens`` itself.

@@ -14,7 +14,7 @@ import itertools
 
 import prometheus_client
 
-from ..tree import TreeSpec
+from ..core.tree import TreeSpec
 
 NODES_HISTOGRAM = "vllm:univer_tree_nodes_per_request"
 

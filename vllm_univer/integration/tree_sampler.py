@@ -17,15 +17,15 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from .. import verify, verify_greedy
-from ..kernels.kv_compaction import accepted_path_moves, move_paged_kv
+from ..core.tree import TreeSpec
+from ..core.verifiers import scheme_for
 from ..sizing.chain_estimate import chain_survival, greedy_chain_survival
-from ..tree import TreeSpec
-from ..verifiers import scheme_for
-from .bias_and_min_p import RequestBiasAndMinP
+from .attention.kv_compaction import accepted_path_moves, move_paged_kv
 from .host_to_device import DeviceToHost, upload
-from .path_masks import TreePathMasks
+from .sampling.bias_and_min_p import RequestBiasAndMinP
+from .sampling.path_masks import TreePathMasks
+from .sampling.target_probs import TreePenalties, processed_logits, tree_target_probs
 from .step_buffer import StepBuffer
-from .target_probs import TreePenalties, processed_logits, tree_target_probs
 from .tree_state import TreeState
 
 logger = init_logger(__name__)
@@ -333,7 +333,7 @@ def _fused_kv_moves(caches: list[torch.Tensor]):
     if caches[0].device.type != "cuda":
         return None
     try:
-        from ..kernels import triton_kv_moves
+        from .attention import triton_kv_moves
     except ImportError:
         return None
     return triton_kv_moves if triton_kv_moves.fused_kv_moves_apply(caches) else None

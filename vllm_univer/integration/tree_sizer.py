@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
+from ..core.tree import TreeSpec
 from ..sizing import (
     NUM_BANDS,
     AcceptanceModel,
@@ -51,7 +52,6 @@ from ..sizing import (
     prior_hazards,
     temperature_band,
 )
-from ..tree import TreeSpec
 
 logger = init_logger(__name__)
 
@@ -232,7 +232,7 @@ class TreeSizer:
     # ------------------------------------------------------------ each step
     def choose_ahead(self) -> None:
         """Make this step's choice now, while the target forward runs on the device
-        (``TreeRunner.after_forward_launch``): the host is otherwise idle until the
+        (``TreeSpeculation.after_forward_launch``): the host is otherwise idle until the
         verifier reads its result, and the choice needs nothing from this step's
         verification (it learns from the steps before). ``choose`` hands it out."""
         batch = self.runner.input_batch.num_reqs

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..tree import TreeSpec
+from ..core.tree import TreeSpec
 
 
 @dataclass

@@ -26,7 +26,7 @@ subtree, equals the chain's:
 
 Every subtree is drawn from its own node's rows, whatever its siblings are, so
 the sum over depth-j nodes of the product of weights along their paths,
-S_j, is unbiased for P(A >= j) (``tests/test_chain_estimate.py`` checks the
+S_j, is unbiased for P(A >= j) (``tests/sizing/test_chain_estimate.py`` checks the
 expectation exactly over every tree).
 
 Greedy rows draft the top tokens in rank order in every scheme, so the chain
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import TreeSpec
+from ..core.tree import TreeSpec
 
 
 def chain_survival(tree: TreeSpec, scheme: str, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

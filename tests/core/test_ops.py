@@ -1,0 +1,148 @@
+"""Tensor helpers whose CPU path differs from their one-pass form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_univer import TreeSpec, draft_children, outcome_law
+from vllm_univer.core import ops
+
+pytestmark = pytest.mark.quick
+
+
+def _drafted_tokens(tree, q, scheme, gen):
+    """q [B, N+1, V] -> tokens [B, N+1]: a tree per row drawn with ``scheme`` (root token 0)."""
+    tokens = torch.full(q.shape[:2], -1, dtype=torch.long)
+    tokens[:, 0] = 0
+    for v in range(q.shape[1]):
+        kids = [c for c in tree.children[v].tolist() if c >= 0]
+        if kids:
+            tokens[:, kids] = draft_children(scheme, q[:, v], len(kids), generator=gen)
+    return tokens
+
+
+def test_sum_of_min_in_chunks_equals_one_pass(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    a = torch.rand(2, 3, 5000, generator=gen, dtype=torch.float64)
+    b = torch.rand(2, 3, 5000, generator=gen, dtype=torch.float64)
+    scale = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64)
+    one_pass = torch.minimum(a, b * scale).sum(-1, keepdim=True)
+    monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)  # chunks of 1024: four whole, one partial
+    chunked = ops.sum_of_min(a, b, scale)
+    assert chunked.shape == (2, 3, 1)
+    torch.testing.assert_close(chunked, one_pass, rtol=1e-12, atol=0)
+    # A view of a level's rows (strided over the batch) and a plain float scale.
+    expected = torch.minimum(a[:, 1:2], b[:, 1:2] * 0.5).sum(-1, keepdim=True)
+    torch.testing.assert_close(ops.sum_of_min(a[:, 1:2], b[:, 1:2], 0.5), expected, rtol=1e-12, atol=0)
+
+
+EAGLE_LIKE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+@pytest.mark.parametrize(
+    "method,spec",
+    [
+        ("univer", "2x2"),
+        ("rrs", "3x2"),
+        ("rrsw", "3x2"),
+        ("traversal", "3x2"),
+        ("univer_wor", "3x2"),
+        ("univer_wor", EAGLE_LIKE),
+    ],
+    ids=["univer", "rrs", "rrsw", "traversal", "univer_wor", "univer_wor-eagle-like"],
+)
+def test_law_is_the_same_with_chunked_vocabulary_passes(monkeypatch, method, spec):
+    """The exact outcome law of the verifiers with vocabulary passes (UniVer's sums
+    of min, the rejection replays, univer_wor's class sums with floored classes on
+    uneven pairs) on a 3000-token vocabulary, in chunks of 1024 and in one pass."""
+    from vllm_univer import scheme_for
+
+    tree = TreeSpec.parse(spec) if isinstance(spec, str) else TreeSpec.from_paths(spec)
+    gen = torch.Generator().manual_seed(1)
+    vocab, n1 = 3000, tree.num_nodes + 1
+    q = torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1)
+    p = 0.6 * q + 0.4 * torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1)
+    tokens = _drafted_tokens(tree, q, scheme_for(method), gen)
+    one_pass = outcome_law(method, tree, tokens, p, q)
+    monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)
+    torch.testing.assert_close(outcome_law(method, tree, tokens, p, q), one_pass, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_rejection_replay_equals_the_rows_rewritten_step_by_step(monkeypatch, chunked):
+    """R <- [a R - c Q]+ then Q(x) <- 0, three times (a token in two rows' last step
+    is -1: nothing removed), against rows rewritten in place, in float64: the masses
+    (in chunks of 1024 or one pass), the rows written out, and the values at tokens."""
+    from vllm_univer.core.verifiers.rejection_replay import RejectionReplay
+
+    if chunked:
+        monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)  # chunks of 1024: four whole, one partial
+    gen = torch.Generator().manual_seed(0)
+    p = torch.rand(2, 3, 5000, generator=gen, dtype=torch.float64).softmax(-1)
+    q = torch.rand(2, 3, 5000, generator=gen, dtype=torch.float64).mul(3).softmax(-1)
+    tokens = torch.randint(0, 5000, (2, 3, 3), generator=gen)
+    tokens[0, :2, 2] = -1
+    for removes in (False, True):
+        replay = RejectionReplay(p, q, removes_tokens=removes)
+        rows, draft = p.clone(), q.clone()
+        for j in range(3):
+            x = tokens[..., j : j + 1]
+            a = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64) if j == 1 else 1
+            c = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64) * 2
+            replay.reject(a, c, x)
+            rows = (a * rows - c * draft).clamp(min=0)
+            if removes:
+                draft.scatter_(-1, x.clamp(min=0), draft.gather(-1, x.clamp(min=0)) * (x < 0))
+            out = torch.full_like(p, float("nan"))
+            r_mass, q_mass = replay.masses(out=out)
+            torch.testing.assert_close(out, rows, rtol=1e-12, atol=1e-18)
+            torch.testing.assert_close(r_mass, rows.sum(-1, keepdim=True), rtol=1e-12, atol=1e-18)
+            if removes:
+                torch.testing.assert_close(q_mass, draft.sum(-1, keepdim=True), rtol=1e-12, atol=0)
+            else:
+                assert q_mass is None
+            at_rows, at_draft = replay.at(tokens)
+            valid = tokens >= 0
+            torch.testing.assert_close(
+                at_rows[valid], rows.gather(-1, tokens.clamp(min=0))[valid], rtol=1e-12, atol=1e-18
+            )
+            torch.testing.assert_close(at_draft[valid], draft.gather(-1, tokens.clamp(min=0))[valid], rtol=0, atol=0)
+
+
+def test_safe_ratio_is_finite():
+    num = torch.tensor([1.0, 0.0, 2.0, 3e38, 1.0])
+    den = torch.tensor([4.0, 0.0, 0.0, 1e-3, 1e-45])
+    ratio = ops.safe_ratio(num, den)
+    assert torch.isfinite(ratio).all()
+    assert ratio.tolist()[:3] == [0.25, 0.0, 0.0]
+    assert ratio[3] == torch.finfo(torch.float32).max and ratio[4] == torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clipped_ratio_edge_cases(dtype):
+    # x/0 = 1 and 0/0 = 0, also for a zero of either sign or a den rounded below 0;
+    # ratios above 1 clip; tiny dens do not overflow into anything but 1.
+    num = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 3.0, 1.0, 0.5, 1e-30], dtype=dtype)
+    den = torch.tensor([0.0, 0.0, -0.0, -0.0, -1e-17, -1e-17, 2.0, 1e-45, 1.0, 1.0], dtype=dtype)
+    ratio = ops.clipped_ratio(num, den)
+    expected = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.5, 1e-30], dtype=dtype)
+    assert torch.equal(ratio, expected)
+
+
+def test_verifiers_leave_their_inputs_untouched():
+    """Node rules work on copies: p and q are the caller's (in the engine, vLLM's rows)."""
+    from vllm_univer import METHODS, scheme_for, verify
+
+    tree = TreeSpec.parse("2x2")
+    gen = torch.Generator().manual_seed(2)
+    n1, vocab = tree.num_nodes + 1, 50
+    q = torch.randn(4, n1, vocab, generator=gen).mul(3).softmax(-1)
+    p = torch.randn(4, n1, vocab, generator=gen).mul(3).softmax(-1)
+    for method in METHODS:
+        if method in ("token", "block"):
+            continue  # chain-only
+        tokens = _drafted_tokens(tree, q, scheme_for(method), gen)
+        p0, q0 = p.clone(), q.clone()
+        verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(p, p0) and torch.equal(q, q0), method

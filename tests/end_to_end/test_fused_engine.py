@@ -1,0 +1,129 @@
+"""The engine on its CUDA code paths, run on CPU by Triton's interpreter: the
+fused drafting (``draft_children_fused``), the fused verify (``fused_node_weights`` /
+``fused_finish``; univer_wor's ``fused_wor_step``) and the CPU paths give a
+mixed batch's greedy requests the same tokens (argmax matching in the finish
+kernel, top tokens in the drafting kernel), and the sampled requests run through the fused kernels in the engine
+(their laws are the kernels' tests' and gpu_check's); and the launches per
+step on those paths (ATen ops + Triton launches) stay within a budget. The CUDA-only switches
+(``triton_reads``) are forced on in a subprocess; the KV moves stay on the CPU
+path (the CPU attention's key layout is transposed; test_fused_kv_moves.py
+checks the kernel on the CUDA layouts).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from triton_interpreter import run_interpreted
+
+pytest.importorskip("triton")
+pytest.importorskip("vllm")
+
+# Kernel launches per engine step on the CUDA code paths (ATen ops + Triton launches,
+# KV moves aside), mixed batch of 4, tree 2x3, tiny models: the package's share of
+# a GPU step that test_op_budgets.py guards for the CPU paths.
+# 2026-12-02: 120 (verify 47, draft 61, target_probs 3, verifier 3, Triton 6.5). 2026-12-05: the
+# drafting kernel writes the children into the token table itself (5 launches per child group
+# fewer): 123 -> 105 (verify 47, draft 44, target_probs 4, verifier 3, Triton 6.5). Then 95: the output
+# row padded only when a cut is shallower, the cut mask built on the host, the level plans' index
+# ranges views of one kept range, the greedy flags uploaded as the kernel's int8 (verify 42, draft 40).
+CUDA_STEP_BUDGET = 100
+# univer_wor (its kernels: one launch per level and one for the draw), 2026-12-05: 139, then 121 with
+# the children written by the drafting kernel (verify 47, draft 44, target_probs 3, verifier 20: the
+# decision, greedy rows and output rows; Triton 6.5); 111 with univer's cuts above.
+CUDA_STEP_BUDGET_WOR = 116
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    from vllm import LLM, SamplingParams
+    from vllm_univer.core import api, fused_tree_pass
+    from vllm_univer.integration import tree_drafter
+    from vllm_univer.core.kernels import triton_draft_children
+
+    target, draft, CUDA_STEP_BUDGET, verifier = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+    llm = LLM(model=target, max_model_len=256, dtype="float32", enforce_eager=True, block_size=32, seed=0,
+              speculative_config={"method": "univer", "model": draft, "tree": "2x3", "verifier": verifier})
+    prompts = ["the tree draft token", "red blue green", "one two three four five", "a cat and a dog run"]
+    temperatures = [0.0, 1.0, 0.0, 0.7]
+    allowed = list(range(10, 300, 3))  # the last request drafts and samples inside this set
+    params = [SamplingParams(temperature=t, max_tokens=12, ignore_eos=True) for t in temperatures]
+    params[3] = SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
+
+    def run():
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    cpu_paths = run()
+    launches = {"draft": 0, "verify": 0}
+    draft_fused = triton_draft_children.draft_children_fused
+    verify_entry = "fused_wor_step" if verifier == "univer_wor" else "fused_node_weights"
+    original = getattr(api, verify_entry)
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            launches[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    # What CUDA would launch: the package's ATen ops (the engine's op counter) plus
+    # the Triton launches, the interpreter's own tensor work hidden from the counter.
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime.interpreter import InterpretedFunction
+
+    interpreted_run = InterpretedFunction.run
+    triton_launches = []
+
+    def launch(self, *args, **kwargs):
+        triton_launches.append(self.__name__)
+        with _disable_current_modes():
+            return interpreted_run(self, *args, **kwargs)
+
+    InterpretedFunction.run = launch
+
+    def op_counts(worker):
+        timers = worker.model_runner.tree_speculation.timers
+        counts = timers.op_counts()
+        timers.ops.sections.clear()
+        timers.calls.clear()
+        return counts
+
+    llm.collective_rpc(op_counts)
+    fused_tree_pass.triton_reads = lambda *rows: all(r.stride(-1) == 1 for r in rows)
+    tree_drafter.triton_reads = fused_tree_pass.triton_reads
+    triton_draft_children.draft_children_fused = counting("draft", draft_fused)
+    setattr(api, verify_entry, counting("verify", original))
+    fused_paths = run()
+    assert launches["draft"] > 0 and launches["verify"] > 0, launches
+    assert set(fused_paths[3]) <= set(allowed), fused_paths[3]
+    for t, a, b in zip(temperatures, cpu_paths, fused_paths):
+        assert len(b) == 12
+        if t == 0.0:
+            assert a == b, (a, b)
+    counts = llm.collective_rpc(op_counts)[0]
+    steps = counts["verify"]["calls"]
+    # KV moves take the CPU path here (the CPU cache layout); on CUDA one launch.
+    own = {s: c["kernels"] / steps for s, c in counts.items() if s not in ("draft_forward", "kv_moves")}
+    per_step = sum(own.values()) + len(triton_launches) / steps
+    syncs = sum(c["syncs"] for s, c in counts.items() if s not in ("draft_forward", "kv_moves")) / steps
+    print({s: round(v) for s, v in own.items()}, "triton launches per step", len(triton_launches) / steps)
+    print(f"per step {per_step:.0f} launches, {syncs:.1f} host syncs")
+    assert per_step <= CUDA_STEP_BUDGET, per_step
+    print("FUSED ENGINE OK", launches)
+""")
+
+
+@pytest.mark.parametrize("verifier", ["univer", "univer_wor"])
+def test_engine_on_the_fused_paths_keeps_greedy_outputs(tiny_pair, verifier):
+    from engine_job import ENV
+
+    budget = CUDA_STEP_BUDGET_WOR if verifier == "univer_wor" else CUDA_STEP_BUDGET
+    out = run_interpreted(
+        SCRIPT,
+        "FUSED ENGINE OK",
+        *tiny_pair,
+        str(budget),
+        verifier,
+        env={**ENV, "VLLM_UNIVER_OP_COUNTS": "1"},
+        timeout=1500,
+    )
+    print(out[-600:])

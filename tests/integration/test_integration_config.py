@@ -1,0 +1,57 @@
+"""The ``method: "univer"`` speculative-config fields: validation at config time."""
+
+import pytest
+
+from vllm_univer.integration.config import UniverConfig, split_user_config
+
+pytestmark = pytest.mark.quick
+
+
+def test_defaults_and_translation_to_vllm():
+    ours, theirs = split_user_config({"method": "univer", "model": "draft"})
+    assert ours.tree == "2x5" and ours.verifier == "univer" and ours.scheme == "topk1"
+    assert theirs == {
+        "method": "draft_model",
+        "model": "draft",
+        "num_speculative_tokens": 62,
+        "draft_sample_method": "probabilistic",
+    }
+
+
+def test_paths_and_chain_verifiers():
+    ours, theirs = split_user_config({"model": "d", "tree": [[0], [1], [0, 0]], "verifier": "traversal"})
+    assert ours.tree_spec.num_nodes == 3 and theirs["num_speculative_tokens"] == 3
+    assert split_user_config({"model": "d", "tree": "1x5", "verifier": "block"})[0].scheme == "chain"
+
+
+def test_tree_auto_schedules_the_largest_tree():
+    ours, theirs = split_user_config({"model": "d", "tree": "auto"})
+    assert ours.auto and ours.tree_spec.num_nodes == 62 and theirs["num_speculative_tokens"] == 62
+    ours, theirs = split_user_config({"model": "d", "tree": "auto", "max_tree": "1x4", "verifier": "token"})
+    assert ours.tree_spec.is_chain and theirs["num_speculative_tokens"] == 4
+    assert not split_user_config({"model": "d", "tree": "2x3"})[0].auto
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ({"model": "d", "verifier": "medusa"}, "unknown verifier 'medusa'"),
+        ({"model": "d", "tree": "2y5"}, "malformed tree"),
+        ({"model": "d", "tree": "2x7"}, "at most 128"),
+        ({"model": "d", "tree": [[0, 0]]}, "prefix"),
+        ({"model": "d", "tree": "2x3", "verifier": "block"}, "single chain"),
+        ({"model": "d", "tree": "2x3", "num_speculative_tokens": 5}, "disagrees with tree"),
+        ({"tree": "2x3"}, "needs a draft model"),
+        ({"model": "d", "tree": "2x3", "max_tree": "2x5"}, "max_tree applies to tree 'auto'"),
+        ({"model": "d", "tree": "auto", "max_tree": "2z5"}, "malformed tree"),
+        ({"model": "d", "tree": "auto", "verifier": "token"}, "single chain"),
+    ],
+)
+def test_bad_configs(spec, match):
+    with pytest.raises(ValueError, match=match):
+        split_user_config(spec)
+
+
+def test_unknown_field_is_refused():
+    with pytest.raises(ValueError, match="extra"):
+        UniverConfig(tree="2x2", depth=3)

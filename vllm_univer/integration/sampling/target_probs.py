@@ -1,0 +1,138 @@
+"""The target distribution at every tree node: exactly what vLLM would sample from.
+
+For request b, every node row of the tree gets the request's own sampling
+transforms, in vLLM's order: float32 logits -> allowed tokens, bad words and
+min_tokens on the row's path (``path_masks.TreePathMasks``) -> logit_bias
+(``bias_and_min_p.TreeLogitBias``) -> presence / frequency / repetition
+penalties (vLLM's ``apply_penalties``, counting the tokens generated so far
+plus the tokens on the path to the node) -> temperature -> min_p -> top-k /
+top-p (vLLM's ``apply_top_k_top_p``) -> softmax. Temperature-0
+requests are flagged greedy (the verifier then matches argmaxes). Per-request values are expanded
+to rows with ``repeat_interleave``, not vLLM's CPU stand-in for its Triton
+expand kernel, which returns uninitialised memory in 0.32.0.
+
+Structured outputs arrive already applied: vLLM masks the logits with one
+grammar bitmask row per tree node (``tree_grammar``) before the sampler runs.
+Custom logits processors are refused at start-up (``tree_speculation``); min_p and
+logit_bias, which vLLM refuses for its own speculative decoding, are accepted
+for tree speculation (``patches.patch_sampling_params_validate_spec_decode``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from vllm.model_executor.layers.utils import apply_penalties
+from vllm.utils.torch_utils import make_tensor_with_pad
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+from .bias_and_min_p import apply_min_p_
+
+SAMPLING_EPS = 1e-5  # vLLM's threshold for "temperature 0"
+
+
+def tree_target_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    path_transforms: Sequence = (),
+    out: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, T, V] (T tree rows per request), temperature / top_k / top_p / min_p [B],
+    path_transforms: objects whose ``apply(logits)`` transforms float32 [B, T, V]
+    logits in place, in order (``TreePathMasks``, ``TreeLogitBias``, ``TreePenalties``),
+    out: an optional float32 [B, T, V] buffer the probabilities are computed in
+    -> (probs [B, T, V] float32, greedy [B] bool)."""
+    batch, rows, vocab = logits.shape
+    temp, greedy = split_greedy(temperature)
+    temp = temp.view(batch, 1, 1)
+    if path_transforms or logits.dtype != torch.float32:
+        # (A float32 ``out`` of bfloat16 logits in one division takes ATen's slow
+        # casting loop on CPU: 4x a copy and an in-place division.)
+        scaled = processed_logits(logits, path_transforms, out).div_(temp)
+    else:  # the copy and the temperature in one pass
+        scaled = torch.div(logits, temp, out=out) if out is not None else logits / temp
+    scaled = scaled.view(batch * rows, vocab)
+    if min_p is not None:
+        apply_min_p_(scaled, min_p.repeat_interleave(rows))
+    k = top_k.repeat_interleave(rows) if top_k is not None else None
+    p = top_p.repeat_interleave(rows) if top_p is not None else None
+    scaled = apply_top_k_top_p(scaled, k, p)
+    return softmax_(scaled).view(batch, rows, vocab), greedy
+
+
+def processed_logits(
+    logits: torch.Tensor, path_transforms: Sequence = (), out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """logits [B, T, V] -> a float32 copy with the path transforms applied in order:
+    what vLLM's greedy sampler takes the argmax of, and samples from after temperature.
+    One [B, T, V] float32 buffer (``out`` if given), transformed in place (the
+    logits may be a view of vLLM's)."""
+    scaled = logits.to(torch.float32, copy=True) if out is None else out.copy_(logits)
+    for transform in path_transforms:
+        transform.apply(scaled)
+    return scaled
+
+
+def split_greedy(temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """temperature [B] -> (float32 temperature with greedy rows set to 1, greedy [B] bool),
+    greedy meaning vLLM's temperature 0 (below ``SAMPLING_EPS``)."""
+    greedy = temperature < SAMPLING_EPS
+    return torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32), greedy
+
+
+def softmax_(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension, in place (tokens masked to -inf get 0).
+
+    On CPU, for a contiguous x, ATen's softmax kernel writes into its own input:
+    it reads each element before writing the same element, so the result is
+    bit-identical to ``torch.softmax`` in a third of the passes of sub_/exp_/div_
+    and with no [.., V] temporary (tested). Elsewhere, and for strided views
+    (which that out= path gets wrong), the three in-place steps.
+    """
+    if x.device.type == "cpu" and x.is_contiguous():
+        return torch.ops.aten._softmax.out(x, -1, False, out=x)
+    x.sub_(x.amax(-1, keepdim=True)).exp_()
+    return x.div_(x.sum(-1, keepdim=True))
+
+
+class TreePenalties:
+    """Presence, frequency and repetition penalties of every tree row.
+
+    The row of node i continues the request's text with the tokens on the path
+    to i, so its output-token counts are the request's generated tokens plus
+    those path tokens; vLLM's own ``apply_penalties`` then does the rest.
+
+    tokens [B, T] (node tokens, -1 = none), ancestors [T, D] (the node at depth
+    j+1 on the path to each node, -1 past it), sampling_metadata: vLLM's.
+    """
+
+    def __init__(self, tokens: torch.Tensor, ancestors: torch.Tensor, sampling_metadata, batch: int):
+        self.tokens, self.ancestors, self.meta, self.batch = tokens, ancestors, sampling_metadata, batch
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """logits [B, T, V] float32, in place."""
+        meta, batch = self.meta, self.batch
+        _, rows, vocab = logits.shape
+        device = logits.device
+        generated = make_tensor_with_pad(meta.output_token_ids[:batch], pad=vocab, device="cpu", dtype=torch.int64).to(
+            device
+        )  # [B, Lo]
+        if generated.dim() == 1:  # no request has generated anything yet
+            generated = generated.view(batch, 0)
+        path = self.tokens.gather(1, self.ancestors.clamp(min=0).flatten().unsqueeze(0).expand(batch, -1))
+        path = path.view(batch, rows, -1)
+        path = path.masked_fill((self.ancestors < 0).unsqueeze(0) | (path < 0), vocab)  # [B, T, D]
+        outputs = torch.cat([generated.unsqueeze(1).expand(-1, rows, -1), path], -1).flatten(0, 1)
+        flat = logits.view(batch * rows, vocab)
+        apply_penalties(
+            flat,
+            meta.prompt_token_ids[:batch].repeat_interleave(rows, 0),
+            outputs,
+            meta.presence_penalties[:batch].repeat_interleave(rows),
+            meta.frequency_penalties[:batch].repeat_interleave(rows),
+            meta.repetition_penalties[:batch].repeat_interleave(rows),
+        )

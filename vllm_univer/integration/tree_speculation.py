@@ -1,0 +1,196 @@
+"""Tree speculation attached to one vLLM model runner (``runner.tree_speculation``).
+
+Owns the per-request tree state, the tree drafter and the tree verifier, and
+does the two things the runner's verification forward needs beyond vLLM's chain
+path: RoPE positions L + depth for tree tokens (after vLLM has computed their
+consecutive cache slots) and the tree attention plan for their rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .attention.kv_cache_views import check_cpu_isa, layer_kv_views
+from .attention.tree_attention_plan import TreeAttentionPlan, backend_kind, check_layer_supported
+from .host_to_device import upload_packed
+from .timers import StepTimers
+from .tree_drafter import TreeDrafter
+from .tree_sampler import TreeVerificationSampler, tree_rows
+from .tree_sizer import TreeSizer
+from .tree_state import TreeState
+
+
+class TreeSpeculation:
+    def __init__(self, runner):
+        config = runner.speculative_config.univer
+        if runner.uses_mrope:
+            raise NotImplementedError("tree speculation does not support M-RoPE models")
+        if runner.model_config.logprobs_mode != "raw_logprobs":
+            raise NotImplementedError(
+                f"tree speculation returns logprobs in vLLM's default 'raw_logprobs' mode only "
+                f"(got logprobs_mode={runner.model_config.logprobs_mode!r})"
+            )
+        _refuse_custom_logits_processors(runner.input_batch.logitsprocs)
+        self.runner = runner
+        self.tree = config.tree_spec
+        self.state = TreeState(latest_tree=self.tree)
+        self.timers = StepTimers(runner.device)
+        self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
+        self.sizer = None
+        if config.auto:
+            self.sizer = TreeSizer(runner, config.tree_shapes, self.drafter)
+        self.sampler = TreeVerificationSampler(
+            runner, self.tree, config.verifier, self.state, self.kv_layers, self.timers, self.sizer
+        )
+        runner.rejection_sampler = self.sampler
+        self._pending_plan: TreeAttentionPlan | None = None
+        self._kv_views = None
+
+    # ------------------------------------------------------------ KV caches
+    def attention_layers(self):
+        """Every attention layer of the target and the draft, each cache once."""
+        from vllm.model_executor.layers.attention import Attention
+
+        runner = self.runner
+        if len(runner.kv_cache_config.kv_cache_groups) != 1:
+            raise NotImplementedError("tree speculation needs a single KV cache group (no hybrid models)")
+        seen = set()
+        for layer in runner.compilation_config.static_forward_context.values():
+            if not isinstance(layer, Attention):
+                continue
+            cache = layer.kv_cache
+            if not isinstance(cache, torch.Tensor) or cache.numel() == 0 or cache.data_ptr() in seen:
+                continue
+            seen.add(cache.data_ptr())
+            yield layer
+
+    def check_layers(self) -> None:
+        """Refuse attention backends and layer features tree attention does not support."""
+        for layer in self.attention_layers():
+            check_layer_supported(layer.impl)
+            if backend_kind(layer.impl) == "cpu":
+                check_cpu_isa(getattr(layer, "isa", None))
+
+    def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) views of every attention layer's cache, target and draft;
+        none before vLLM allocates the caches (its profile run samples too)."""
+        if not hasattr(self.runner, "kv_cache_config"):
+            return []
+        if self._kv_views is None:
+            views = []
+            for layer in self.attention_layers():  # already checked by ``check_layers`` at start-up
+                views.append(layer_kv_views(layer.impl, layer.kv_cache, getattr(layer, "isa", None)))
+            self._kv_views = views
+        return self._kv_views
+
+    # ------------------------------------------------ verification forward
+    def prepare_tree_tokens(self, spec_decode_metadata) -> None:
+        """Rewrite tree tokens' positions to L + depth and plan their attention.
+
+        Called right after the runner's ``_prepare_inputs``: slots are already
+        computed from the consecutive positions; the model reads ``runner.positions``.
+        """
+        self._pending_plan = None
+        if spec_decode_metadata is None:
+            return
+        # Host arrays in numpy: a few microseconds per operation where small CPU
+        # tensors cost ten, and the device waits for this before the target forward.
+        num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
+        tree_reqs = np.nonzero(num_draft > 0)[0]
+        if tree_reqs.size == 0:
+            return
+        runner = self.runner
+        device = runner.positions.device
+        batch = num_draft.shape[0]
+        query_start = runner.query_start_loc.np[: batch + 1].astype(np.int64)
+        computed = runner.input_batch.num_computed_tokens_cpu[:batch].astype(np.int64)
+        # The shape of the trees drafted for this step (``tree: auto`` switches among
+        # width cuts). A request skipped while the shape changed has more rows than
+        # this shape has nodes: its tree is not verified (``TreeState.gather``), its
+        # rows past the shape's are left to vLLM's causal attention.
+        tree = self.state.latest_tree
+        if tree.is_chain:
+            # A chain's node at depth k sits at position L + k, where vLLM put it, and
+            # sees what causal attention shows it: vLLM's own kernel, no tree rows.
+            return
+        n = np.minimum(num_draft[tree_reqs], tree.num_nodes)
+        # Trees are breadth-first prefixes (depth cuts, scheduler cuts): attention
+        # runs over the longest one, not the whole shape (a 2x5 cut to depth 1 has
+        # 3 rows of 63).
+        nodes = int(n.max())
+        row_valid = np.arange(nodes + 1)[None, :] <= n[:, None]  # [R, nodes+1]
+        rows = tree_rows(query_start[tree_reqs], n, nodes)
+        context = computed[tree_reqs]
+        positions = context[:, None] + tree.depth.numpy()[None, : nodes + 1]
+        # The plan's index tensors reach the device in one copy (two with the masks).
+        query_rows, valid_rows, valid_positions, request_index, context_lens = upload_packed(
+            [rows, rows[row_valid], positions[row_valid], tree_reqs, context], device, torch.int64
+        )
+        mask = tree.ancestor_mask[: nodes + 1, : nodes + 1]
+        row_valid_dev, mask = upload_packed([row_valid, mask], device, torch.bool)
+        runner.positions[valid_rows] = valid_positions.to(runner.positions.dtype)
+        self._pending_plan = TreeAttentionPlan(
+            query_rows=query_rows,
+            row_valid=row_valid_dev,
+            request_index=request_index,
+            context_lens=context_lens,
+            mask=mask,
+            # A batch of tree decodes only: vLLM's causal kernel would compute rows we overwrite.
+            covers_all_rows=int(query_start[batch]) == int((n + 1).sum()),
+            max_context_len=int(context.max()),
+        )
+
+    def attach_plan(self, attn_metadata) -> None:
+        """Hand the pending plan to the attention metadata of this forward."""
+        plan, self._pending_plan = self._pending_plan, None
+        if plan is None:
+            return
+        if not isinstance(attn_metadata, dict):
+            raise NotImplementedError("tree speculation does not support micro-batching (ubatches)")
+        for metadata in {id(m): m for m in attn_metadata.values()}.values():
+            metadata.tree_plan = plan
+
+    def calibrate(self) -> None:
+        """After vLLM's warm-up: time the forwards ``tree: auto`` chooses with."""
+        if self.sizer is not None:
+            self.sizer.calibrate()
+
+    def after_forward_launch(self) -> None:
+        """The target forward of this step is launched (on a GPU still running): host
+        work that needs nothing from its result goes here."""
+        if self.sizer is not None:
+            self.sizer.choose_ahead()
+
+    def propose(self, sampled_token_ids, sampling_metadata):
+        # The draft cache's lengths after this step's verification (read back from the
+        # device without stalling it mid-step): the sizer's backlog and the drafter read them.
+        self.sampler.settle()
+        shape, depth = None, None
+        if self.sizer is not None:
+            shape, depth = self.sizer.choose(self.runner.input_batch.num_reqs)
+        with self.timers.measure("draft"):
+            drafts = self.drafter.propose(sampled_token_ids, sampling_metadata, depth, shape)
+        if self.sizer is not None:  # the draft forwards are launched: learn from the trees verified
+            self.sizer.learn_deferred()
+        return drafts
+
+
+def _refuse_custom_logits_processors(logitsprocs) -> None:
+    """vLLM's built-in processors are honoured on every tree row (min_tokens per
+    path; min_p and logit_bias by ``bias_and_min_p``, as vLLM builds no processor
+    for them under speculation); a custom processor's state follows one text,
+    not every path of a tree."""
+    from vllm.v1.sample.logits_processor.builtin import (
+        LogitBiasLogitsProcessor,
+        MinPLogitsProcessor,
+        MinTokensLogitsProcessor,
+    )
+
+    builtin = (LogitBiasLogitsProcessor, MinPLogitsProcessor, MinTokensLogitsProcessor)
+    custom = sorted({type(p).__name__ for p in logitsprocs.all if not isinstance(p, builtin)})
+    if custom:
+        raise NotImplementedError(
+            f"tree speculation (method 'univer') cannot apply custom logits processors per tree path "
+            f"({', '.join(custom)}); start the engine without --logits-processors"
+        )
