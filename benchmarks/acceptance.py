@@ -2,7 +2,7 @@
 
 Reproduces the layout of the UniVer / Traversal Verification papers' tables
 (tau = accepted draft tokens + 1, gain over RRSw) with the Qwen2.5-Coder
-1.5B target / 0.5B draft pair (benchmarks/data.py), transformers and a tree
+1.5B target / 0.5B draft pair (vllm_univer/tools/real_models.py), transformers and a tree
 attention mask; vLLM is not needed.
 
 Method. For each prompt (chat template) and temperature T, the study walks a
@@ -15,9 +15,9 @@ traversal, univer_wor: ``wor``; token, block: ``chain``). The context then advan
 UniVer step on the ``topk1`` tree, which is lossless, so contexts stay
 target-distributed at temperature T.
 
-    python benchmarks/acceptance.py --quick        # ~10 minutes on 2 cores
-    python benchmarks/acceptance.py                # full run: hours; partial results as it goes
-    python benchmarks/acceptance.py --report-only  # tables and plots from the saved records
+    python -m benchmarks.acceptance --quick        # ~10 minutes on 2 cores
+    python -m benchmarks.acceptance                # full run: hours; partial results as it goes
+    python -m benchmarks.acceptance --report-only  # tables and plots from the saved records
 
 Outputs in benchmarks/results/: acceptance[_quick].jsonl (one record per
 context, scheme and method), acceptance[_quick].md (tables), and PNG plots.
@@ -37,10 +37,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS, model_dir, prompts  # noqa: E402
-
-from vllm_univer import TreeSpec, draft_children, outcome_law, verify  # noqa: E402
+from vllm_univer import TreeSpec, draft_children, outcome_law, verify
+from vllm_univer.tools.real_models import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS, model_dir, prompts
 
 RESULTS = Path(__file__).parent / "results"
 SCHEME_METHODS = {
@@ -306,7 +304,7 @@ def run_study(args) -> Path:
             done.add((r["prompt"], r["temperature"]))  # resume: skip finished prompts
     sink = open(out_path, "w" if args.restart else "a")
     with open(out_path.with_suffix(".cmd"), "w" if args.restart else "a") as cmd:
-        cmd.write(f"{time.strftime('%Y-%m-%d %H:%M')}  python benchmarks/acceptance.py {' '.join(sys.argv[1:])}\n")
+        cmd.write(f"{time.strftime('%Y-%m-%d %H:%M')}  python -m benchmarks.acceptance {' '.join(sys.argv[1:])}\n")
     gen = torch.Generator().manual_seed(args.seed)
     started = time.time()
     # Prompts outermost, then datasets and temperatures: a run stopped by its
@@ -689,7 +687,7 @@ def main() -> None:
         args.prompts = min(args.prompts, 3)
         args.steps = min(args.steps, 5)
         args.time_budget = args.time_budget or 540
-    command = "python benchmarks/acceptance.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.acceptance " + " ".join(sys.argv[1:])
     if not args.report_only:
         run_study(args)
     main_path = RESULTS / f"acceptance{'_quick' if args.quick else ''}.jsonl"

@@ -11,7 +11,7 @@ own launch (``JITFunction.run``) is replaced by a no-op for both, so what is tim
 is the Python up to it; on CUDA the launches are real (host time per layer, the
 device synchronised between forwards only).
 
-    python benchmarks/attention_host_overhead.py           # writes results/attention_host_overhead.md
+    python -m benchmarks.attention_host_overhead           # writes results/attention_host_overhead.md
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def main() -> None:
     lines = [
         "# Host time per attention layer: tree attention against vLLM's TRITON_ATTN forward",
         "",
-        f"Command: `python benchmarks/attention_host_overhead.py {' '.join(sys.argv[1:])}`. Machine: {machine}. "
+        f"Command: `python -m benchmarks.attention_host_overhead {' '.join(sys.argv[1:])}`. Machine: {machine}. "
         f"Context {args.context} tokens per request, median of {args.reps} forwards. Ours: the patched backend "
         "`forward` with a tree plan covering every row (vLLM's kernel skipped), a fresh plan per forward; "
         "vLLM's: `TritonAttentionImpl.forward`, causal over the same rows and keys.",

@@ -18,8 +18,8 @@ own exploration). Prints tokens/s per arm and round, the paired ratios of each
 arm to ``auto`` (same round), and appends the table to
 ``benchmarks/results/auto_ab.md``.
 
-    python benchmarks/auto_ab.py --batch 8 --temperature 1 --arms auto plain d1
-    python benchmarks/auto_ab.py --batch 1 --temperature 0 --new-tokens 64 --arms auto d3 plain
+    python -m benchmarks.auto_ab --batch 8 --temperature 1 --arms auto plain d1
+    python -m benchmarks.auto_ab --batch 1 --temperature 0 --new-tokens 64 --arms auto d3 plain
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchmarks.engine import ENV
+from vllm_univer.tools.serving_defaults import serving_dtype
 
-from engine import ENV, serving_dtype  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def schedule(arm: str) -> tuple[str | None, str | None]:
@@ -69,8 +69,9 @@ def main() -> None:
         schedule(arm)
     os.environ.update(ENV)
 
-    from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
     from vllm import LLM, SamplingParams
+
+    from vllm_univer.tools.real_models import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
 
     llm = LLM(
         model=str(model_dir(DEFAULT_TARGET)),
@@ -80,7 +81,7 @@ def main() -> None:
             "verifier": args.verifier,
             "model": str(model_dir(DEFAULT_DRAFT)),
         },
-        dtype=serving_dtype(),
+        dtype=serving_dtype()[0],
         enforce_eager=True,
         max_model_len=2048,
         max_num_seqs=max(args.batch, 8),
@@ -118,9 +119,9 @@ def main() -> None:
             print(f"round {r} {arm}: {speed[arm][-1]:.2f} tok/s", flush=True)
     llm.collective_rpc(set_schedule, args=(None, None))
 
-    from engine import device_label
+    from benchmarks.engine import device_label
 
-    command = "python benchmarks/auto_ab.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.auto_ab " + " ".join(sys.argv[1:])
     total = max(sum(auto_depths.values()), 1)
     lines = [
         "",

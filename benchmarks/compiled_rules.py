@@ -7,8 +7,8 @@ replacement (``verifier_overhead.make_inputs``), and the first compiled call of
 each tree (compilation included; Inductor's on-disk cache is emptied first, so
 it is what a first start pays). Writes ``results/compiled_rules.md``.
 
-    python benchmarks/compiled_rules.py                 # V = 151936, B 1 / 8, 2x5 3x3 eagle61
-    python benchmarks/compiled_rules.py --batches 1 --trees 2x5
+    python -m benchmarks.compiled_rules                 # V = 151936, B 1 / 8, 2x5 3x3 eagle61
+    python -m benchmarks.compiled_rules --batches 1 --trees 2x5
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from acceptance import eagle_like_tree  # noqa: E402
-from verifier_overhead import make_inputs, time_call  # noqa: E402
-
-from vllm_univer import TreeSpec, verify  # noqa: E402
+from benchmarks.acceptance import eagle_like_tree
+from benchmarks.verifier_overhead import make_inputs, time_call
+from vllm_univer import TreeSpec, verify
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -112,7 +110,7 @@ def main() -> None:
             [
                 f"# univer_wor: node rule compiled by torch.compile vs eager ({stamp})",
                 "",
-                f"Command: `python benchmarks/compiled_rules.py {' '.join(sys.argv[1:])}`",
+                f"Command: `python -m benchmarks.compiled_rules {' '.join(sys.argv[1:])}`",
                 "",
                 f"Machine: {machine}",
                 "",

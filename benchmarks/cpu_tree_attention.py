@@ -18,7 +18,7 @@ For each case (requests x context x tree rows, Qwen2.5-1.5B's heads: 12 query /
 Times are the median of 30 calls after a warm-up, in one process, so the columns
 compare side by side; the machine's own drift moves all three.
 
-    python benchmarks/cpu_tree_attention.py
+    python -m benchmarks.cpu_tree_attention
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ the same prompts (MT-Bench, round robin over categories, and HumanEval; chat tem
   and KV moves (outside the target and draft forward passes), from the
   package's step timers (``VLLM_UNIVER_TIMERS=1``).
 
-    python benchmarks/engine.py                       # the default matrix (about 40 min on 2 cores)
-    python benchmarks/engine.py --quick               # one prompt batch, fewer engines
-    python benchmarks/engine.py --rerun "univer auto" "no speculation" --rounds 2   # drift-averaged rows
+    python -m benchmarks.engine                       # the default matrix (about 40 min on 2 cores)
+    python -m benchmarks.engine --quick               # one prompt batch, fewer engines
+    python -m benchmarks.engine --rerun "univer auto" "no speculation" --rounds 2   # drift-averaged rows
 
 This machine's speed drifts between fresh engines by about +-5 %, more than
 the 3 % the ``auto`` goal line is read at. ``--rounds R`` runs the speed rows
@@ -42,16 +42,14 @@ from pathlib import Path
 
 from vllm_univer.integration.tree_sizer import ONE_DEPTH_ENV
 from vllm_univer.tools.json_job import print_result, run_json_job
+from vllm_univer.tools.serving_defaults import LOCAL_SERVER_ENV, serving_dtype
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE))
 
 ENV = {
+    **LOCAL_SERVER_ENV,
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "4",
-    "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_UNIVER_TIMERS": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
@@ -114,14 +112,6 @@ def engine_configs(quick: bool) -> list[dict]:
 
 
 # ----------------------------------------------------------------- one engine
-def serving_dtype() -> str:
-    import torch
-
-    from vllm_univer.tools.host_cpu import host_cpu
-
-    return "bfloat16" if torch.cuda.is_available() else host_cpu().serving_dtype()[0]
-
-
 # The runner's methods timed per cell (``_time_step_parts``): the target forward,
 # everything execute_model does (forward included), and sampling plus drafting.
 STEP_PARTS = ("_model_forward", "execute_model", "sample_tokens")
@@ -232,7 +222,7 @@ class Engine:
         self.llm = LLM(
             model=job["target"],
             speculative_config=spec,
-            dtype=serving_dtype(),
+            dtype=serving_dtype()[0],
             enforce_eager=True,
             max_model_len=2048,
             max_num_seqs=MAX_BATCH,
@@ -345,7 +335,7 @@ def engine_job(
 
 
 def run_matrix(args) -> list[dict]:
-    from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
+    from vllm_univer.tools.real_models import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
 
     target, draft = str(model_dir(DEFAULT_TARGET)), str(model_dir(DEFAULT_DRAFT))
     texts = {
@@ -376,7 +366,7 @@ def run_matrix(args) -> list[dict]:
     for r, name in schedule:
         job = jobs[name]
         print(f"[engine] {name} (round {r}) ...", flush=True)
-        result, stderr = run_json_job([__file__, "--one"], job, {**os.environ, **ENV, **job["env"]})
+        result, stderr = run_json_job(["-m", "benchmarks.engine", "--one"], job, {**os.environ, **ENV, **job["env"]})
         if result is None:
             raise RuntimeError(f"{name} failed:\n{stderr[-5000:]}")
         engines.setdefault(name, []).append(result)
@@ -468,7 +458,7 @@ def report(results: list[dict], command: str) -> str:
         "# Tree speculation through vLLM 0.32: speed and acceptance",
         "",
         f"Command: `{command}`. Machine: {device_label()}; Qwen2.5-Coder 1.5B target / 0.5B draft, "
-        f"{serving_dtype()}, "
+        f"{serving_dtype()[0]}, "
         "enforce_eager, MT-Bench or HumanEval prompts (chat template), ignore_eos. One engine per row, one process per "
         "engine, one engine at a time. Rows are saved in the JSON file beside this one; `--rerun NAME...` "
         "replaces the named rows. What each session read from these tables: "
@@ -585,7 +575,7 @@ def offline_agreement(results: list[dict], tree: str = "2x5", temperature: float
     records = RESULTS / "acceptance.jsonl"
     if not records.exists():
         return []
-    from acceptance import mean_and_se, study_records
+    from benchmarks.acceptance import mean_and_se, study_records
 
     offline: dict[str, list[float]] = {}
     for r in study_records(records)[1]:
@@ -656,7 +646,7 @@ def main() -> None:
         return
     results = run_matrix(args)
     command = (
-        "python benchmarks/engine.py"
+        "python -m benchmarks.engine"
         + (" --quick" if args.quick else "")
         + (f" --tag {args.tag}" if args.tag else "")
         + (f" --repeats {args.repeats}" if args.repeats != 2 else "")

@@ -7,7 +7,7 @@ the matrix is read for (``tree: auto`` running plain steps only, against the
 engine without speculation). Here the named rows take turns on the same cell,
 in both orders:
 
-    python benchmarks/engine_ab.py --rows "no speculation" "univer auto" --dataset humaneval --batch 8 --temperature 0
+    python -m benchmarks.engine_ab --rows "no speculation" "univer auto" --dataset humaneval --batch 8 --temperature 0
 
 either in rounds, each round starting every engine afresh (its own process,
 warm-up included; tok/s the fastest of ``--repeats`` runs, as in
@@ -33,12 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.engine import ENV, MAX_BATCH, RESULTS, device_label, engine_configs, engine_job
+from vllm_univer.tools.json_job import JsonWorker, run_json_job
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from engine import ENV, MAX_BATCH, RESULTS, device_label, engine_configs, engine_job  # noqa: E402
-
-from vllm_univer.tools.json_job import JsonWorker, run_json_job  # noqa: E402
 
 
 def main() -> None:
@@ -75,7 +73,7 @@ def main() -> None:
         "favours the row whose tau varies most between runs (a deep chain)",
     )
     args = ap.parse_args()
-    from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
+    from vllm_univer.tools.real_models import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
 
     configs = {c["name"]: c for c in engine_configs(quick=False)}
     unknown = [name for name in args.rows if name not in configs]
@@ -120,7 +118,7 @@ def main() -> None:
     speed_settings = ("THP_MEM_ALLOC_ENABLE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
     settings = [f"{k}={os.environ[k]}" for k in speed_settings if k in os.environ]
     command = " ".join(
-        [*settings, "python benchmarks/engine_ab.py", *(f'"{a}"' if " " in a else a for a in sys.argv[1:])]
+        [*settings, "python -m benchmarks.engine_ab", *(f'"{a}"' if " " in a else a for a in sys.argv[1:])]
     )
     lines = [
         "",
@@ -200,7 +198,9 @@ def fresh_engine_runs(jobs: dict, cell: tuple, args):
         # Every other round in reverse order: no row always runs first after a pause.
         for name in labels if r % 2 == 0 else labels[::-1]:
             job = {**jobs[name], "repeats": args.repeats, "single_repeats": args.repeats}
-            result, stderr = run_json_job([str(HERE / "engine.py"), "--one"], job, {**os.environ, **ENV, **job["env"]})
+            result, stderr = run_json_job(
+                ["-m", "benchmarks.engine", "--one"], job, {**os.environ, **ENV, **job["env"]}
+            )
             if result is None:
                 raise RuntimeError(f"{name} failed:\n{stderr[-5000:]}")
             cell_result = result["cells"][0]
@@ -225,7 +225,7 @@ def interleaved_runs(jobs: dict, cell: tuple, runs: int):
         for name in labels:  # started one at a time: loading two models at once would skew nothing but is slow
             log = f"/tmp/engine_ab_{len(workers)}.log"
             workers[name] = JsonWorker(
-                [str(HERE / "engine.py"), "--serve"], jobs[name], {**env, **jobs[name]["env"]}, log
+                ["-m", "benchmarks.engine", "--serve"], jobs[name], {**env, **jobs[name]["env"]}, log
             )
             workers[name].ask(list(cell))  # the first run of a cell is slow (first-time work at its shapes)
         for r in range(runs):

@@ -2,7 +2,7 @@
 
 Run on a CUDA machine from the repository root (about 5 minutes on one H200):
 
-    python benchmarks/gpu_check.py [--out DIR]
+    python -m benchmarks.gpu_check [--out DIR]
 
 1. Correctness on CUDA: every verifier's sampled outcomes (float32, batched)
    against its exact law (``outcome_law``) by a chi-square test; the engine's
@@ -34,18 +34,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from law_utils import scheme_outcomes  # noqa: E402
-from verifier_overhead import make_inputs  # noqa: E402
-from vllm_attention import chain_matches_triton_attn, flash_attn_causal, triton_attn_causal  # noqa: E402
-
-from vllm_univer import METHODS, TreeSpec, outcome_law, verify  # noqa: E402
-from vllm_univer.core.compiled_rules import CUDA_CHECK_ENV  # noqa: E402
-from vllm_univer.core.kernels.triton_rows import SPLITS_ENV  # noqa: E402
-from vllm_univer.integration.attention import tree_attention  # noqa: E402
-from vllm_univer.integration.attention.tree_attention import gather_paged  # noqa: E402
-from vllm_univer.tools.goodness_of_fit import chi_square_pvalue  # noqa: E402
+from benchmarks.verifier_overhead import make_inputs
+from benchmarks.vllm_attention import chain_matches_triton_attn, flash_attn_causal, triton_attn_causal
+from vllm_univer import METHODS, TreeSpec, outcome_law, verify
+from vllm_univer.core.compiled_rules import CUDA_CHECK_ENV
+from vllm_univer.core.kernels.triton_rows import SPLITS_ENV
+from vllm_univer.integration.attention import tree_attention
+from vllm_univer.integration.attention.tree_attention import gather_paged
+from vllm_univer.tools.goodness_of_fit import chi_square_pvalue
+from vllm_univer.tools.law_oracle import scheme_outcomes
 
 
 def paged_inputs(device, dtype, gen, reqs=4, context=300, spec="2x5", hq=12, hkv=2, dh=128, bs=16):
@@ -612,7 +609,7 @@ def main() -> None:
     lines = [
         f"# GPU check ({time.strftime('%Y-%m-%d')})",
         "",
-        f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}. Command: `python benchmarks/gpu_check.py`",
+        f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}. Command: `python -m benchmarks.gpu_check`",
         "",
     ]
     out = Path(args.out) / "gpu_check.md"

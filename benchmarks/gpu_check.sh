@@ -4,4 +4,4 @@
 # $OUT (the device tool brings them back) or benchmarks/results.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PYTHONPATH=. python benchmarks/gpu_check.py --out "${OUT:-benchmarks/results}"
+PYTHONPATH=. python -m benchmarks.gpu_check --out "${OUT:-benchmarks/results}"

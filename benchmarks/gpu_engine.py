@@ -13,9 +13,9 @@ mean tokens per step, from the acceptance study on the real Qwen pair
 (``results/acceptance.jsonl``, same verifier, shape, T = 1). Projected tokens/s
 = batch x tau / step time.
 
-    python benchmarks/gpu_engine.py                  # 7B/0.5B, batch 1 8 32, about 6 min on one H200
-    python benchmarks/gpu_engine.py --pairs 7b 1.5b  # both pairs
-    python benchmarks/gpu_engine.py --pairs tiny --batches 1 2 --eager   # smoke test on a CPU
+    python -m benchmarks.gpu_engine                  # 7B/0.5B, batch 1 8 32, about 6 min on one H200
+    python -m benchmarks.gpu_engine --pairs 7b 1.5b  # both pairs
+    python -m benchmarks.gpu_engine --pairs tiny --batches 1 2 --eager   # smoke test on a CPU
 
 Results: ``results/gpu_engine.md`` (``--out``), ending with the line the goal of
 issue 12 is read from. Every engine runs in its own process; an engine that
@@ -34,16 +34,12 @@ from pathlib import Path
 
 from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV
 from vllm_univer.tools.json_job import TIMED_OUT, print_result, run_json_job
+from vllm_univer.tools.serving_defaults import LOCAL_SERVER_ENV
 
 HERE = Path(__file__).resolve().parent
 STUDY = HERE / "results" / "acceptance.jsonl"
 # In-process engine core: the step timers are read and switched through collective_rpc with functions.
-ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+ENV = {**LOCAL_SERVER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 # Qwen2.5 shapes (public config.json values). The 7B's vocabulary is padded to
 # 152064 in its release; the pair here shares the 0.5B's 151936 (a draft must
@@ -370,7 +366,9 @@ def run(args, save) -> list[dict]:
             }
             print(f"[gpu_engine] {pair} {name}{' (eager)' if args.eager else ''} ...", flush=True)
             start = time.perf_counter()
-            result, stderr = run_json_job([__file__, "--one"], job, env, timeout=args.engine_timeout)
+            result, stderr = run_json_job(
+                ["-m", "benchmarks.gpu_engine", "--one"], job, env, timeout=args.engine_timeout
+            )
             # A first engine that fails under CUDA graphs (not one that ran out of time compiling)
             # would fail every row alike: the rest run eager.
             if result is None and not args.eager and not results and TIMED_OUT not in stderr:
@@ -378,7 +376,9 @@ def run(args, save) -> list[dict]:
                 args.eager = True
                 args.graphs_error = stderr[-1500:]
                 job["eager"] = True
-                result, stderr = run_json_job([__file__, "--one"], job, env, timeout=args.engine_timeout)
+                result, stderr = run_json_job(
+                    ["-m", "benchmarks.gpu_engine", "--one"], job, env, timeout=args.engine_timeout
+                )
             row.update(engine_s=time.perf_counter() - start, eager=args.eager)
             if result is None:
                 row["error"] = stderr[-3000:]
@@ -516,7 +516,7 @@ def main() -> None:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke test; not the benchmark)"
-    command = "python benchmarks/gpu_engine.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.gpu_engine " + " ".join(sys.argv[1:])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.stem if torch.cuda.is_available() else f"{args.stem}_cpu_smoke"

@@ -38,14 +38,14 @@ if [ "$part" = graphs ] || [ "$part" = all ]; then
     python -m pytest -q -p no:cacheprovider tests/end_to_end/test_draft_forward.py -k cuda_graphs 2>&1 | tee "$out/graphs_gpu.txt"
 fi
 if [ "$part" = check ] || [ "$part" = all ]; then
-  timeout "${GPU_CHECK_S:-200}" python benchmarks/gpu_check.py --out "$out" \
+  timeout "${GPU_CHECK_S:-200}" python -m benchmarks.gpu_check --out "$out" \
     || echo "[gpu_engine.sh] gpu_check failed or cut off (rc=$?); its report keeps the sections done"
-  timeout 45 python benchmarks/attention_host_overhead.py --reps 50 --out "$out" \
+  timeout 45 python -m benchmarks.attention_host_overhead --reps 50 --out "$out" \
     || echo "[gpu_engine.sh] attention_host_overhead failed or cut off (rc=$?)"
 fi
 if [ "$part" = engine ] || [ "$part" = all ]; then
   budget="${GPU_ENGINE_S:-520}"
-  timeout "$budget" python benchmarks/gpu_engine.py --out "$out" --engine-timeout 200 \
+  timeout "$budget" python -m benchmarks.gpu_engine --out "$out" --engine-timeout 200 \
     --attention-backend TRITON_ATTN --compile-backend eager --deadline $((budget - 200)) "$@" \
     || echo "[gpu_engine.sh] gpu_engine stopped (rc=$?); its report keeps the rows done"
 fi

@@ -15,7 +15,7 @@ with its probability P(T). A verifier is any conditional law x[T, e, y] of
 
 solved with SciPy's HiGHS. The verifiers' values come from ``outcome_law``.
 
-    python benchmarks/lp_optimum.py            # writes benchmarks/results/lp_optimum.md
+    python -m benchmarks.lp_optimum            # writes benchmarks/results/lp_optimum.md
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent / "tests"))  # the exact-law toolkit of the test suite
-from law_utils import PathModel, enumerate_trees, expected_accepted, node_paths  # noqa: E402
+from vllm_univer import TreeSpec
+from vllm_univer.tools.law_oracle import PathModel, enumerate_trees, expected_accepted, node_paths
 
-from vllm_univer import TreeSpec  # noqa: E402
+ROOT = Path(__file__).resolve().parent
 
 SCHEME_METHODS = {
     "chain": ("token", "block"),
@@ -208,7 +207,7 @@ def main() -> None:
     lines = [
         "# Gap to the optimal lossless verifier (exact, synthetic)",
         "",
-        f"Command: `python benchmarks/lp_optimum.py {' '.join(sys.argv[1:])}`",
+        f"Command: `python -m benchmarks.lp_optimum {' '.join(sys.argv[1:])}`",
         "",
         "E[accepted draft tokens] averaged over the scheme's trees, mean over "
         f"{len(seeds)} random target/draft pairs per case. Models: `generic` = smooth random laws, "

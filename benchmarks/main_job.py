@@ -6,8 +6,8 @@ request (chat, "Write a Python function that reverses a list.", 128 tokens,
 T = 1) three times and once at T = 0, through the ``openai`` client; tokens/s
 = completion tokens / wall time of the request.
 
-    python benchmarks/main_job.py                      # plain vllm serve, main job TREE=auto, TREE=2x3
-    python benchmarks/main_job.py --trees auto          # fewer rows
+    python -m benchmarks.main_job                      # plain vllm serve, main job TREE=auto, TREE=2x3
+    python -m benchmarks.main_job --trees auto          # fewer rows
 
 Results: ``results/main_job.md`` (and ``.json``; ``--out NAME``: ``results/NAME.md``,
 to keep another machine's table beside it). Models must be cached
@@ -24,15 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_univer.tools.host_cpu import host_cpu
+from vllm_univer.tools.local_server import free_port, stop, vllm_serve
+from vllm_univer.tools.serving_defaults import LOCAL_SERVER_ENV, hardware_defaults
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-
-from vllm_univer.tools.host_cpu import host_cpu  # noqa: E402
-from vllm_univer.tools.local_server import free_port, stop, vllm_serve  # noqa: E402
 
 PROMPT = "Write a Python function that reverses a list."
-ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
 def example_requests(url: str, model: str) -> list[dict]:
@@ -54,7 +53,7 @@ def example_requests(url: str, model: str) -> list[dict]:
 
 def main_job(tree: str, log: Path, timeout: float) -> dict:
     port = free_port()
-    env = {**os.environ, **ENV, "PORT": str(port), "TREE": tree}
+    env = {**os.environ, **LOCAL_SERVER_ENV, "PORT": str(port), "TREE": tree}
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -83,12 +82,12 @@ def main_job(tree: str, log: Path, timeout: float) -> dict:
 
 
 def plain_server(log: Path, timeout: float, dtype: str, extra: list[str], extra_env: dict[str, str]) -> dict:
-    from data import DEFAULT_TARGET, model_dir
+    from vllm_univer.tools.real_models import DEFAULT_TARGET, model_dir
 
     args = [str(model_dir(DEFAULT_TARGET)), "--served-model-name", "target", "--dtype", dtype]
     args += ["--max-model-len", "4096", *extra]
     start = time.perf_counter()
-    with vllm_serve(args, {**extra_env, **os.environ, **ENV}, timeout, log, grace=60) as (_, url):
+    with vllm_serve(args, {**extra_env, **os.environ, **LOCAL_SERVER_ENV}, timeout, log, grace=60) as (_, url):
         ready = time.perf_counter() - start
         print(f"plain vllm serve: healthy after {ready:.0f} s", flush=True)
         return {"name": "plain vllm serve", "ready_s": ready, "runs": example_requests(url, "target")}
@@ -127,9 +126,6 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="main_job", help="results/OUT.md and .json")
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO / "scripts"))
-    from serve_default import hardware_defaults
-
     dtype, _, extra, extra_env = hardware_defaults([])
     rows = []
     logs = Path("/tmp")
@@ -137,7 +133,7 @@ def main() -> None:
         rows.append(plain_server(logs / "main_job_plain.log", args.timeout, dtype, extra, extra_env))
     for tree in args.trees:
         rows.append(main_job(tree, logs / f"main_job_{tree}.log", args.timeout))
-    command = "python benchmarks/main_job.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.main_job " + " ".join(sys.argv[1:])
     text = report(rows, command.strip())
     (HERE / "results" / f"{args.out}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     (HERE / "results" / f"{args.out}.md").write_text(text)

@@ -1,177 +1,185 @@
-"""Serving benchmark: a real ``vllm serve`` per configuration, driven by an
-``openai``-client load generator (Poisson arrivals), side by side on the same prompts.
+"""Serving benchmark through vLLM's own client: ``vllm bench serve`` (the tool vLLM
+users benchmark with) against a real ``vllm serve`` per configuration, one server
+at a time, the same requests for each.
 
-Configurations: no speculation, vLLM's ``draft_model`` chain (k = 5), and
-``univer`` with several verifiers. For each request rate the same requests
-(MT-Bench prompts, chat template, fixed output length, ignore_eos) are sent;
-the script records output tokens/s over the run, TTFT and TPOT (p50 / p99), and
-their ratios to no speculation. One server runs at a time.
+Configurations: no speculation, vLLM's ``draft_model`` chain (k = 3 and 5), and
+this package's ``tree: auto`` (UniVer); every server gets the main job's settings
+for the machine (``tools.serving_defaults``). Load: Poisson request rates (open
+loop) and a concurrency sweep (closed loop, rate unbounded), MT-Bench prompts
+through the chat endpoint, a fixed output length (ignore_eos). Reported: output
+tokens/s, TTFT / TPOT / ITL p50 and p99, and each row's ratio to no speculation.
 
-    python benchmarks/serving.py                      # default matrix (about 20 min on 2 cores)
-    python benchmarks/serving.py --rates 1 4 --requests 8 --configs nospec univer
+    python -m benchmarks.serving                          # default matrix
+    python -m benchmarks.serving --rates 1 --concurrency 1 4 --configs nospec auto
 Results: ``benchmarks/results/serving.md`` and ``serving.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
-import random
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+from vllm_univer.tools.local_server import vllm_executable, vllm_serve
+from vllm_univer.tools.serving_defaults import LOCAL_SERVER_ENV, hardware_defaults
 
-from vllm_univer.tools.host_cpu import host_cpu
-from vllm_univer.tools.local_server import vllm_serve
-
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE))
+RESULTS = Path(__file__).resolve().parent / "results"
+SERVED_NAME = "target"
 
 CONFIGS = {
     "nospec": None,
-    "chain": {"method": "draft_model", "num_speculative_tokens": 5, "draft_sample_method": "probabilistic"},
-    "univer": {"method": "univer", "tree": "2x3", "verifier": "univer"},
-    "greedy": {"method": "univer", "tree": "2x3", "verifier": "greedy"},
-    "rrsw": {"method": "univer", "tree": "2x3", "verifier": "rrsw"},
-    "traversal": {"method": "univer", "tree": "2x3", "verifier": "traversal"},
+    "chain k=3": {"method": "draft_model", "num_speculative_tokens": 3},
+    "chain k=5": {"method": "draft_model", "num_speculative_tokens": 5},
+    "auto": {"method": "univer", "tree": "auto", "verifier": "univer"},
+    "univer 2x3": {"method": "univer", "tree": "2x3", "verifier": "univer"},
 }
+METRICS = ("ttft", "tpot", "itl")
 
 
-def server_args(target: str, draft: str, spec: dict | None) -> list[str]:
-    args = [target, "--served-model-name", "target", "--dtype", serving_dtype(), "--enforce-eager"]
-    args += ["--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0"]
+def server_args(target: str, draft: str, spec: dict | None, dtype: str, engine_args: list[str]) -> list[str]:
+    args = [target, "--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len", "2048"]
+    args += ["--max-num-seqs", "16", "--seed", "0", *engine_args]
     if spec is not None:
         args += ["--speculative-config", json.dumps({**spec, "model": draft})]
     return args
 
 
-def serving_dtype() -> str:
-    return host_cpu().serving_dtype()[0]
+def bench_serve(url: str, tokenizer: str, dataset: Path, load: dict, args, out_dir: Path) -> dict:
+    """One ``vllm bench serve`` run; its saved JSON result."""
+    name = f"run_{time.monotonic_ns()}.json"
+    cmd = [
+        vllm_executable(),
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        url,
+        "--model",
+        SERVED_NAME,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(dataset),
+        "--skip-chat-template",  # the chat endpoint applies the server's template
+        "--custom-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(args.requests),
+        "--ignore-eos",
+        "--temperature",
+        str(args.temperature),
+        "--percentile-metrics",
+        ",".join(METRICS),
+        "--metric-percentiles",
+        "50,99",
+        "--seed",
+        "0",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        name,
+        "--request-rate",
+        str(load["rate"]),
+    ]
+    if load.get("concurrency"):
+        cmd += ["--max-concurrency", str(load["concurrency"])]
+    subprocess.run(cmd, check=True, env={**os.environ, **LOCAL_SERVER_ENV}, stdout=subprocess.DEVNULL)
+    return json.loads((out_dir / name).read_text())
 
 
-SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+def row_of(result: dict) -> dict:
+    row = {"tok_per_s": result["output_throughput"], "completed": result.get("completed")}
+    for metric in METRICS:
+        for p in (50, 99):
+            row[f"{metric}_p{p}"] = result.get(f"p{p}_{metric}_ms")
+    return row
 
 
-async def one_request(client, prompt: str, max_tokens: int, temperature: float, delay: float) -> dict:
-    await asyncio.sleep(delay)
-    start = time.perf_counter()
-    first, chunks = None, 0
-    stream = await client.chat.completions.create(
-        model="target",
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=max_tokens,
-        temperature=temperature,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    tokens = 0
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            chunks += 1
-            if first is None:
-                first = time.perf_counter()
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    end = time.perf_counter()
-    ttft = (first or end) - start
-    return {
-        "start": start,
-        "end": end,
-        "ttft": ttft,
-        "tpot": (end - (first or end)) / max(tokens - 1, 1),
-        "tokens": tokens,
-    }
+def loads_of(args) -> list[dict]:
+    return [{"rate": r, "concurrency": None} for r in args.rates] + [
+        {"rate": "inf", "concurrency": c} for c in args.concurrency
+    ]
 
 
-async def drive(url: str, prompts: list[str], rate: float, max_tokens: int, temperature: float) -> dict:
-    import openai
-
-    rng = random.Random(0)
-    delays, t = [], 0.0
-    for _ in prompts:
-        delays.append(t)
-        t += rng.expovariate(rate)
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=3600, max_retries=0) as client:
-        rows = await asyncio.gather(
-            *[one_request(client, p, max_tokens, temperature, d) for p, d in zip(prompts, delays)]
-        )
-    makespan = max(r["end"] for r in rows) - min(r["start"] for r in rows)
-    ttft, tpot = np.array([r["ttft"] for r in rows]), np.array([r["tpot"] for r in rows])
-    return {
-        "rate": rate,
-        "requests": len(rows),
-        "tokens": sum(r["tokens"] for r in rows),
-        "tok_per_s": sum(r["tokens"] for r in rows) / makespan,
-        "ttft_p50": float(np.percentile(ttft, 50)),
-        "ttft_p99": float(np.percentile(ttft, 99)),
-        "tpot_p50": float(np.percentile(tpot, 50)),
-        "tpot_p99": float(np.percentile(tpot, 99)),
-    }
+def label(load: dict) -> str:
+    return f"concurrency {load['concurrency']}" if load["concurrency"] else f"Poisson {load['rate']} req/s"
 
 
-def report(results: dict, args) -> str:
+def report(results: dict, args, hardware: str) -> str:
     lines = [
-        "# Serving benchmark: vllm serve + openai clients (CPU build)",
+        "# Serving benchmark: `vllm bench serve` against `vllm serve`",
         "",
-        f"Command: `python benchmarks/serving.py {' '.join(sys.argv[1:])}`. Machine: {host_cpu().label}, "
-        f"{platform.platform()}. Qwen2.5-Coder 1.5B target / 0.5B draft, {serving_dtype()}, "
-        f"MT-Bench prompts (chat), {args.requests} requests per rate, Poisson arrivals, {args.max_tokens} output "
-        f"tokens (ignore_eos), temperature {args.temperature}. One server at a time, all rows from one run.",
+        f"Command: `python -m benchmarks.serving {' '.join(sys.argv[1:])}`. Machine: {hardware}; "
+        f"{platform.platform()}. Qwen2.5-Coder 1.5B target / 0.5B draft, MT-Bench prompts (chat endpoint), "
+        f"{args.requests} requests per load, {args.output_len} output tokens (ignore_eos), temperature "
+        f"{args.temperature}. One server at a time, every row from this run; ratios against no speculation "
+        "under the same load. Times in ms.",
         "",
-        "| config | rate (req/s) | tok/s | vs no spec | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) "
-        "| vs no spec (TPOT p50) |",
+        "| config | load | tok/s | vs no spec | TTFT p50 / p99 | TPOT p50 / p99 | ITL p50 / p99 |",
         "|---|---|---|---|---|---|---|",
     ]
-    base = {r["rate"]: r for r in results.get("nospec", [])}
+    base = {label(r["load"]): r for r in results.get("nospec", [])}
     for name, rows in results.items():
         for r in rows:
-            b = base.get(r["rate"])
-            ratio = r["tok_per_s"] / b["tok_per_s"] if b else float("nan")
-            tpot_ratio = r["tpot_p50"] / b["tpot_p50"] if b else float("nan")
-            lines.append(
-                f"| {name} | {r['rate']:g} | {r['tok_per_s']:.2f} | {ratio:.2f}x | "
-                f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['tpot_p50']:.3f} / {r['tpot_p99']:.3f} | "
-                f"{tpot_ratio:.2f}x |"
-            )
+            b = base.get(label(r["load"]))
+            ratio = f"{r['tok_per_s'] / b['tok_per_s']:.2f}x" if b else "-"
+            cells = [
+                " / ".join("-" if r[f"{m}_p{p}"] is None else f"{r[f'{m}_p{p}']:.0f}" for p in (50, 99))
+                for m in METRICS
+            ]
+            head = f"| {name} | {label(r['load'])} | {r['tok_per_s']:.2f} | {ratio} | "
+            lines.append(head + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--configs", nargs="+", default=["nospec", "chain", "univer", "rrsw", "traversal"], choices=sorted(CONFIGS)
-    )
-    ap.add_argument("--rates", nargs="+", type=float, default=[1.0, 4.0, 16.0])
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--configs", nargs="+", default=["nospec", "chain k=3", "chain k=5", "auto"], choices=CONFIGS)
+    ap.add_argument("--rates", nargs="+", type=float, default=[0.5, 2.0])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--out", default="serving", help="results/OUT.md and .json")
     args = ap.parse_args()
 
-    from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
+    from vllm_univer.tools.real_models import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
 
     target, draft = str(model_dir(DEFAULT_TARGET)), str(model_dir(DEFAULT_DRAFT))
-    texts = [p["turns"][0] for p in prompts("mtbench", limit=args.requests)]
+    dtype, hardware, engine_args, hardware_env = hardware_defaults([])
+    work = Path(tempfile.mkdtemp(prefix="vllm_univer_serving_"))
+    dataset = work / "mtbench.jsonl"
+    items = prompts("mtbench", limit=args.requests)
+    dataset.write_text("".join(json.dumps({"prompt": p["turns"][0]}) + "\n" for p in items))
     results: dict[str, list] = {}
     for name in args.configs:
         print(f"[serving] {name} ...", flush=True)
-        log = Path(tempfile.gettempdir()) / f"vllm_univer_serving_{name}.log"
-        args_ = server_args(target, draft, CONFIGS[name])
-        with vllm_serve(args_, {**os.environ, **SERVER_ENV}, timeout=600, log_path=log, grace=60) as (_, url):
-            results[name] = [
-                asyncio.run(drive(url, texts, rate, args.max_tokens, args.temperature)) for rate in args.rates
-            ]
-        print(json.dumps(results[name]), flush=True)
-        (RESULTS / "serving.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    text = report(results, args)
-    (RESULTS / "serving.md").write_text(text)
+        log = work / f"{name.replace(' ', '_')}.log"
+        env = {**hardware_env, **os.environ, **LOCAL_SERVER_ENV}
+        server = server_args(target, draft, CONFIGS[name], dtype, engine_args)
+        with vllm_serve(server, env, timeout=900, log_path=log, grace=60) as (_, url):
+            results[name] = []
+            for load in loads_of(args):
+                row = {"load": load, **row_of(bench_serve(url, target, dataset, load, args, work))}
+                results[name].append(row)
+                print(f"[serving] {name} {label(load)}: {row['tok_per_s']:.2f} tok/s", flush=True)
+        record = {"command": sys.argv, "hardware": hardware, "args": vars(args), "results": results}
+        (RESULTS / f"{args.out}.json").write_text(json.dumps(record, indent=1))
+    text = report(results, args, hardware)
+    (RESULTS / f"{args.out}.md").write_text(text)
     print(text)
 
 

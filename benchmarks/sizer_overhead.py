@@ -14,7 +14,7 @@ side by side in one run. A priced choice is kept for a few decisions of the
 same batch (``tree_choice.REPRICE_EVERY``): the mean per step, and apart the
 mean of the steps that priced.
 
-    python benchmarks/sizer_overhead.py
+    python -m benchmarks.sizer_overhead
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main() -> None:
     lines = [
         "# Host time of tree auto's choice per step",
         "",
-        f"`python benchmarks/sizer_overhead.py --max-tree {args.max_tree} --steps {args.steps}` on "
+        f"`python -m benchmarks.sizer_overhead --max-tree {args.max_tree} --steps {args.steps}` on "
         f"{platform.processor() or platform.machine()} ({platform.platform()}), Python "
         f"{sys.version.split()[0]}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. Means over served steps "
         f"(choice, then the acceptance and cost models learning from the step); share: of a "

@@ -9,8 +9,8 @@ Peak extra memory (resident-set high-water mark during the call, over the
 input tensors' bytes) is measured
 for ``univer`` in a fresh subprocess per configuration.
 
-    python benchmarks/verifier_overhead.py            # full grid
-    python benchmarks/verifier_overhead.py --quick    # V = 32000, B in {1, 16}
+    python -m benchmarks.verifier_overhead            # full grid
+    python -m benchmarks.verifier_overhead --quick    # V = 32000, B in {1, 16}
 """
 
 from __future__ import annotations
@@ -103,9 +103,8 @@ def vllm_chain_sampler(batch: int, num_draft: int, vocab: int):
 def peak_extra_memory(method: str, tree: str, batch: int, vocab: int) -> tuple[float, float]:
     """(input bytes, peak extra bytes) of one verify call, measured in a fresh process."""
     code = f"""
-import torch, sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from verifier_overhead import make_inputs
+import torch
+from benchmarks.verifier_overhead import make_inputs
 from vllm_univer import TreeSpec, verify
 tree = TreeSpec.parse({tree!r})
 tokens, p, q = make_inputs({method!r}, tree, {batch}, {vocab})
@@ -119,7 +118,9 @@ before = status("VmRSS:")
 verify({method!r}, tree, tokens, p, q, validate=False)
 print((p.numel() + q.numel()) * p.element_size(), status("VmHWM:") - before)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1]
+    )
     inputs, extra = out.stdout.split()
     return float(inputs), float(extra)
 
@@ -193,7 +194,7 @@ def main() -> None:
     lines = [
         f"# verify() vs vLLM RejectionSampler ({stamp})",
         "",
-        f"Command: `python benchmarks/verifier_overhead.py {' '.join(sys.argv[1:])}`",
+        f"Command: `python -m benchmarks.verifier_overhead {' '.join(sys.argv[1:])}`",
         "",
         f"Machine: {machine}",
         "",

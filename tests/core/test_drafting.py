@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from law_utils import scheme_outcomes
 
 from vllm_univer import draft_children
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue
+from vllm_univer.tools.law_oracle import scheme_outcomes
 
 pytestmark = pytest.mark.quick
 

@@ -2,9 +2,9 @@
 scheme enumerated with its probability, float64, max error <= 1e-12."""
 
 import pytest
-from law_utils import PathModel, string_law_error
 
 from vllm_univer import TreeSpec
+from vllm_univer.tools.law_oracle import PathModel, string_law_error
 
 pytestmark = pytest.mark.quick
 

@@ -3,9 +3,9 @@
 
 import pytest
 import torch
-from law_utils import PathModel, batch_tensors, enumerate_trees
 
 from vllm_univer import METHODS, TreeSpec, outcome_law, scheme_for, verify, verify_greedy
+from vllm_univer.tools.law_oracle import PathModel, batch_tensors, enumerate_trees
 
 pytestmark = pytest.mark.quick
 

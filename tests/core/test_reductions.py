@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from law_utils import PathModel, batch_tensors, enumerate_trees, expected_accepted
 
 from vllm_univer import TreeSpec, outcome_law
+from vllm_univer.tools.law_oracle import PathModel, batch_tensors, enumerate_trees, expected_accepted
 
 SEEDS = [0, 1, 2, 3]
 

@@ -4,10 +4,10 @@ seeded chi-square goodness of fit over many draws, batched, float32 and float64.
 import numpy as np
 import pytest
 import torch
-from law_utils import PathModel, batch_tensors, enumerate_trees
 
 from vllm_univer import METHODS, TreeSpec, draft_children, outcome_law, scheme_for, verify
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue
+from vllm_univer.tools.law_oracle import PathModel, batch_tensors, enumerate_trees
 
 IRREGULAR = TreeSpec.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)])
 

@@ -72,8 +72,7 @@ CHECK = textwrap.dedent("""
     from vllm_univer.integration.attention.triton_kv_moves import move_accepted_kv
     from vllm_univer.integration.attention.triton_paged_tree_attention import paged_tree_attention_triton
     from vllm_univer.core.kernels.triton_temperature_softmax import temperature_softmax
-    sys.path.insert(0, "benchmarks")
-    from verifier_overhead import make_inputs
+    from benchmarks.verifier_overhead import make_inputs
 
     def attempt(what, fn):
         try:

@@ -10,10 +10,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from law_utils import PathModel, batch_tensors, enumerate_trees, top_set
 
 from vllm_univer import TreeSpec, verify_greedy
 from vllm_univer.sizing.chain_estimate import chain_survival, greedy_chain_survival
+from vllm_univer.tools.law_oracle import PathModel, batch_tensors, enumerate_trees, top_set
 
 pytestmark = pytest.mark.quick
 

@@ -1,17 +1,13 @@
-"""The main job's settings per CPU (vllm_univer.tools.host_cpu, scripts/serve_default.py):
+"""The main job's settings per CPU (vllm_univer.tools.host_cpu, tools.serving_defaults):
 what it picks from the CPU it finds, and that the user's own settings win."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
 from vllm_univer.tools import host_cpu as host_cpu_module
 from vllm_univer.tools.host_cpu import HostCpu
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from vllm_univer.tools.serving_defaults import CPU_MAX_BATCHED_TOKENS, hardware_defaults
 
 AVX2_2 = HostCpu(model="EPYC", capability="AVX2", native_bf16=False, cores=2)
 AMX_64 = HostCpu(model="Xeon", capability="AVX512", native_bf16=True, cores=64)
@@ -39,8 +35,6 @@ def on_cpu(monkeypatch):
 
 
 def test_main_job_defaults_on_a_small_avx2_cpu(on_cpu):
-    from serve_default import CPU_MAX_BATCHED_TOKENS, hardware_defaults
-
     on_cpu(AVX2_2)
     dtype, line, args, env = hardware_defaults([])
     assert dtype == "float32" and env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -49,8 +43,6 @@ def test_main_job_defaults_on_a_small_avx2_cpu(on_cpu):
 
 
 def test_main_job_defaults_leave_a_large_cpu_and_the_user_alone(on_cpu, monkeypatch):
-    from serve_default import hardware_defaults
-
     on_cpu(AMX_64)
     dtype, line, args, env = hardware_defaults(["--max-num-batched-tokens", "4096"])
     assert dtype == "bfloat16" and env == {} and args == [] and "vLLM default reserved cores" in line

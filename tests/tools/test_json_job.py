@@ -6,6 +6,8 @@ import pytest
 
 from vllm_univer.tools.json_job import JsonWorker, run_json_job
 
+pytestmark = pytest.mark.quick
+
 ECHO = "import json, sys\nfrom vllm_univer.tools.json_job import print_result\nprint_result(json.load(sys.stdin))"
 
 
@@ -28,8 +30,6 @@ def test_a_job_that_prints_no_result():
 # A worker that keeps its job: answers each request with the job's value plus the request.
 ADDER = """import json, sys
 from vllm_univer.tools.json_job import print_result
-
-pytestmark = pytest.mark.quick
 job = json.loads(sys.stdin.readline())
 print("a log line on stdout", flush=True)
 print_result({"ready": job["base"]})

@@ -130,8 +130,7 @@ VLLM_BAR = textwrap.dedent("""
 
     # vLLM's CPU build hides Triton (no CPU driver); its kernel runs in the interpreter with the real module.
     triton_utils.triton, triton_utils.tl, triton_utils.tldevice = triton, tl, tldevice
-    sys.path.insert(0, "benchmarks")
-    from vllm_attention import chain_matches_triton_attn
+    from benchmarks.vllm_attention import chain_matches_triton_attn
 
     gen = torch.Generator().manual_seed(0)
     err = chain_matches_triton_attn(torch.device("cpu"), torch.float32, gen, reqs=2, context=40, t=6)

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import expect, expect_tree_rows
 from .triton_rows import RESIDUAL_CLIPPED, block_size, clipped_ratio, draw_residual, first_argmax, stop_prob
 
 # Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
@@ -45,10 +46,10 @@ RULES = {"token": TOKEN.value, "block": BLOCK.value}
 
 @triton.jit
 def _chain_verify_kernel(
-    p_ptr,
-    q_ptr,
-    tokens_ptr,
-    uniform_ptr,
+    p_ptr,  # [B, N+1, V] target rows p on the chain (any float dtype, V contiguous)
+    q_ptr,  # [B, N+1, V] draft rows q (row i: what node i+1 was drawn from)
+    tokens_ptr,  # [B, N+1] int64 the chain's tokens (-1: the node does not exist)
+    uniform_ptr,  # [B, N+2] float64: eta per node, then Y's
     greedy_ptr,  # [B] int8 (read if HAS_GREEDY)
     weight_ptr,  # [B, N+1] float64, written: alpha (token) or P~ on entry (block); 1 at the root
     stop_ptr,  # [B, N+1] float64, written (block): h, with ``tree_pass.finish_stop``'s conventions
@@ -62,7 +63,7 @@ def _chain_verify_kernel(
     stride_ub,
     stride_wb,
     stride_ob,
-    vocab,
+    vocab,  # V
     num_nodes,  # N + 1
     RULE: tl.constexpr,
     HAS_GREEDY: tl.constexpr,
@@ -138,9 +139,21 @@ def _chain_verify_kernel(
         slot = tl.arange(0, 2)
         q_scale = tl.where(end_has_child, 1.0, 0.0).to(tl.float64)
         choice, _ = draw_residual(
-            p_row, q_row, none_removed, slot, end_scale, q_scale, end_scale, q_scale, uniform, vocab,
-            RESIDUAL_CLIPPED, False, True, BLOCK_V,
-        )  # fmt: skip
+            p_row,
+            q_row,
+            none_removed,
+            slot,
+            end_scale,
+            q_scale,
+            end_scale,
+            q_scale,
+            uniform,
+            vocab,
+            RESIDUAL_CLIPPED,
+            False,
+            True,
+            BLOCK_V,
+        )
     tl.store(end_ptr + b, end)
     for j in range(0, num_nodes):
         drafted = tl.load(tokens_ptr + b * stride_tb + j + 1, mask=j + 1 < num_nodes, other=-1)
@@ -162,17 +175,37 @@ def chain_verify(
     tokens, the next token, -1 padded: ``VerifyOutput.output_token_ids``), the
     end node [B] int64 (= accepted tokens), weight [B, N+1] float64 (alpha or
     entry P~) and stop [B, N+1] float64 (block's h; zeros for token)."""
-    batch, num_nodes, vocab = p.shape
+    batch, num_nodes, vocab = expect_tree_rows(p, q, tokens)
+    expect("uniforms", uniforms, (batch, num_nodes + 1), torch.float64)
+    expect("greedy", greedy, (batch,), (torch.bool, torch.int8))
     # The kernel writes every weight, and every stop probability for block: no fill.
     weight = torch.empty(batch, num_nodes, dtype=torch.float64, device=p.device)
     stop = torch.empty_like(weight) if rule == "block" else torch.zeros_like(weight)
     end = torch.empty(batch, dtype=torch.long, device=p.device)
     out = torch.empty(batch, num_nodes, dtype=torch.long, device=p.device)
-    flags = end if greedy is None else greedy.to(torch.int8)  # not read without greedy rows
+    greedy_flags = greedy.to(torch.int8) if greedy is not None else None
     _chain_verify_kernel[(batch,)](
-        p, q, tokens, uniforms, flags, weight, stop, end, out,
-        p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), uniforms.stride(0), weight.stride(0),
-        out.stride(0), vocab, num_nodes,
-        RULE=RULES[rule], HAS_GREEDY=greedy is not None, BLOCK_V=block_size(vocab),
-    )  # fmt: skip
+        p_ptr=p,  # [B, N+1, V] target rows p on the chain (any float dtype, V contiguous)
+        q_ptr=q,  # [B, N+1, V] draft rows q (row i: what node i+1 was drawn from)
+        tokens_ptr=tokens,  # [B, N+1] int64 the chain's tokens (-1: the node does not exist)
+        uniform_ptr=uniforms,  # [B, N+2] float64: eta per node, then Y's
+        greedy_ptr=greedy_flags,  # [B] int8 (read if HAS_GREEDY)
+        weight_ptr=weight,  # [B, N+1] float64, written: alpha (token) or P~ on entry (block); 1 at the root
+        stop_ptr=stop,  # [B, N+1] float64, written (block): h, with ``tree_pass.finish_stop``'s conventions
+        end_ptr=end,  # [B] int64, written: the end node (= accepted tokens)
+        out_ptr=out,  # [B, N+1] int64, written: accepted tokens, then the next token, then -1
+        stride_pb=p.stride(0),
+        stride_pn=p.stride(1),
+        stride_qb=q.stride(0),
+        stride_qn=q.stride(1),
+        stride_tb=tokens.stride(0),
+        stride_ub=uniforms.stride(0),
+        stride_wb=weight.stride(0),
+        stride_ob=out.stride(0),
+        vocab=vocab,  # V
+        num_nodes=num_nodes,  # N + 1
+        RULE=RULES[rule],
+        HAS_GREEDY=greedy is not None,
+        BLOCK_V=block_size(vocab),
+    )
     return out, end, weight, stop

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import FLOATS, expect
 from .triton_rows import block_size, draw_excluding, slot_block, top_token
 
 # Kernel-visible constants must be tl.constexpr (compiled Triton rejects plain globals; the
@@ -45,11 +46,11 @@ SCHEMES = {"chain": CHAIN.value, "iid": IID.value, "wor": WOR.value, "topk1": TO
 
 @triton.jit
 def _draft_children_kernel(
-    rows_ptr,
-    row_index_ptr,
-    uniform_ptr,
+    rows_ptr,  # [R, W, V] q rows (or logits where every request is greedy), V contiguous
+    row_index_ptr,  # [K] int64: which of the W rows of a request each node reads
+    uniform_ptr,  # [R, K, M] float64: one uniform per child draw (not read if ALL_GREEDY)
     greedy_ptr,  # [R] int8 (read if HAS_GREEDY)
-    out_ptr,
+    out_ptr,  # [R, K, M] int64, written: the children's tokens, -1 where none exists
     tokens_ptr,  # [R, N+1] int64 token table (written if WRITE_TOKENS)
     node_ptr,  # [K] int64: the nodes' ids in the table
     kid_ptr,  # [K, M] int64: their children's ids
@@ -61,7 +62,7 @@ def _draft_children_kernel(
     stride_ok,
     stride_tr,
     stride_kk,
-    vocab,
+    vocab,  # V
     SCHEME: tl.constexpr,
     M: tl.constexpr,  # children per node
     SLOTS: tl.constexpr,  # M rounded up to a power of 2
@@ -123,9 +124,12 @@ def draft_children_fused(
     into: (tokens [R, N+1] int64, nodes [K] int64, kids [K, m] int64): also
     ``tokens[:, kids] = children``, -1 under a node whose token is -1.
     Returns LongTensor [R, K, m], -1 where a child does not exist."""
+    if rows.dim() != 3:
+        raise ValueError(f"rows: expected shape [R, W, V], got {list(rows.shape)}")
     batch, _, vocab = rows.shape
-    if rows.stride(-1) != 1:
-        raise ValueError("draft_children_fused reads rows whose vocabulary dimension is contiguous")
+    expect("rows", rows, tuple(rows.shape), FLOATS, last_contiguous=True)
+    expect("row_index", row_index, (None,), torch.int64, device=rows.device)
+    expect("greedy", greedy, (batch,), (torch.bool, torch.int8))
     m = int(num_children)
     nodes = row_index.numel()
     out = torch.empty(batch, nodes, m, dtype=torch.long, device=rows.device)
@@ -133,18 +137,36 @@ def draft_children_fused(
         uniforms = torch.empty(1, 1, 1, dtype=torch.float64, device=rows.device)
     else:
         uniforms = torch.rand(batch, nodes, m, generator=generator, device=rows.device, dtype=torch.float64)
-    flags = out if greedy is None else greedy.to(torch.int8)  # not read without greedy rows
-    if into is None:
-        tokens, node_ids, kid_ids = out, row_index, out  # not read
-    else:
+    greedy_flags = greedy.to(torch.int8) if greedy is not None else None
+    tokens = node_ids = kid_ids = None
+    if into is not None:
         tokens, node_ids, kid_ids = into
         if tokens.shape[0] != batch or tokens.stride(-1) != 1 or kid_ids.shape != (nodes, m) or kid_ids.stride(-1) != 1:
             raise ValueError("draft_children_fused: into must be (tokens [R, N+1], nodes [K], kids [K, m])")
     _draft_children_kernel[(batch, nodes)](
-        rows, row_index, uniforms, flags, out, tokens, node_ids, kid_ids,
-        rows.stride(0), rows.stride(1), uniforms.stride(0), uniforms.stride(1), out.stride(0), out.stride(1),
-        tokens.stride(0), kid_ids.stride(0), vocab,
-        SCHEME=SCHEMES[scheme], M=m, SLOTS=slot_block(m), HAS_GREEDY=greedy is not None,
-        ALL_GREEDY=all_greedy, WRITE_TOKENS=into is not None, BLOCK_V=block_size(vocab),
-    )  # fmt: skip
+        rows_ptr=rows,  # [R, W, V] q rows (or logits where every request is greedy), V contiguous
+        row_index_ptr=row_index,  # [K] int64: which of the W rows of a request each node reads
+        uniform_ptr=uniforms,  # [R, K, M] float64: one uniform per child draw (not read if ALL_GREEDY)
+        greedy_ptr=greedy_flags,  # [R] int8 (read if HAS_GREEDY)
+        out_ptr=out,  # [R, K, M] int64, written: the children's tokens, -1 where none exists
+        tokens_ptr=tokens,  # [R, N+1] int64 token table (written if WRITE_TOKENS)
+        node_ptr=node_ids,  # [K] int64: the nodes' ids in the table
+        kid_ptr=kid_ids,  # [K, M] int64: their children's ids
+        stride_rr=rows.stride(0),
+        stride_rw=rows.stride(1),
+        stride_ur=uniforms.stride(0),
+        stride_uk=uniforms.stride(1),
+        stride_or=out.stride(0),
+        stride_ok=out.stride(1),
+        stride_tr=tokens.stride(0) if into is not None else 0,
+        stride_kk=kid_ids.stride(0) if into is not None else 0,
+        vocab=vocab,  # V
+        SCHEME=SCHEMES[scheme],
+        M=m,  # children per node
+        SLOTS=slot_block(m),  # M rounded up to a power of 2
+        HAS_GREEDY=greedy is not None,
+        ALL_GREEDY=all_greedy,
+        WRITE_TOKENS=into is not None,
+        BLOCK_V=block_size(vocab),
+    )
     return out

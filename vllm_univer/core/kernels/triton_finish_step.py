@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import expect, expect_tree_rows
 from .triton_rows import (
     RESIDUAL_CLIPPED,
     RESIDUAL_P,
@@ -54,10 +55,10 @@ RESIDUALS = {
 
 @triton.jit
 def _finish_kernel(
-    p_ptr,
-    q_ptr,
-    tokens_ptr,
-    children_ptr,
+    p_ptr,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+    q_ptr,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+    tokens_ptr,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+    children_ptr,  # [N+1, C] int64: each node's children in slot order, -1 padded
     postorder_ptr,  # [N+1] int64: the nodes in post-order (the root last)
     is_internal_ptr,  # [N+1] int8: the shape gives the node children
     ancestors_ptr,  # [N+1, D] int64: the path to each node, root excluded, -1 padded
@@ -83,10 +84,10 @@ def _finish_kernel(
     stride_rn,
     stride_ub,
     stride_ob,
-    vocab,
-    num_nodes,
-    num_slots,
-    max_depth,
+    vocab,  # V
+    num_nodes,  # N + 1
+    num_slots,  # C: child slots per node
+    max_depth,  # D
     POSTORDER: tl.constexpr,
     RESIDUAL: tl.constexpr,
     REMOVES: tl.constexpr,
@@ -197,21 +198,60 @@ def finish_step(
     [B, N+1, 2C] rejection steps for rrs / rrsw / traversal) as the level kernels
     wrote them. Returns output rows [B, D+1], accepted tokens [B] and the end
     node [B] (int64)."""
-    batch, num_nodes, vocab = p.shape
+    batch, num_nodes, vocab = expect_tree_rows(p, q, tokens)
+    expect("weight", weight, (batch, num_nodes))
+    expect("stop", stop, (batch, num_nodes))
+    expect("params", params, (batch, num_nodes, *params.shape[2:]), torch.float64)
+    expect("uniforms", uniforms, (batch, num_nodes + 1), torch.float64)
+    expect("greedy", greedy, (batch,), (torch.bool, torch.int8))
+    expect("end", end, (batch,), torch.int64)
     postorder, residual, removes = RESIDUALS[rule]
     decide = end is None
     end = torch.empty(batch, dtype=torch.long, device=p.device) if decide else end.clone()
     accepted = torch.empty_like(end)
     out = torch.empty(batch, tree.max_depth + 1, dtype=torch.long, device=p.device)
-    flags = end if greedy is None else greedy.to(torch.int8)  # not read without greedy rows
+    greedy_flags = greedy.to(torch.int8) if greedy is not None else None
     num_slots = tree.children.shape[1]
     _finish_kernel[(batch,)](
-        p, q, tokens, tree.children, tree.postorder, tree.is_internal_int8, tree.ancestors, tree.depth,
-        weight, stop, params, uniforms, flags, end, accepted, out,
-        p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), tree.children.stride(0),
-        tree.ancestors.stride(0), weight.stride(0), stop.stride(0), params.stride(0), params.stride(1),
-        uniforms.stride(0), out.stride(0), vocab, num_nodes, num_slots, tree.max_depth,
-        POSTORDER=postorder, RESIDUAL=residual, REMOVES=removes, DECIDE=decide, HAS_GREEDY=greedy is not None,
-        SLOTS=slot_block(num_slots), BLOCK_V=block_size(vocab),
-    )  # fmt: skip
+        p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+        q_ptr=q,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+        tokens_ptr=tokens,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+        children_ptr=tree.children,  # [N+1, C] int64: each node's children in slot order, -1 padded
+        postorder_ptr=tree.postorder,  # [N+1] int64: the nodes in post-order (the root last)
+        is_internal_ptr=tree.is_internal_int8,  # [N+1] int8: the shape gives the node children
+        ancestors_ptr=tree.ancestors,  # [N+1, D] int64: the path to each node, root excluded, -1 padded
+        depth_ptr=tree.depth,  # [N+1] int64
+        weight_ptr=weight,  # [B, N+1]: alpha (DESCENT) or entry P~ (POSTORDER)
+        stop_ptr=stop,  # [B, N+1]: the rule's h of internal nodes (POSTORDER)
+        params_ptr=params,  # [B, N+1, *] float64: the residual's 1 / q(off T), or a_j then c_j
+        uniform_ptr=uniforms,  # [B, N+2] float64: eta per node, then Y's
+        greedy_ptr=greedy_flags,  # [B] int8 (read if HAS_GREEDY)
+        end_ptr=end,  # [B] int64: written, or read where the end is given (DECIDE false)
+        accepted_ptr=accepted,  # [B] int64, written: depth of the end node
+        out_ptr=out,  # [B, D+1] int64, written: accepted tokens, the next token, -1 padded
+        stride_pb=p.stride(0),
+        stride_pn=p.stride(1),
+        stride_qb=q.stride(0),
+        stride_qn=q.stride(1),
+        stride_tb=tokens.stride(0),
+        stride_cn=tree.children.stride(0),
+        stride_an=tree.ancestors.stride(0),
+        stride_wb=weight.stride(0),
+        stride_sb=stop.stride(0),
+        stride_rb=params.stride(0),
+        stride_rn=params.stride(1),
+        stride_ub=uniforms.stride(0),
+        stride_ob=out.stride(0),
+        vocab=vocab,  # V
+        num_nodes=num_nodes,  # N + 1
+        num_slots=num_slots,  # C: child slots per node
+        max_depth=tree.max_depth,  # D
+        POSTORDER=postorder,
+        RESIDUAL=residual,
+        REMOVES=removes,
+        DECIDE=decide,
+        HAS_GREEDY=greedy is not None,
+        SLOTS=slot_block(num_slots),
+        BLOCK_V=block_size(vocab),
+    )
     return out, accepted, end

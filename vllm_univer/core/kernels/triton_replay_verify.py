@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import expect, expect_tree_rows
 from .triton_rows import (
     block_size,
     child_slots,
@@ -182,11 +183,11 @@ def _store_rule(
 
 @triton.jit
 def _replay_level_kernel(
-    p_ptr,
-    q_ptr,
-    tokens_ptr,
-    nodes_ptr,
-    children_ptr,
+    p_ptr,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+    q_ptr,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+    tokens_ptr,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+    nodes_ptr,  # [n] int64: the level's node ids
+    children_ptr,  # [N+1, C] int64: each node's children in slot order, -1 padded
     weight_ptr,  # [B, N+1] work dtype: read (traversal: P~ of the node), written (children)
     stop_ptr,  # [B, N+1] work dtype, written (traversal): h of the node
     steps_ptr,  # [B, N+1, 2C] float64, written: a_j, then c_j
@@ -202,11 +203,11 @@ def _replay_level_kernel(
     stride_sn,
     stride_xb,
     stride_xn,
-    vocab,
-    num_slots,
-    chunk,
-    pass_index,
-    num_splits,
+    vocab,  # V
+    num_slots,  # C: child slots per node
+    chunk,  # vocabulary entries per slice
+    pass_index,  # which rejection pass a SPLIT_PASS launch sums
+    num_splits,  # S: vocabulary slices per node
     RULE: tl.constexpr,
     REMOVES: tl.constexpr,  # a rejected token leaves Q (rrsw, traversal)
     MASSES_AFTER_LAST: tl.constexpr,  # 1: the masses after the last slot too (traversal's h)
@@ -223,15 +224,45 @@ def _replay_level_kernel(
     scale = entry_scale(weight_ptr, b, stride_wb, node, RULE == TRAVERSAL)
     lo = tl.program_id(2) * chunk
     child, a_vec, c_vec, scale = _replay_node(
-        p_row, q_row, tok, slot, scale, parts_ptr + b * stride_xb + i * stride_xn, num_slots, vocab,
-        lo, tl.minimum(lo + chunk, vocab), pass_index, num_splits,
-        RULE, REMOVES, MASSES_AFTER_LAST, MODE, SLOTS, SPLITS, BLOCK_V,
-    )  # fmt: skip
+        p_row,
+        q_row,
+        tok,
+        slot,
+        scale,
+        parts_ptr + b * stride_xb + i * stride_xn,
+        num_slots,
+        vocab,
+        lo,
+        tl.minimum(lo + chunk, vocab),
+        pass_index,
+        num_splits,
+        RULE,
+        REMOVES,
+        MASSES_AFTER_LAST,
+        MODE,
+        SLOTS,
+        SPLITS,
+        BLOCK_V,
+    )
     if MODE != SPLIT_PASS:
         _store_rule(
-            weight_ptr, stop_ptr, steps_ptr, b, node, kid, slot, child, a_vec, c_vec, scale,
-            stride_wb, stride_sb, stride_sn, num_slots, RULE,
-        )  # fmt: skip
+            weight_ptr,
+            stop_ptr,
+            steps_ptr,
+            b,
+            node,
+            kid,
+            slot,
+            child,
+            a_vec,
+            c_vec,
+            scale,
+            stride_wb,
+            stride_sb,
+            stride_sn,
+            num_slots,
+            RULE,
+        )
 
 
 def replay_level(
@@ -249,7 +280,12 @@ def replay_level(
     children's weights into ``weight`` [B, N+1], h into ``stop`` (traversal) and
     the rejections' a_j, c_j into ``steps`` [B, N+1, 2C] float64. One launch, or
     one per pass and one more where the vocabulary is split (``vocab_slices``)."""
-    batch, _, vocab = p.shape
+    batch, n1, vocab = expect_tree_rows(p, q, tokens)
+    expect("nodes", nodes, (None,), torch.int64)
+    expect("children", children, (n1, None), torch.int64)
+    expect("weight", weight, (batch, n1))
+    expect("stop", stop, (batch, n1))
+    expect("steps", steps, (batch, n1, 2 * children.shape[1]), torch.float64)
     num_nodes, num_slots = nodes.numel(), children.shape[1]
     masses_after_last = int(rule == "traversal")
     passes = num_slots - 1 + masses_after_last
@@ -258,21 +294,46 @@ def replay_level(
     else:  # one child slot and no h: no pass over the rows to split
         splits, chunk, block_v = 1, vocab, block_size(vocab)
     if splits == 1:
-        parts = steps  # not read
+        parts = steps  # stands in for the split modes' slice sums, which one split never reads
     else:
         parts = torch.empty(batch, num_nodes, passes, 2, splits, dtype=torch.float64, device=p.device)
-    args = (
-        p, q, tokens, nodes, children, weight, stop, steps, parts,
-        p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0), weight.stride(0),
-        steps.stride(0), steps.stride(1), parts.stride(0), parts.stride(1), vocab, num_slots, chunk,
-    )  # fmt: skip
-    consts = dict(
-        RULE=RULES[rule], REMOVES=rule != "rrs", MASSES_AFTER_LAST=masses_after_last,
-        SLOTS=slot_block(num_slots), SPLITS=triton.next_power_of_2(splits), BLOCK_V=block_v,
-    )  # fmt: skip
+    # What every launch of this level shares; each launch adds its pass, split count and mode.
+    level = dict(
+        p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+        q_ptr=q,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+        tokens_ptr=tokens,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+        nodes_ptr=nodes,  # [n] int64: the level's node ids
+        children_ptr=children,  # [N+1, C] int64: each node's children in slot order, -1 padded
+        weight_ptr=weight,  # [B, N+1] work dtype: read (traversal: P~ of the node), written (children)
+        stop_ptr=stop,  # [B, N+1] work dtype, written (traversal): h of the node
+        steps_ptr=steps,  # [B, N+1, 2C] float64, written: a_j, then c_j
+        parts_ptr=parts,  # [B, n, J, 2, S] float64: slice sums of each pass (split modes)
+        stride_pb=p.stride(0),
+        stride_pn=p.stride(1),
+        stride_qb=q.stride(0),
+        stride_qn=q.stride(1),
+        stride_tb=tokens.stride(0),
+        stride_cn=children.stride(0),
+        stride_wb=weight.stride(0),
+        stride_sb=steps.stride(0),
+        stride_sn=steps.stride(1),
+        stride_xb=parts.stride(0),
+        stride_xn=parts.stride(1),
+        vocab=vocab,  # V
+        num_slots=num_slots,  # C: child slots per node
+        chunk=chunk,  # vocabulary entries per slice
+        RULE=RULES[rule],
+        REMOVES=rule != "rrs",  # a rejected token leaves Q (rrsw, traversal)
+        MASSES_AFTER_LAST=masses_after_last,  # 1: the masses after the last slot too (traversal's h)
+        SLOTS=slot_block(num_slots),  # num_slots rounded up to a power of 2
+        SPLITS=triton.next_power_of_2(splits),  # num_splits rounded up to a power of 2
+        BLOCK_V=block_v,
+    )
     if splits == 1:
-        _replay_level_kernel[(batch, num_nodes, 1)](*args, 0, 1, MODE=WHOLE.value, **consts)
+        _replay_level_kernel[(batch, num_nodes, 1)](**level, pass_index=0, num_splits=1, MODE=WHOLE.value)
         return
     for pass_index in range(passes):
-        _replay_level_kernel[(batch, num_nodes, splits)](*args, pass_index, splits, MODE=SPLIT_PASS.value, **consts)
-    _replay_level_kernel[(batch, num_nodes, 1)](*args, passes, splits, MODE=SPLIT_FINISH.value, **consts)
+        _replay_level_kernel[(batch, num_nodes, splits)](
+            **level, pass_index=pass_index, num_splits=splits, MODE=SPLIT_PASS.value
+        )
+    _replay_level_kernel[(batch, num_nodes, 1)](**level, pass_index=passes, num_splits=splits, MODE=SPLIT_FINISH.value)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import FLOATS, expect
 from .triton_rows import block_size
 
 
@@ -25,25 +26,28 @@ def temperature_softmax(
     (> 0); banned: bool [R, V] or None; out: float32 [R, W, V] (V contiguous,
     e.g. a slice of the q buffer). Returns ``out``.
     """
+    if logits.dim() != 3:
+        raise ValueError(f"logits: expected shape [R, W, V], got {list(logits.shape)}")
     reqs, width, vocab = logits.shape
+    expect("logits", logits, (reqs, width, vocab), FLOATS, last_contiguous=True)
+    expect("temperature", temperature, (reqs,), torch.float32, device=logits.device)
+    expect("banned", banned, (reqs, vocab), torch.bool, last_contiguous=True)
+    expect("out", out, (reqs, width, vocab), torch.float32, last_contiguous=True, device=logits.device)
     if reqs * width == 0:
         return out
-    if banned is None:
-        banned_arg, banned_stride = temperature, 0  # a dummy pointer, never read
-    else:
-        banned_arg, banned_stride = banned.view(torch.int8), banned.stride(0)
+    banned_flags = banned.view(torch.int8) if banned is not None else None
     _temperature_softmax[(reqs * width,)](
-        logits,
-        temperature,
-        banned_arg,
-        out,
-        width,
-        vocab,
-        logits.stride(0),
-        logits.stride(1),
-        out.stride(0),
-        out.stride(1),
-        banned_stride,
+        logits_ptr=logits,  # [R, W, V] any float dtype, V contiguous
+        temperature_ptr=temperature,  # [R] float32, > 0
+        banned_ptr=banned_flags,  # [R, V] int8: 1 = token banned (read if HAS_BANNED)
+        out_ptr=out,  # [R, W, V] float32, written: softmax(logits / T) off the banned tokens
+        width=width,  # W: rows per request
+        vocab=vocab,  # V
+        stride_lr=logits.stride(0),
+        stride_lw=logits.stride(1),
+        stride_or=out.stride(0),
+        stride_ow=out.stride(1),
+        stride_br=banned.stride(0) if banned is not None else 0,
         HAS_BANNED=banned is not None,
         BLOCK_V=block_size(vocab),
     )
@@ -52,12 +56,12 @@ def temperature_softmax(
 
 @triton.jit
 def _temperature_softmax(
-    logits_ptr,
-    temperature_ptr,
-    banned_ptr,
-    out_ptr,
-    width,
-    vocab,
+    logits_ptr,  # [R, W, V] any float dtype, V contiguous
+    temperature_ptr,  # [R] float32, > 0
+    banned_ptr,  # [R, V] int8: 1 = token banned (read if HAS_BANNED)
+    out_ptr,  # [R, W, V] float32, written: softmax(logits / T) off the banned tokens
+    width,  # W: rows per request
+    vocab,  # V
     stride_lr,
     stride_lw,
     stride_or,
@@ -72,7 +76,6 @@ def _temperature_softmax(
     temperature = tl.load(temperature_ptr + req)
     src = logits_ptr + req.to(tl.int64) * stride_lr + slot * stride_lw
     dst = out_ptr + req.to(tl.int64) * stride_or + slot * stride_ow
-    banned_row = banned_ptr + req.to(tl.int64) * stride_br
     offsets = tl.arange(0, BLOCK_V)
 
     top = tl.full([], float("-inf"), tl.float32)
@@ -81,7 +84,9 @@ def _temperature_softmax(
         v = start + offsets
         x = tl.load(src + v, mask=v < vocab, other=float("-inf")).to(tl.float32) / temperature
         if HAS_BANNED:
-            x = tl.where(tl.load(banned_row + v, mask=v < vocab, other=0) != 0, float("-inf"), x)
+            x = tl.where(
+                tl.load(banned_ptr + req.to(tl.int64) * stride_br + v, mask=v < vocab, other=0) != 0, float("-inf"), x
+            )
         new_top = tl.maximum(top, tl.max(x, 0))
         shift = tl.where(new_top > float("-inf"), new_top, 0.0)  # no -inf - -inf while all seen are -inf
         total = total * tl.exp(top - shift) + tl.sum(tl.exp(x - shift), 0)
@@ -91,5 +96,7 @@ def _temperature_softmax(
         v = start + offsets
         x = tl.load(src + v, mask=v < vocab, other=float("-inf")).to(tl.float32) / temperature
         if HAS_BANNED:
-            x = tl.where(tl.load(banned_row + v, mask=v < vocab, other=0) != 0, float("-inf"), x)
+            x = tl.where(
+                tl.load(banned_ptr + req.to(tl.int64) * stride_br + v, mask=v < vocab, other=0) != 0, float("-inf"), x
+            )
         tl.store(dst + v, tl.exp(x - shift) / total, mask=v < vocab)

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import expect, expect_tree_rows
 from .triton_rows import (
     child_slots,
     clipped_ratio,
@@ -165,11 +166,11 @@ def _node_rule(
 
 @triton.jit
 def _topk1_level_kernel(
-    p_ptr,
-    q_ptr,
-    tokens_ptr,
-    nodes_ptr,
-    children_ptr,
+    p_ptr,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+    q_ptr,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+    tokens_ptr,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+    nodes_ptr,  # [n] int64: the level's node ids
+    children_ptr,  # [N+1, C] int64: each node's children in slot order, -1 padded
     weight_ptr,  # [B, N+1] work dtype: read (univer: P~ of the node), written (children)
     stop_ptr,  # [B, N+1] work dtype: h of the node (univer)
     q_bar_scale_ptr,  # [B, N+1] float64: 1 / q(off T), 0 without a sampled child
@@ -180,8 +181,8 @@ def _topk1_level_kernel(
     stride_tb,
     stride_cn,
     stride_wb,
-    vocab,
-    num_slots,
+    vocab,  # V
+    num_slots,  # C: child slots per node
     RULE: tl.constexpr,
     SLOTS: tl.constexpr,  # num_slots rounded up to a power of 2
     BLOCK_V: tl.constexpr,
@@ -198,16 +199,30 @@ def _topk1_level_kernel(
         _, _, _, _, factor = _sampled_child(q_row, q_sum, scale, slot, tok)
         full = _min_sum(p_row, q_row, factor, 0, vocab, BLOCK_V)
     _node_rule(
-        p_row, q_row, weight_ptr, stop_ptr, q_bar_scale_ptr, b, stride_wb, node, slot, kid, tok,
-        scale, p_sum, q_sum, full, RULE,
-    )  # fmt: skip
+        p_row,
+        q_row,
+        weight_ptr,
+        stop_ptr,
+        q_bar_scale_ptr,
+        b,
+        stride_wb,
+        node,
+        slot,
+        kid,
+        tok,
+        scale,
+        p_sum,
+        q_sum,
+        full,
+        RULE,
+    )
 
 
 @triton.jit
 def _topk1_split_sums_kernel(
-    p_ptr,
-    q_ptr,
-    nodes_ptr,
+    p_ptr,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+    q_ptr,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+    nodes_ptr,  # [n] int64: the level's node ids
     parts_ptr,  # [B, n, S, 3] float64: per slice sum p, sum q (and F' for the min kernel)
     stride_pb,
     stride_pn,
@@ -215,8 +230,8 @@ def _topk1_split_sums_kernel(
     stride_qn,
     stride_xb,
     stride_xn,
-    vocab,
-    chunk,
+    vocab,  # V
+    chunk,  # vocabulary entries per slice
     RULE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -242,13 +257,13 @@ def _split_total(parts_ptr, b, i, column, stride_xb, stride_xn, num_splits, SPLI
 
 @triton.jit
 def _topk1_split_min_kernel(
-    p_ptr,
-    q_ptr,
-    tokens_ptr,
-    nodes_ptr,
-    children_ptr,
-    weight_ptr,
-    parts_ptr,
+    p_ptr,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+    q_ptr,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+    tokens_ptr,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+    nodes_ptr,  # [n] int64: the level's node ids
+    children_ptr,  # [N+1, C] int64: each node's children in slot order, -1 padded
+    weight_ptr,  # [B, N+1] work dtype: read (univer: P~ of the node), written (children)
+    parts_ptr,  # [B, n, S, 3] float64: per slice sum p, sum q, and F' for the finish kernel
     stride_pb,
     stride_pn,
     stride_qb,
@@ -258,10 +273,10 @@ def _topk1_split_min_kernel(
     stride_wb,
     stride_xb,
     stride_xn,
-    vocab,
-    num_slots,
-    chunk,
-    num_splits,
+    vocab,  # V
+    num_slots,  # C: child slots per node
+    chunk,  # vocabulary entries per slice
+    num_splits,  # S: vocabulary slices per node
     RULE: tl.constexpr,
     SLOTS: tl.constexpr,
     SPLITS: tl.constexpr,  # num_splits rounded up to a power of 2
@@ -283,15 +298,15 @@ def _topk1_split_min_kernel(
 
 @triton.jit
 def _topk1_split_finish_kernel(
-    p_ptr,
-    q_ptr,
-    tokens_ptr,
-    nodes_ptr,
-    children_ptr,
-    weight_ptr,
-    stop_ptr,
-    q_bar_scale_ptr,
-    parts_ptr,
+    p_ptr,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+    q_ptr,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+    tokens_ptr,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+    nodes_ptr,  # [n] int64: the level's node ids
+    children_ptr,  # [N+1, C] int64: each node's children in slot order, -1 padded
+    weight_ptr,  # [B, N+1] work dtype: read (univer: P~ of the node), written (children)
+    stop_ptr,  # [B, N+1] work dtype, written: h of the node (univer)
+    q_bar_scale_ptr,  # [B, N+1] float64: 1 / q(off T), 0 without a sampled child
+    parts_ptr,  # [B, n, S, 3] float64: per slice sum p, sum q, and F' for the finish kernel
     stride_pb,
     stride_pn,
     stride_qb,
@@ -301,8 +316,8 @@ def _topk1_split_finish_kernel(
     stride_wb,
     stride_xb,
     stride_xn,
-    num_slots,
-    num_splits,
+    num_slots,  # C: child slots per node
+    num_splits,  # S: vocabulary slices per node
     RULE: tl.constexpr,
     SLOTS: tl.constexpr,
     SPLITS: tl.constexpr,
@@ -318,9 +333,23 @@ def _topk1_split_finish_kernel(
     if RULE != TARGET_ONLY:
         full = _split_total(parts_ptr, b, i, 2, stride_xb, stride_xn, num_splits, SPLITS)
     _node_rule(
-        p_row, q_row, weight_ptr, stop_ptr, q_bar_scale_ptr, b, stride_wb, node, slot, kid, tok,
-        _node_scale(weight_ptr, b, stride_wb, node, RULE), p_sum, q_sum, full, RULE,
-    )  # fmt: skip
+        p_row,
+        q_row,
+        weight_ptr,
+        stop_ptr,
+        q_bar_scale_ptr,
+        b,
+        stride_wb,
+        node,
+        slot,
+        kid,
+        tok,
+        _node_scale(weight_ptr, b, stride_wb, node, RULE),
+        p_sum,
+        q_sum,
+        full,
+        RULE,
+    )
 
 
 def topk1_level(
@@ -338,32 +367,105 @@ def topk1_level(
     children's weights into ``weight`` [B, N+1], h into ``stop`` (univer) and
     1 / q(off T) into ``q_bar_scale`` [B, N+1] float64. One launch, or three where
     the vocabulary is split (``vocab_slices``)."""
-    batch, _, vocab = p.shape
+    batch, n1, vocab = expect_tree_rows(p, q, tokens)
+    expect("nodes", nodes, (None,), torch.int64)
+    expect("children", children, (n1, None), torch.int64)
+    expect("weight", weight, (batch, n1))
+    expect("stop", stop, (batch, n1))
+    expect("q_bar_scale", q_bar_scale, (batch, n1), torch.float64)
     num_nodes = nodes.numel()
     slots = slot_block(children.shape[1])
     splits, chunk, block_v = vocab_slices(p.device, batch * num_nodes, vocab)
     if splits == 1:
         _topk1_level_kernel[(batch, num_nodes)](
-            p, q, tokens, nodes, children, weight, stop, q_bar_scale,
-            p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0),
-            weight.stride(0), vocab, children.shape[1],
-            RULE=RULES[rule], SLOTS=slots, BLOCK_V=block_v,
-        )  # fmt: skip
+            p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+            q_ptr=q,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+            tokens_ptr=tokens,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+            nodes_ptr=nodes,  # [n] int64: the level's node ids
+            children_ptr=children,  # [N+1, C] int64: each node's children in slot order, -1 padded
+            weight_ptr=weight,  # [B, N+1] work dtype: read (univer: P~ of the node), written (children)
+            stop_ptr=stop,  # [B, N+1] work dtype: h of the node (univer)
+            q_bar_scale_ptr=q_bar_scale,  # [B, N+1] float64: 1 / q(off T), 0 without a sampled child
+            stride_pb=p.stride(0),
+            stride_pn=p.stride(1),
+            stride_qb=q.stride(0),
+            stride_qn=q.stride(1),
+            stride_tb=tokens.stride(0),
+            stride_cn=children.stride(0),
+            stride_wb=weight.stride(0),
+            vocab=vocab,  # V
+            num_slots=children.shape[1],  # C: child slots per node
+            RULE=RULES[rule],
+            SLOTS=slots,  # num_slots rounded up to a power of 2
+            BLOCK_V=block_v,
+        )
         return
     parts = torch.empty(batch, num_nodes, splits, 3, dtype=torch.float64, device=p.device)
-    strides = (p.stride(0), p.stride(1), q.stride(0), q.stride(1))
     _topk1_split_sums_kernel[(batch, num_nodes, splits)](
-        p, q, nodes, parts, *strides, parts.stride(0), parts.stride(1), vocab, chunk,
-        RULE=RULES[rule], BLOCK_V=block_v,
-    )  # fmt: skip
-    row_args = (tokens, nodes, children)
-    row_strides = (*strides, tokens.stride(0), children.stride(0), weight.stride(0), parts.stride(0), parts.stride(1))
+        p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+        q_ptr=q,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+        nodes_ptr=nodes,  # [n] int64: the level's node ids
+        parts_ptr=parts,  # [B, n, S, 3] float64: per slice sum p, sum q (and F' for the min kernel)
+        stride_pb=p.stride(0),
+        stride_pn=p.stride(1),
+        stride_qb=q.stride(0),
+        stride_qn=q.stride(1),
+        stride_xb=parts.stride(0),
+        stride_xn=parts.stride(1),
+        vocab=vocab,  # V
+        chunk=chunk,  # vocabulary entries per slice
+        RULE=RULES[rule],
+        BLOCK_V=block_v,
+    )
     if rule != "target_only":
         _topk1_split_min_kernel[(batch, num_nodes, splits)](
-            p, q, *row_args, weight, parts, *row_strides, vocab, children.shape[1], chunk, splits,
-            RULE=RULES[rule], SLOTS=slots, SPLITS=triton.next_power_of_2(splits), BLOCK_V=block_v,
-        )  # fmt: skip
+            p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+            q_ptr=q,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+            tokens_ptr=tokens,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+            nodes_ptr=nodes,  # [n] int64: the level's node ids
+            children_ptr=children,  # [N+1, C] int64: each node's children in slot order, -1 padded
+            weight_ptr=weight,  # [B, N+1] work dtype: read (univer: P~ of the node), written (children)
+            parts_ptr=parts,  # [B, n, S, 3] float64: per slice sum p, sum q, and F' for the finish kernel
+            stride_pb=p.stride(0),
+            stride_pn=p.stride(1),
+            stride_qb=q.stride(0),
+            stride_qn=q.stride(1),
+            stride_tb=tokens.stride(0),
+            stride_cn=children.stride(0),
+            stride_wb=weight.stride(0),
+            stride_xb=parts.stride(0),
+            stride_xn=parts.stride(1),
+            vocab=vocab,  # V
+            num_slots=children.shape[1],  # C: child slots per node
+            chunk=chunk,  # vocabulary entries per slice
+            num_splits=splits,  # S: vocabulary slices per node
+            RULE=RULES[rule],
+            SLOTS=slots,
+            SPLITS=triton.next_power_of_2(splits),  # num_splits rounded up to a power of 2
+            BLOCK_V=block_v,
+        )
     _topk1_split_finish_kernel[(batch, num_nodes)](
-        p, q, *row_args, weight, stop, q_bar_scale, parts, *row_strides, children.shape[1], splits,
-        RULE=RULES[rule], SLOTS=slots, SPLITS=triton.next_power_of_2(splits),
-    )  # fmt: skip
+        p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+        q_ptr=q,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+        tokens_ptr=tokens,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+        nodes_ptr=nodes,  # [n] int64: the level's node ids
+        children_ptr=children,  # [N+1, C] int64: each node's children in slot order, -1 padded
+        weight_ptr=weight,  # [B, N+1] work dtype: read (univer: P~ of the node), written (children)
+        stop_ptr=stop,  # [B, N+1] work dtype, written: h of the node (univer)
+        q_bar_scale_ptr=q_bar_scale,  # [B, N+1] float64: 1 / q(off T), 0 without a sampled child
+        parts_ptr=parts,  # [B, n, S, 3] float64: per slice sum p, sum q, and F' for the finish kernel
+        stride_pb=p.stride(0),
+        stride_pn=p.stride(1),
+        stride_qb=q.stride(0),
+        stride_qn=q.stride(1),
+        stride_tb=tokens.stride(0),
+        stride_cn=children.stride(0),
+        stride_wb=weight.stride(0),
+        stride_xb=parts.stride(0),
+        stride_xn=parts.stride(1),
+        num_slots=children.shape[1],  # C: child slots per node
+        num_splits=splits,  # S: vocabulary slices per node
+        RULE=RULES[rule],
+        SLOTS=slots,
+        SPLITS=triton.next_power_of_2(splits),
+    )

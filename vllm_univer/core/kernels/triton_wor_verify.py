@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ..verifiers.univer_wor import _CLASSES_PER_OCTAVE, _LOG_CLASSES, _OCTAVES
+from .checks import expect, expect_tree_rows
 from .triton_rows import block_size, child_slots, clipped_ratio, inverse_cdf_step, stop_prob
 
 NUM_CLASSES = tl.constexpr(_LOG_CLASSES)
@@ -206,10 +207,24 @@ def _stage_inputs(p_row, q_row, idx, mask, scale, STAGE: tl.constexpr, first, dr
 
 @triton.jit
 def _stage(
-    p_row, q_row, vocab, scale, tab, has_a, has_b, size_a, size_b,
-    STAGE: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_V: tl.constexpr,
-    first, drawn_a, drawn_b, reached, norm,
-):  # fmt: skip
+    p_row,
+    q_row,
+    vocab,
+    scale,
+    tab,
+    has_a,
+    has_b,
+    size_a,
+    size_b,
+    STAGE: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    first,
+    drawn_a,
+    drawn_b,
+    reached,
+    norm,
+):
     # One pair stage's passes (univer_wor._Stage): -> (sigma, law mass, rho, slot-order sum,
     # by_ratio, floor class, tie_a); its class tables left in ``tab`` (rows 0-3).
     # Uneven pairs: ratios floored at w_big / w_small, ties won by the larger subtree.
@@ -331,12 +346,12 @@ def _slot_value(vec, slot, k):
 
 @triton.jit
 def _wor_pair_kernel(
-    p_ptr,
-    q_ptr,
-    tokens_ptr,
+    p_ptr,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+    q_ptr,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+    tokens_ptr,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
     nodes_ptr,  # LEVEL: [n] the level's nodes; DRAW: [B] the end node of each request
-    children_ptr,
-    kid_sizes_ptr,
+    children_ptr,  # [N+1, C] int64: each node's children in slot order, -1 padded
+    kid_sizes_ptr,  # [N+1, C] int64: nodes in each child slot's subtree, 0 where none
     weight_ptr,  # [B, N+1] work dtype: read (P~ of the node), written (LEVEL: the children's)
     stop_ptr,  # [B, N+1] work dtype (LEVEL: h of the node)
     uniform_ptr,  # [B] float64 (DRAW)
@@ -349,8 +364,8 @@ def _wor_pair_kernel(
     stride_tb,
     stride_cn,
     stride_wb,
-    vocab,
-    num_slots,
+    vocab,  # V
+    num_slots,  # C: child slots per node
     MODE: tl.constexpr,
     STAGES: tl.constexpr,  # 1: at most two children per node; 2: three or four (two pair stages)
     WEIGHTED: tl.constexpr,  # slots weighed by sqrt(subtree size) (not TreeSpec.even_pairs)
@@ -379,15 +394,31 @@ def _wor_pair_kernel(
     # Stage 1: children 1-2 against D = P~ p and q.
     none = (tab, 0, zero, zero, x1 >= 0, x2 >= 0, x1 < 0)  # stage 1 reads no earlier stage
     sigma, law_mass, rho, slot_missed, by_ratio, floor_class, tie_a = _stage(
-        p_row, q_row, vocab, scale, tab, x1 >= 0, x2 >= 0, _slot_value(sizes, slot, 0), _slot_value(sizes, slot, 1),
-        1, WEIGHTED, BLOCK_V, none, -1, -1, zero, zero,
-    )  # fmt: skip
+        p_row,
+        q_row,
+        vocab,
+        scale,
+        tab,
+        x1 >= 0,
+        x2 >= 0,
+        _slot_value(sizes, slot, 0),
+        _slot_value(sizes, slot, 1),
+        1,
+        WEIGHTED,
+        BLOCK_V,
+        none,
+        -1,
+        -1,
+        zero,
+        zero,
+    )
     first = (tab, floor_class, tie_a, slot_missed, x1 >= 0, x2 >= 0, by_ratio)
     if MODE == LEVEL:
         tok_ab = tl.where(pair == 0, x1, x2)
         d, q, u = _stage_inputs(p_row, q_row, tl.maximum(tok_ab, 0), pair < 2, scale, 1, none, -1, -1, zero, zero)
-        accept_a, accept_b = _accept(d, q, u, _classes(d, q, floor_class), pair, tab, tie_a, slot_missed,
-                                     x1 >= 0, x2 >= 0, by_ratio)  # fmt: skip
+        accept_a, accept_b = _accept(
+            d, q, u, _classes(d, q, floor_class), pair, tab, tie_a, slot_missed, x1 >= 0, x2 >= 0, by_ratio
+        )
         # Child weights: a slot's acceptance, given that no earlier slot's subtree ended the step.
         child = tl.where(slot == 0, accept_a, clipped_ratio(accept_b, 1.0 - accept_a))
     stage_tab, stage_args = tab, first
@@ -402,16 +433,33 @@ def _wor_pair_kernel(
         drawn_a, drawn_b = x1, x2
         stage_tab = tab + 4 * NUM_CLASSES
         sigma, law_mass, rho, slot_missed, by_ratio, floor_class, tie_a = _stage(
-            p_row, q_row, vocab, scale, stage_tab, x3 >= 0, x4 >= 0, _slot_value(sizes, slot, 2),
-            _slot_value(sizes, slot, 3), 2, WEIGHTED, BLOCK_V, first, drawn_a, drawn_b, reached, norm,
-        )  # fmt: skip
+            p_row,
+            q_row,
+            vocab,
+            scale,
+            stage_tab,
+            x3 >= 0,
+            x4 >= 0,
+            _slot_value(sizes, slot, 2),
+            _slot_value(sizes, slot, 3),
+            2,
+            WEIGHTED,
+            BLOCK_V,
+            first,
+            drawn_a,
+            drawn_b,
+            reached,
+            norm,
+        )
         stage_args = (stage_tab, floor_class, tie_a, slot_missed, x3 >= 0, x4 >= 0, by_ratio)
         if MODE == LEVEL:
             tok_cd = tl.where(pair == 0, x3, x4)
-            d, q, u = _stage_inputs(p_row, q_row, tl.maximum(tok_cd, 0), pair < 2, scale, 2, first, drawn_a, drawn_b,
-                                    reached, norm)  # fmt: skip
-            accept_c, accept_d = _accept(d, q, u, _classes(d, q, floor_class), pair, stage_tab, tie_a, slot_missed,
-                                         x3 >= 0, x4 >= 0, by_ratio)  # fmt: skip
+            d, q, u = _stage_inputs(
+                p_row, q_row, tl.maximum(tok_cd, 0), pair < 2, scale, 2, first, drawn_a, drawn_b, reached, norm
+            )
+            accept_c, accept_d = _accept(
+                d, q, u, _classes(d, q, floor_class), pair, stage_tab, tie_a, slot_missed, x3 >= 0, x4 >= 0, by_ratio
+            )
             child = tl.where(slot == 2, accept_c, tl.where(slot == 3, clipped_ratio(accept_d, 1.0 - accept_c), child))
 
     if MODE == LEVEL:
@@ -431,8 +479,9 @@ def _wor_pair_kernel(
             idx = start + offs
             inside = idx < vocab
             d, q, u = _stage_inputs(p_row, q_row, idx, inside, scale, STAGES, first, drawn_a, drawn_b, reached, norm)
-            left = _pair_left(d, q, u, _classes(d, q, last_floor), last_tab, inside, last_tie, last_missed,
-                              last_a, last_b, last_by)  # fmt: skip
+            left = _pair_left(
+                d, q, u, _classes(d, q, last_floor), last_tab, inside, last_tie, last_missed, last_a, last_b, last_by
+            )
             total_acc += tl.where(inside, left, 0.0)
             p_acc += tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
         res_total = tl.sum(total_acc, axis=0)
@@ -446,12 +495,14 @@ def _wor_pair_kernel(
             idx = start + offs
             inside = idx < vocab
             d, q, u = _stage_inputs(p_row, q_row, idx, inside, scale, STAGES, first, drawn_a, drawn_b, reached, norm)
-            left = _pair_left(d, q, u, _classes(d, q, last_floor), last_tab, inside, last_tie, last_missed,
-                              last_a, last_b, last_by)  # fmt: skip
+            left = _pair_left(
+                d, q, u, _classes(d, q, last_floor), last_tab, inside, last_tie, last_missed, last_a, last_b, last_by
+            )
             p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
             w = tl.where(use_p, p_blk, tl.where(inside, left, 0.0))
-            running, found, choice, last_positive = inverse_cdf_step(w, idx, vocab, target, running, found, choice,
-                                                              last_positive)  # fmt: skip
+            running, found, choice, last_positive = inverse_cdf_step(
+                w, idx, vocab, target, running, found, choice, last_positive
+            )
         tl.store(next_token_ptr + b, tl.where(found == 1, choice, last_positive))
 
 
@@ -516,12 +567,12 @@ def _triple_last(d, q, cls, tab, mask, idx, x1, x2, top, spread, norm, reached):
 
 @triton.jit
 def _wor_triple_kernel(
-    p_ptr,
-    q_ptr,
-    tokens_ptr,
+    p_ptr,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+    q_ptr,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+    tokens_ptr,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
     nodes_ptr,  # LEVEL: [n] the level's nodes; DRAW: [B] the end node of each request
-    children_ptr,
-    kid_sizes_ptr,
+    children_ptr,  # [N+1, C] int64: each node's children in slot order, -1 padded
+    kid_sizes_ptr,  # [N+1, C] int64: nodes in each child slot's subtree, 0 where none
     weight_ptr,  # [B, N+1] work dtype: read (P~ of the node), written (LEVEL: the children's)
     stop_ptr,  # [B, N+1] work dtype (LEVEL: h of the node)
     uniform_ptr,  # [B] float64 (DRAW)
@@ -534,7 +585,7 @@ def _wor_triple_kernel(
     stride_tb,
     stride_cn,
     stride_wb,
-    vocab,
+    vocab,  # V
     MODE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -740,8 +791,9 @@ def _wor_triple_kernel(
                 p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
                 d = tl.where(inside, scale * p_blk, 0.0)
                 q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
-                demand, law = _triple_last(d, q, _classes(d, q, 0), tab, inside, idx, x1, x2, top, spread, norm,
-                                           reached)  # fmt: skip
+                demand, law = _triple_last(
+                    d, q, _classes(d, q, 0), tab, inside, idx, x1, x2, top, spread, norm, reached
+                )
                 total_acc += demand - tl.minimum(law, demand)
                 p_acc += p_blk
             res_total = tl.sum(total_acc, axis=0)
@@ -757,11 +809,13 @@ def _wor_triple_kernel(
                 p_blk = tl.load(p_row + idx, mask=inside, other=0.0).to(tl.float64)
                 d = tl.where(inside, scale * p_blk, 0.0)
                 q = tl.load(q_row + idx, mask=inside, other=0.0).to(tl.float64)
-                demand, law = _triple_last(d, q, _classes(d, q, 0), tab, inside, idx, x1, x2, top, spread, norm,
-                                           reached)  # fmt: skip
+                demand, law = _triple_last(
+                    d, q, _classes(d, q, 0), tab, inside, idx, x1, x2, top, spread, norm, reached
+                )
                 w = tl.where(use_p, p_blk, demand - tl.minimum(law, demand))
-                running, found, choice, last_positive = inverse_cdf_step(w, idx, vocab, target, running, found, choice,
-                                                                  last_positive)  # fmt: skip
+                running, found, choice, last_positive = inverse_cdf_step(
+                    w, idx, vocab, target, running, found, choice, last_positive
+                )
             tl.store(next_token_ptr + b, tl.where(found == 1, choice, last_positive))
 
 
@@ -772,31 +826,77 @@ def _launch(mode, p, q, tokens, nodes, tt, weight, stop, uniforms, next_token, g
     programs = grid[0] * grid[1]
     scratch = torch.empty(programs, stages * TABLES, _LOG_CLASSES, dtype=torch.float64, device=p.device)
     block_v = min(MAX_WOR_BLOCK_V, block_size(vocab))
-    strides = (p.stride(0), p.stride(1), q.stride(0), q.stride(1), tokens.stride(0), children.stride(0))
-    strides += (weight.stride(0),)
     _wor_pair_kernel[grid](
-        p, q, tokens, nodes, children, tt.kid_sizes, weight, stop, uniforms, next_token, scratch, *strides,
-        vocab, children.shape[1],
-        MODE=mode, STAGES=stages, WEIGHTED=not tt.even_pairs, THREE_CHILD_STAGE=tt.three_child_stage,
+        p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+        q_ptr=q,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+        tokens_ptr=tokens,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+        nodes_ptr=nodes,  # LEVEL: [n] the level's nodes; DRAW: [B] the end node of each request
+        children_ptr=children,  # [N+1, C] int64: each node's children in slot order, -1 padded
+        kid_sizes_ptr=tt.kid_sizes,  # [N+1, C] int64: nodes in each child slot's subtree, 0 where none
+        weight_ptr=weight,  # [B, N+1] work dtype: read (P~ of the node), written (LEVEL: the children's)
+        stop_ptr=stop,  # [B, N+1] work dtype (LEVEL: h of the node)
+        uniform_ptr=uniforms,  # [B] float64 (DRAW)
+        next_token_ptr=next_token,  # [B] int64 (DRAW)
+        scratch_ptr=scratch,  # [programs, TABLES, NUM_CLASSES] float64
+        stride_pb=p.stride(0),
+        stride_pn=p.stride(1),
+        stride_qb=q.stride(0),
+        stride_qn=q.stride(1),
+        stride_tb=tokens.stride(0),
+        stride_cn=children.stride(0),
+        stride_wb=weight.stride(0),
+        vocab=vocab,  # V
+        num_slots=children.shape[1],  # C: child slots per node
+        MODE=mode,
+        STAGES=stages,  # 1: at most two children per node; 2: three or four (two pair stages)
+        WEIGHTED=not tt.even_pairs,  # slots weighed by sqrt(subtree size) (not TreeSpec.even_pairs)
+        THREE_CHILD_STAGE=tt.three_child_stage,  # nodes taking it are left to _wor_triple_kernel
         BLOCK_V=block_v,
-    )  # fmt: skip
+    )
     if tt.three_child_stage:  # the nodes the pair kernel left to the three-child stage
         scratch = torch.empty(programs, TRIPLE_TABLES.value, _LOG_CLASSES, dtype=torch.float64, device=p.device)
         _wor_triple_kernel[grid](
-            p, q, tokens, nodes, children, tt.kid_sizes, weight, stop, uniforms, next_token, scratch, *strides,
-            vocab, MODE=mode, BLOCK_V=block_v,
-        )  # fmt: skip
+            p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
+            q_ptr=q,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+            tokens_ptr=tokens,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
+            nodes_ptr=nodes,  # LEVEL: [n] the level's nodes; DRAW: [B] the end node of each request
+            children_ptr=children,  # [N+1, C] int64: each node's children in slot order, -1 padded
+            kid_sizes_ptr=tt.kid_sizes,  # [N+1, C] int64: nodes in each child slot's subtree, 0 where none
+            weight_ptr=weight,  # [B, N+1] work dtype: read (P~ of the node), written (LEVEL: the children's)
+            stop_ptr=stop,  # [B, N+1] work dtype (LEVEL: h of the node)
+            uniform_ptr=uniforms,  # [B] float64 (DRAW)
+            next_token_ptr=next_token,  # [B] int64 (DRAW)
+            scratch_ptr=scratch,  # [programs, TRIPLE_TABLES, NUM_CLASSES] float64
+            stride_pb=p.stride(0),
+            stride_pn=p.stride(1),
+            stride_qb=q.stride(0),
+            stride_qn=q.stride(1),
+            stride_tb=tokens.stride(0),
+            stride_cn=children.stride(0),
+            stride_wb=weight.stride(0),
+            vocab=vocab,  # V
+            MODE=mode,
+            BLOCK_V=block_v,
+        )
 
 
 def wor_level(p, q, tokens, nodes, tt, weight, stop) -> None:
     """univer_wor's rule at ``nodes`` [n] (one depth level) of every request, in place:
     the children's weights (entry scales) into ``weight`` [B, N+1], h into ``stop``."""
-    _launch(LEVEL.value, p, q, tokens, nodes, tt, weight, stop, weight, tokens, (p.shape[0], nodes.numel()))
+    batch, num_nodes, _ = expect_tree_rows(p, q, tokens)
+    expect("nodes", nodes, (None,), torch.int64)
+    expect("weight", weight, (batch, num_nodes))
+    expect("stop", stop, (batch, num_nodes))
+    _launch(LEVEL.value, p, q, tokens, nodes, tt, weight, stop, None, None, (p.shape[0], nodes.numel()))
 
 
 def wor_draw(p, q, tokens, end, tt, weight, uniforms) -> torch.Tensor:
     """The next token of each request [B] int64: the end node's residual R (``end`` [B]; its
     entry scale in ``weight`` [B, N+1]) drawn by inverse CDF at ``uniforms`` [B] float64."""
+    batch, num_nodes, _ = expect_tree_rows(p, q, tokens)
+    expect("end", end, (batch,), torch.int64)
+    expect("weight", weight, (batch, num_nodes))
+    expect("uniforms", uniforms, (batch,), torch.float64)
     next_token = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
-    _launch(DRAW.value, p, q, tokens, end, tt, weight, weight, uniforms, next_token, (p.shape[0], 1))
+    _launch(DRAW.value, p, q, tokens, end, tt, weight, None, uniforms, next_token, (p.shape[0], 1))
     return next_token

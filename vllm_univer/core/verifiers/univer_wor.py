@@ -47,7 +47,7 @@ replacement from the stage's draft law q':
   and tau. Among the couplings that pass on about as much demand at this node,
   this routes more of it into the subtree worth more (the LP optimum enters the
   deeper child far more often than plain selection by ratio at the same one-step
-  acceptance; ``benchmarks/wor_irregular_gap.py``). Classes and a tie rule chosen
+  acceptance; ``benchmarks/studies/wor_irregular_gap.py``). Classes and a tie rule chosen
   per node from the shape stay exact: c(y | z) in Q_sel and E2 is 1 for a
   tie won by y's slot, 0 for one lost. Exact, V = 4, smooth laws: skewed trees
   91-92 -> 95 % of the LP optimum, EAGLE-like 91.7 -> 92.6 %; never below
@@ -58,7 +58,7 @@ replacement from the stage's draft law q':
   demand the density R / Zbar (Zbar = 1 - the pair's mean acceptance, the
   chance that this stage is reached), which gives back exactly R on average.
 * **Three children above leaves** (m = 3, the last level): pairs alone stay below the
-  one-step optimum (6 % on smooth laws: ``benchmarks/wor_stage_bound.py`` bounds
+  one-step optimum (6 % on smooth laws: ``benchmarks/studies/wor_stage_bound.py`` bounds
   every rule that settles the pair before looking at x3), because x3 may have the
   best ratio of the three. So x3 goes first when its class is above both others',
   with probability e = (1 - q1 - q2) / ((1 - q1)(1 - q2)) <= 1, a factor that

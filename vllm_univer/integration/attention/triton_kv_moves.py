@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...core.kernels.checks import expect
+
 _ELEMENT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}  # rows are copied bit for bit
 _TABLES: dict[tuple, torch.Tensor] = {}  # base addresses per set of caches (allocated once by vLLM)
 
@@ -43,7 +45,12 @@ def move_accepted_kv(
     j+1 of the accepted path, -1 past its end). Node a_j's entry moves from
     position L + a_j to L + j. No host sync.
     """
+    if path_nodes.dim() != 2:
+        raise ValueError(f"path_nodes: expected shape [B, D], got {list(path_nodes.shape)}")
     batch, depth = path_nodes.shape
+    expect("path_nodes", path_nodes, (batch, depth), torch.int64)
+    expect("context_lens", context_lens, (batch,), device=path_nodes.device)
+    expect("block_table", block_table, (batch, None), (torch.int32, torch.int64), device=path_nodes.device)
     if batch == 0 or depth == 0 or not caches:
         return
     path_nodes = path_nodes.contiguous()
@@ -59,17 +66,17 @@ def move_accepted_kv(
             table = torch.tensor(key, dtype=torch.int64, device=first.device)
             _TABLES[key] = table
         _move_rows[(batch, len(group))](
-            table,
-            path_nodes,
-            context_lens,
-            block_table,
-            path_nodes.stride(0),
-            block_table.stride(0),
-            first.stride(0),
-            first.stride(1),
-            first.stride(2),
-            heads,
-            head_dim,
+            table_ptr=table,  # [num_caches] int64: each cache's base address (every cache of the group alike)
+            path_ptr=path_nodes,  # [B, D] int64: accepted node ids per depth, -1 past the path
+            context_ptr=context_lens,  # [B] int64: L, the root's position
+            block_table_ptr=block_table,  # [B, max_blocks] int32 block table rows
+            path_stride=path_nodes.stride(0),  # path row stride
+            block_table_stride=block_table.stride(0),  # block table row stride
+            block_stride=first.stride(0),  # elements per cache block
+            slot_stride=first.stride(1),  # elements per slot in a block
+            head_stride=first.stride(2),  # elements per head in a slot
+            heads=heads,  # KV heads
+            head_dim=head_dim,  # Dh
             ELEMENT=_ELEMENT[first.element_size()],
             DEPTH=depth,
             BLOCK_SIZE=block_size,
@@ -80,17 +87,17 @@ def move_accepted_kv(
 
 @triton.jit
 def _move_rows(
-    table_ptr,
-    path_ptr,
-    context_ptr,
-    block_table_ptr,
-    path_stride,
-    block_table_stride,
-    block_stride,
-    slot_stride,
-    head_stride,
-    heads,
-    head_dim,
+    table_ptr,  # [num_caches] int64: each cache's base address (every cache of the group alike)
+    path_ptr,  # [B, D] int64: accepted node ids per depth, -1 past the path
+    context_ptr,  # [B] int64: L, the root's position
+    block_table_ptr,  # [B, max_blocks] int32 block table rows
+    path_stride,  # path row stride
+    block_table_stride,  # block table row stride
+    block_stride,  # elements per cache block
+    slot_stride,  # elements per slot in a block
+    head_stride,  # elements per head in a slot
+    heads,  # KV heads
+    head_dim,  # Dh
     ELEMENT: tl.constexpr,
     DEPTH: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,

@@ -23,18 +23,20 @@ import torch
 import triton
 import triton.language as tl
 
+from ...core.kernels.checks import FLOATS, expect
+
 
 @triton.jit
 def _paged_tree_attention_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    out_ptr,
-    block_table_ptr,
-    context_lens_ptr,
-    query_rows_ptr,
-    row_valid_ptr,
-    mask_ptr,
+    q_ptr,  # [T, Hq, Dh] the forward's queries (Dh contiguous)
+    k_ptr,  # [num_blocks, block_size, Hkv, Dh] key cache, any strides
+    v_ptr,  # [num_blocks, block_size, Hkv, Dh] value cache, any strides
+    out_ptr,  # [T, Hq, Dh] output (Dh contiguous); only tree rows are written
+    block_table_ptr,  # [R, max_blocks] int: the tree requests' block table rows
+    context_lens_ptr,  # [R] int: L per request; tree key j is cached at L + j
+    query_rows_ptr,  # [R, Tq] int64: flat row of tree query t of request r
+    row_valid_ptr,  # [R, Tq] int8: rows to compute (read if HAS_ROW_VALID)
+    mask_ptr,  # [Tq, Tk] int8 contiguous: query t sees tree key j
     stride_qt,
     stride_qh,
     stride_kb,
@@ -50,8 +52,8 @@ def _paged_tree_attention_kernel(
     stride_bt,
     stride_qr,
     stride_rv,
-    part_out_ptr,
-    part_lse_ptr,
+    part_out_ptr,  # [R, S, Tq, Hq, Dh] float32: per key split output (read if NUM_SPLITS > 1)
+    part_lse_ptr,  # [R, S, Tq, Hq] float32: per key split log-sum-exp (read if NUM_SPLITS > 1)
     stride_pr,
     stride_ps,
     stride_pt,
@@ -59,13 +61,13 @@ def _paged_tree_attention_kernel(
     stride_lr,
     stride_ls,
     stride_lt,
-    num_queries,
-    num_tree_keys,
-    head_size,
-    groups,
-    block_size,
-    scale,
-    keys_per_split,
+    num_queries,  # Tq: tree queries per request
+    num_tree_keys,  # Tk: tree keys per request
+    head_size,  # Dh
+    groups,  # Hq / Hkv
+    block_size,  # slots per cache block
+    scale,  # softmax scale
+    keys_per_split,  # keys one split walks (a multiple of BLOCK_N)
     HAS_ROW_VALID: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -242,8 +244,13 @@ class PagedTreeAttention:
         num_reqs, num_queries = query_rows.shape
         if ancestor_mask.shape[0] != num_queries:
             raise ValueError(f"ancestor_mask has {ancestor_mask.shape[0]} rows for {num_queries} tree queries")
-        if query.stride(-1) != 1 or output.stride(-1) != 1:
-            raise ValueError("query and output need a contiguous last dimension")
+        expect("query", query, (tokens, heads, head_size), FLOATS, last_contiguous=True)
+        expect("output", output, (tokens, heads, head_size), FLOATS, last_contiguous=True, device=query.device)
+        expect("key_cache", key_cache, (None, None, kv_heads, head_size), FLOATS, device=query.device)
+        expect("value_cache", value_cache, tuple(key_cache.shape), FLOATS, device=query.device)
+        expect("block_table", block_table, (num_reqs, None), (torch.int32, torch.int64), device=query.device)
+        expect("context_lens", context_lens, (num_reqs,), device=query.device)
+        expect("row_valid", row_valid, (num_reqs, num_queries), (torch.bool, torch.int8))
         self.num_reqs = num_reqs
         if num_reqs == 0:
             return
@@ -252,15 +259,16 @@ class PagedTreeAttention:
         scale = scale if scale is not None else 1.0 / math.sqrt(head_size)
         mask = ancestor_mask.to(device=query.device, dtype=torch.int8).contiguous()
         rows = query_rows.to(torch.int64)
-        valid = row_valid.to(torch.int8) if row_valid is not None else rows  # dummy pointer when absent
+        valid = row_valid.to(torch.int8) if row_valid is not None else None
         block_m, block_n = (32 if num_queries * groups > 16 else 16), 32
         block_d = max(16, triton.next_power_of_2(head_size))
         tiles = triton.cdiv(num_queries * groups, block_m)
         if num_splits is None:
             num_splits = _num_splits(query.device, num_reqs * kv_heads * tiles, max_context_len)
         self.num_splits = num_splits
-        # With one split the kernel walks every key and never reads the partial-result pointers.
-        keys_per_split, part_out, part_lse = 1 << 30, rows, rows
+        # With one split the kernel walks every key and has no partial results.
+        keys_per_split, part_out, part_lse = 1 << 30, None, None
+        part_out_strides, part_lse_strides = (0, 0, 0, 0), (0, 0, 0)
         if num_splits > 1:
             max_keys = (max_context_len if max_context_len is not None else 1 << 30) + num_tree_keys
             keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n
@@ -269,37 +277,48 @@ class PagedTreeAttention:
                 num_reqs, num_splits, num_queries, heads, head_size, device=query.device, dtype=torch.float32
             )
             part_lse = torch.empty(num_reqs, num_splits, num_queries, heads, device=query.device, dtype=torch.float32)
+            part_out_strides, part_lse_strides = part_out.stride()[:4], part_lse.stride()[:3]
         self.part_out, self.part_lse = part_out, part_lse
         self._grid = (num_reqs, kv_heads * num_splits, tiles)
-        # Every argument after (query, keys, values, output), in the kernel's order.
-        self._args = (
-            block_table,
-            context_lens,
-            rows,
-            valid,
-            mask,
-            query.stride(0),
-            query.stride(1),
-            *key_cache.stride(),
-            *value_cache.stride(),
-            output.stride(0),
-            output.stride(1),
-            block_table.stride(0),
-            rows.stride(0),
-            valid.stride(0),
-            part_out,
-            part_lse,
-            *(part_out.stride()[:4] if num_splits > 1 else (0, 0, 0, 0)),
-            *(part_lse.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-            num_queries,
-            num_tree_keys,
-            head_size,
-            groups,
-            key_cache.shape[1],
-            scale,
-            keys_per_split,
-        )
-        self._meta = dict(
+        key_strides, value_strides = key_cache.stride(), value_cache.stride()
+        # Every argument but the layer's own tensors (q_ptr, k_ptr, v_ptr, out_ptr).
+        self._launch = dict(
+            block_table_ptr=block_table,  # [R, max_blocks] int: the tree requests' block table rows
+            context_lens_ptr=context_lens,  # [R] int: L per request; tree key j is cached at L + j
+            query_rows_ptr=rows,  # [R, Tq] int64: flat row of tree query t of request r
+            row_valid_ptr=valid,  # [R, Tq] int8: rows to compute (read if HAS_ROW_VALID)
+            mask_ptr=mask,  # [Tq, Tk] int8 contiguous: query t sees tree key j
+            stride_qt=query.stride(0),
+            stride_qh=query.stride(1),
+            stride_kb=key_strides[0],
+            stride_ks=key_strides[1],
+            stride_kh=key_strides[2],
+            stride_kd=key_strides[3],
+            stride_vb=value_strides[0],
+            stride_vs=value_strides[1],
+            stride_vh=value_strides[2],
+            stride_vd=value_strides[3],
+            stride_ot=output.stride(0),
+            stride_oh=output.stride(1),
+            stride_bt=block_table.stride(0),
+            stride_qr=rows.stride(0),
+            stride_rv=valid.stride(0) if valid is not None else 0,
+            part_out_ptr=part_out,  # [R, S, Tq, Hq, Dh] float32: per key split output (NUM_SPLITS > 1)
+            part_lse_ptr=part_lse,  # [R, S, Tq, Hq] float32: per key split log-sum-exp (NUM_SPLITS > 1)
+            stride_pr=part_out_strides[0],
+            stride_ps=part_out_strides[1],
+            stride_pt=part_out_strides[2],
+            stride_ph=part_out_strides[3],
+            stride_lr=part_lse_strides[0],
+            stride_ls=part_lse_strides[1],
+            stride_lt=part_lse_strides[2],
+            num_queries=num_queries,  # Tq: tree queries per request
+            num_tree_keys=num_tree_keys,  # Tk: tree keys per request
+            head_size=head_size,  # Dh
+            groups=groups,  # Hq / Hkv
+            block_size=key_cache.shape[1],  # slots per cache block
+            scale=scale,  # softmax scale
+            keys_per_split=keys_per_split,  # keys one split walks (a multiple of BLOCK_N)
             HAS_ROW_VALID=row_valid is not None,
             IEEE_DOT=query.dtype == torch.float32,
             NUM_SPLITS=num_splits,
@@ -309,19 +328,28 @@ class PagedTreeAttention:
         )
         if num_splits > 1:
             self._merge_grid = (num_reqs, num_queries, heads)
-            # Every argument after (partial outputs, their lse, output), in the merge kernel's order.
-            self._merge_args = (
-                rows,
-                valid,
-                *part_out.stride()[:4],
-                *part_lse.stride()[:3],
-                output.stride(0),
-                output.stride(1),
-                rows.stride(0),
-                valid.stride(0),
-                head_size,
+            # Every argument but the layer's output.
+            self._merge = dict(
+                part_out_ptr=part_out,  # [R, S, Tq, Hq, Dh] float32: per key split output
+                part_lse_ptr=part_lse,  # [R, S, Tq, Hq] float32: per key split log-sum-exp
+                query_rows_ptr=rows,  # [R, Tq] int64: flat row of tree query t of request r
+                row_valid_ptr=valid,  # [R, Tq] int8: rows to compute (read if HAS_ROW_VALID)
+                stride_pr=part_out_strides[0],
+                stride_ps=part_out_strides[1],
+                stride_pt=part_out_strides[2],
+                stride_ph=part_out_strides[3],
+                stride_lr=part_lse_strides[0],
+                stride_ls=part_lse_strides[1],
+                stride_lt=part_lse_strides[2],
+                stride_ot=output.stride(0),
+                stride_oh=output.stride(1),
+                stride_qr=rows.stride(0),
+                stride_rv=valid.stride(0) if valid is not None else 0,
+                head_size=head_size,  # Dh
+                HAS_ROW_VALID=row_valid is not None,
+                NUM_SPLITS=num_splits,
+                BLOCK_D=block_d,
             )
-            self._merge_meta = dict(HAS_ROW_VALID=row_valid is not None, NUM_SPLITS=num_splits, BLOCK_D=block_d)
 
     def __call__(
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor
@@ -330,20 +358,24 @@ class PagedTreeAttention:
         and strided as the tensors this was prepared with."""
         if self.num_reqs == 0:
             return
-        _paged_tree_attention_kernel[self._grid](query, key_cache, value_cache, output, *self._args, **self._meta)
+        _paged_tree_attention_kernel[self._grid](
+            q_ptr=query,  # [T, Hq, Dh] the forward's queries (Dh contiguous)
+            k_ptr=key_cache,  # [num_blocks, block_size, Hkv, Dh] key cache, any strides
+            v_ptr=value_cache,  # [num_blocks, block_size, Hkv, Dh] value cache, any strides
+            out_ptr=output,  # [T, Hq, Dh] output (Dh contiguous); only tree rows are written
+            **self._launch,
+        )
         if self.num_splits > 1:
-            _merge_splits_kernel[self._merge_grid](
-                self.part_out, self.part_lse, output, *self._merge_args, **self._merge_meta
-            )
+            _merge_splits_kernel[self._merge_grid](out_ptr=output, **self._merge)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    query_rows_ptr,
-    row_valid_ptr,
+    part_out_ptr,  # [R, S, Tq, Hq, Dh] float32: per key split output (read if NUM_SPLITS > 1)
+    part_lse_ptr,  # [R, S, Tq, Hq] float32: per key split log-sum-exp (read if NUM_SPLITS > 1)
+    out_ptr,  # [T, Hq, Dh] output (Dh contiguous): the merged tree rows
+    query_rows_ptr,  # [R, Tq] int64: flat row of tree query t of request r
+    row_valid_ptr,  # [R, Tq] int8: rows to compute (read if HAS_ROW_VALID)
     stride_pr,
     stride_ps,
     stride_pt,
@@ -355,7 +387,7 @@ def _merge_splits_kernel(
     stride_oh,
     stride_qr,
     stride_rv,
-    head_size,
+    head_size,  # Dh
     HAS_ROW_VALID: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,

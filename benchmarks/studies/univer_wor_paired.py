@@ -9,7 +9,7 @@ by univer_wor as it is here, and by the rule of ``--against`` (its
 ``univer_wor.py`` loaded from git beside this one). One tree per prompt and
 temperature, at the prompt's own context.
 
-    python benchmarks/univer_wor_paired.py --against 79aba6c --shape eagle61 --first 12 --prompts 20
+    python -m benchmarks.studies.univer_wor_paired --against 79aba6c --shape eagle61 --first 12 --prompts 20
 
 Records go to ``results/univer_wor_paired.jsonl`` (appended), the report to
 ``results/univer_wor_paired.md`` (``--report-only`` rebuilds it).
@@ -30,13 +30,12 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from acceptance import CachedLM, draft_and_score, expected_accepted, prompt_ids, tree_shapes  # noqa: E402
-from data import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts  # noqa: E402
+from benchmarks.acceptance import CachedLM, draft_and_score, expected_accepted, prompt_ids, tree_shapes
+from vllm_univer import TreeSpec
+from vllm_univer.core.verifiers.univer_wor import UniVerWorVerifier
+from vllm_univer.tools.real_models import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
 
-from vllm_univer import TreeSpec  # noqa: E402
-from vllm_univer.core.verifiers.univer_wor import UniVerWorVerifier  # noqa: E402
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 
 RECORDS = HERE / "results" / "univer_wor_paired.jsonl"
 REPORT = HERE / "results" / "univer_wor_paired.md"
@@ -175,7 +174,7 @@ def main() -> None:
         if not args.against:
             ap.error("--against COMMIT is needed to collect")
         collect(args)
-    report("python benchmarks/univer_wor_paired.py " + " ".join(sys.argv[1:]))
+    report("python -m benchmarks.studies.univer_wor_paired " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ optimum over all lossless verifiers (``lp_optimum.py``). Both stay near 93 % on
 smooth laws: that is why ``univer_wor`` now lets x3 go first when its ratio is the
 best of the three (``_FirstOfThree``); its column shows what that reaches.
 
-    python benchmarks/wor_stage_bound.py    # writes benchmarks/results/wor_stage_bound.md
+    python -m benchmarks.studies.wor_stage_bound    # writes benchmarks/results/wor_stage_bound.md
 """
 
 from __future__ import annotations
@@ -26,13 +26,11 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT.parent / "tests"))  # the exact-law toolkit of the test suite
-from law_utils import expected_accepted, scheme_outcomes, step_law_over_trees  # noqa: E402
-from lp_optimum import MODEL_KINDS, lp_optimum  # noqa: E402
+from benchmarks.lp_optimum import MODEL_KINDS, lp_optimum
+from vllm_univer import TreeSpec
+from vllm_univer.tools.law_oracle import expected_accepted, scheme_outcomes, step_law_over_trees
 
-from vllm_univer import TreeSpec  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks/
 
 
 def best_completion(p: np.ndarray, delivered: np.ndarray, reached: list[tuple[tuple, float, tuple]]) -> float:
@@ -91,7 +89,7 @@ def main() -> None:
     lines = [
         "# Three children drawn without replacement: what stages can reach (exact, synthetic)",
         "",
-        f"Command: `python benchmarks/wor_stage_bound.py {' '.join(sys.argv[1:])}`",
+        f"Command: `python -m benchmarks.studies.wor_stage_bound {' '.join(sys.argv[1:])}`",
         "",
         "Tree 3x1 (depth 1), E[accepted] as a share of the LP optimum over all lossless verifiers, "
         f"mean over {len(seeds)} random target/draft pairs (worst pair in brackets); models as in "

@@ -10,7 +10,7 @@ settled well by the weighted pair rule; three children at the root, where the
 pair rule and a lone third slot run (the three-child stage runs above leaves
 only), are where the gap is.
 
-    python benchmarks/wor_irregular_gap.py    # writes benchmarks/results/wor_irregular_gap.md
+    python -m benchmarks.studies.wor_irregular_gap    # writes benchmarks/results/wor_irregular_gap.md
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-from lp_optimum import IRREGULAR_SHAPES, MODEL_KINDS, optimum_and_methods  # noqa: E402
+from benchmarks.lp_optimum import IRREGULAR_SHAPES, MODEL_KINDS, optimum_and_methods
+from vllm_univer import TreeSpec
 
-from vllm_univer import TreeSpec  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks/
 
 SHAPES = {
     "eagle-like": IRREGULAR_SHAPES["eagle-like"],
@@ -45,7 +44,7 @@ def main() -> None:
     lines = [
         "# Where univer_wor loses on irregular wor trees (exact, synthetic)",
         "",
-        f"Command: `python benchmarks/wor_irregular_gap.py --pairs {args.pairs} --vocab {args.vocab}` "
+        f"Command: `python -m benchmarks.studies.wor_irregular_gap --pairs {args.pairs} --vocab {args.vocab}` "
         f"({platform.machine()}, Python {sys.version.split()[0]}). V = {args.vocab}; mean over {args.pairs} "
         "random target/draft pairs per model kind (`lp_optimum.py`'s models); shares of the LP optimum.",
         "",
