@@ -195,3 +195,84 @@ def expected_accepted(method, scheme, tree, target, draft) -> float:
     probs, _, law = step_law_over_trees(method, scheme, tree, target, draft)
     depth = tree.depth.numpy()
     return float((probs[:, None] * law.sum(-1) * depth[None, :]).sum())
+
+
+def dynamic_trees(budget, draft: PathModel, keep_child=None, context=()):
+    """Every context-aware ``topk1`` tree (``core.dynamic_tree``) with its probability:
+    (trees, empty), trees a list of (probability, TreeSpec, tokens [N+1]), empty the
+    probability that nothing is drafted. The child slots come from the
+    package's own ``plan_children``; the draws are enumerated here (``scheme_outcomes``).
+    ``keep_child(q_row, slot, token) -> bool``, if given, drops drawn children after
+    the fact (a rule that is NOT lossless: the tests' negative control)."""
+    from vllm_univer.core.dynamic_tree import plan_children
+
+    results = []
+
+    def level(depth: int, frontier: list, nodes: dict, left: int, prob: float):
+        # frontier: [(slot path, token path, score)] in layout order; nodes: slot path -> token
+        if depth == budget.max_depth or not frontier or left <= 0:
+            results.append((prob, dict(nodes)))
+            return
+        rows = [draft(context + tokens) for _, tokens, _ in frontier]
+        q = torch.tensor(np.array(rows), dtype=torch.float64).unsqueeze(0)
+        scores = torch.tensor([[s for _, _, s in frontier]], dtype=torch.float64)
+        k = plan_children(scores, q, budget, torch.tensor([left])).squeeze(0).tolist()
+        expanded = [i for i in range(len(frontier)) if k[i] > 0]
+        # Layout order of the next frontier: expanded nodes by score rank, then slot.
+        expanded.sort(key=lambda i: (-frontier[i][2], i))
+        choices = [list(scheme_outcomes("topk1", rows[i], k[i])) for i in expanded]
+        for combo in itertools.product(*choices):
+            pr, grown, nxt = prob, {}, []
+            for i, (kids, p_kids) in zip(expanded, combo):
+                spath, tpath, score = frontier[i]
+                pr *= p_kids
+                for slot, tok in enumerate(kids):
+                    if tok >= 0 and keep_child is not None and not keep_child(rows[i], slot, tok):
+                        tok = -1
+                    grown[spath + (slot,)] = tok
+                    if tok >= 0:
+                        nxt.append((spath + (slot,), tpath + (tok,), score * rows[i][tok]))
+            level(depth + 1, nxt, {**nodes, **grown}, left - sum(k), pr)
+
+    level(0, [((), (), 1.0)], {}, budget.max_nodes, 1.0)
+    out, empty = [], 0.0
+    for prob, nodes in results:
+        if not nodes:  # nothing drafted: the step samples one token from p
+            empty += prob
+            continue
+        tree = TreeSpec.from_paths(list(nodes))
+        tokens = [-1] + [nodes[p] for p in tree.paths[1:]]
+        out.append((prob, tree, tokens))
+    return out, empty
+
+
+def dynamic_tree_law_error(method, budget, target: PathModel, draft: PathModel, keep_child=None) -> float:
+    """max |P_spec(s) - P_target(s)| over strings of length max_depth + 1, over every
+    context-aware tree (each verified exactly with ``outcome_law`` on its own shape)."""
+    trees, empty = dynamic_trees(budget, draft, keep_child)
+    length = budget.max_depth + 1
+    mass: dict[tuple, float] = defaultdict(float)
+    if empty > 0:  # steps that drafted nothing sample one token from p
+        row = target(())
+        for y in np.nonzero(row > 0)[0]:
+            mass[(int(y),)] += empty * row[y]
+    for prob, tree, tokens in trees:
+        toks, p, q = batch_tensors(tree, [tokens], target, draft)
+        law = outcome_law(method, tree, toks, p, q).numpy()[0]
+        paths = node_paths(tree, tokens)
+        for e in np.nonzero(law.sum(-1) > 0)[0]:
+            for y in np.nonzero(law[e] > 0)[0]:
+                mass[paths[e] + (int(y),)] += prob * law[e, y]
+    for n in range(1, length):
+        for s in [s for s in mass if len(s) == n]:
+            m = mass.pop(s)
+            row = target(s)
+            for y in range(target.vocab):
+                if row[y] > 0:
+                    mass[s + (y,)] += m * row[y]
+    worst = 0.0
+    for s in itertools.product(range(target.vocab), repeat=length):
+        exact = float(np.prod([target(s[:k])[s[k]] for k in range(length)]))
+        worst = max(worst, abs(mass.pop(s, 0.0) - exact))
+    assert not mass, f"outputs outside the vocabulary strings: {list(mass)[:3]}"
+    return worst

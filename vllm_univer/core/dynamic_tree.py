@@ -1,0 +1,114 @@
+"""Context-aware ``topk1`` trees: each request's tree grown level by level where the
+draft is confident, under a node budget (``docs/dynamic-trees.md`` has the rule
+and why it is lossless).
+
+At each depth level, every request:
+
+1. ranks its frontier (the drafted nodes of that depth, the root at depth 0) by
+   draft path probability, the product of q along the path, and keeps the
+   ``expand`` best;
+2. gives those nodes child slots: candidate slot j of node v is worth
+   score(v) * (the j-th largest entry of q_v), and the level's ``expand * m``
+   best candidates (fewer where the node budget runs out; none worth 0) are
+   taken, so node v gets k_v of them (``plan_children``);
+3. draws the children with the ``topk1`` scheme at k_v: slot 0 from q_v off its
+   k_v - 1 top tokens (absent, -1, where they hold all of q_v), slots 1..k_v-1
+   those top tokens (``draw_children``).
+
+Steps 1-2 read only what is known before v's children are drawn (the path, the
+q rows of the level, draws made at earlier levels), so every node's child slots
+are fixed before its children exist, and no drawn child is ever dropped for its
+own value: the law the verifier assumes at each node is the law it was drawn
+from. Whether a drawn child is expanded later does depend on its value and on its
+cousins'; that only shapes its own subtree.
+
+Everything is batched over requests, with fixed shapes per level (``expand``
+nodes x ``m`` slots), no host sync and no loop over requests or nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .drafting import top_tokens
+from .inverse_cdf import BlockCdf
+from .tree import MAX_TREE_NODES
+
+
+@dataclass(frozen=True)
+class DynamicTreeBudget:
+    """max_nodes: draft nodes per request (what one target forward verifies);
+    max_depth: levels; expand: frontier nodes expanded per level; max_children:
+    m, child slots per expanded node."""
+
+    max_nodes: int = 32
+    max_depth: int = 6
+    expand: int = 4
+    max_children: int = 4
+
+    def __post_init__(self):
+        for name in ("max_nodes", "max_depth", "expand", "max_children"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"dynamic tree: {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_nodes > MAX_TREE_NODES:
+            raise ValueError(f"dynamic tree: max_nodes {self.max_nodes} is above the {MAX_TREE_NODES} supported")
+
+    @property
+    def level_width(self) -> int:
+        """Child slots one level offers: ``expand * max_children``."""
+        return self.expand * self.max_children
+
+
+def plan_children(
+    scores: torch.Tensor, q: torch.Tensor, budget: DynamicTreeBudget, nodes_left: torch.Tensor
+) -> torch.Tensor:
+    """Child slots of each frontier node of one level, for every request.
+
+    scores: [B, F] draft path probability of each frontier node (0: no node);
+    q: [B, F, V] the nodes' draft rows; nodes_left: [B] int64, nodes the budget
+    still allows. Returns LongTensor [B, F], k_v (0: not expanded), with at most
+    ``expand`` nodes expanded and ``min(expand * m, nodes_left)`` slots in all.
+    Ties rank the lower frontier index (then the lower slot) first.
+    """
+    batch, frontier, vocab = q.shape
+    m = min(budget.max_children, vocab)
+    # 1. The `expand` best frontier nodes (stable: ties keep the lower index).
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(frontier, device=q.device).expand_as(order))
+    kept = (rank < budget.expand) & (scores > 0)
+    # 2. The best candidate slots: slot j of v is worth score(v) * (j-th largest q_v).
+    top_q = torch.topk(q, m, dim=-1).values  # [B, F, m], descending
+    worth = torch.where(kept.unsqueeze(-1), scores.unsqueeze(-1) * top_q, torch.zeros_like(top_q))
+    flat = worth.flatten(1)  # [B, F * m]: node-major, so ties go to the lower node, then slot
+    flat_order = torch.sort(flat, dim=-1, descending=True, stable=True).indices
+    flat_rank = torch.empty_like(flat_order).scatter_(
+        -1, flat_order, torch.arange(flat.shape[1], device=q.device).expand_as(flat_order)
+    )
+    slots = torch.clamp(nodes_left, min=0).clamp(max=budget.level_width).unsqueeze(-1)  # [B, 1]
+    taken = (flat_rank < slots) & (flat > 0)
+    return taken.view(batch, frontier, m).sum(-1)
+
+
+def draw_children(
+    q: torch.Tensor, num_children: torch.Tensor, max_children: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``topk1`` children of every frontier node at its own k_v.
+
+    q: [B, F, V]; num_children: [B, F] int64, k_v in 0..max_children. Returns
+    LongTensor [B, F, max_children]: slot 0 drawn from q_v off its k_v - 1 top
+    tokens, slots 1..k_v-1 those top tokens (rank order, ties to the lower id),
+    -1 in slots at or past k_v and in slot 0 where the top tokens hold all of q_v.
+    """
+    vocab = q.shape[-1]
+    m = min(max_children, vocab)
+    top = top_tokens(q, m - 1)  # [B, F, m-1]
+    slot = torch.arange(1, m, device=q.device)
+    top = torch.where(slot < num_children.unsqueeze(-1), top, -1)  # only v's own k_v - 1 top tokens
+    sampled = BlockCdf(q).draw(generator, exclude=top)  # -1 where nothing is left
+    sampled = torch.where(num_children > 0, sampled, -1)
+    kids = torch.cat([sampled.unsqueeze(-1), top], -1)
+    if m < max_children:
+        kids = torch.cat([kids, kids.new_full(kids.shape[:-1] + (max_children - m,), -1)], -1)
+    return kids
