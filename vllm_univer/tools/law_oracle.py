@@ -174,7 +174,13 @@ def string_law_error(method, scheme, tree, target, draft) -> float:
         for e in rows:
             for y in np.nonzero(law[b, e] > 0)[0]:
                 mass[paths[e] + (int(y),)] += probs[b] * law[b, e, y]
-    # Complete shorter outputs with target sampling, one length at a time.
+    return _string_error(mass, target, length)
+
+
+def _string_error(mass: dict, target: PathModel, length: int) -> float:
+    """max |mass(s) - P_target(s)| over strings s of ``length`` tokens, once the
+    shorter outputs in ``mass`` (output string -> probability; consumed) are
+    completed with target sampling, one length at a time."""
     for n in range(1, length):
         for s in [s for s in mass if len(s) == n]:
             m = mass.pop(s)
@@ -263,16 +269,4 @@ def dynamic_tree_law_error(method, budget, target: PathModel, draft: PathModel, 
         for e in np.nonzero(law.sum(-1) > 0)[0]:
             for y in np.nonzero(law[e] > 0)[0]:
                 mass[paths[e] + (int(y),)] += prob * law[e, y]
-    for n in range(1, length):
-        for s in [s for s in mass if len(s) == n]:
-            m = mass.pop(s)
-            row = target(s)
-            for y in range(target.vocab):
-                if row[y] > 0:
-                    mass[s + (y,)] += m * row[y]
-    worst = 0.0
-    for s in itertools.product(range(target.vocab), repeat=length):
-        exact = float(np.prod([target(s[:k])[s[k]] for k in range(length)]))
-        worst = max(worst, abs(mass.pop(s, 0.0) - exact))
-    assert not mass, f"outputs outside the vocabulary strings: {list(mass)[:3]}"
-    return worst
+    return _string_error(mass, target, length)
