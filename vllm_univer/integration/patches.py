@@ -83,7 +83,8 @@ def patch_model_runner() -> None:
         def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
             result = original(self, scheduler_output, num_scheduled_tokens)
             if getattr(self, "tree_speculation", None) is not None:
-                self.tree_speculation.prepare_tree_tokens(result[1])
+                _logits_indices, spec_decode_metadata, _max_num_sampled_tokens = result  # vLLM 0.32's order
+                self.tree_speculation.prepare_tree_tokens(spec_decode_metadata)
             return result
 
         return _prepare_inputs
