@@ -18,7 +18,7 @@ import enum
 import torch
 
 from .compiled_rules import compile_by_default
-from .fused_tree_pass import CHAIN_METHODS, FUSED_METHODS, WOR_METHODS, fused_refusal, triton_reads
+from .fused_tree_pass import CHAIN_METHODS, FUSED_METHODS, WOR_METHODS, fused_available, fused_refusal
 from .tree import TreeSpec
 
 
@@ -47,11 +47,7 @@ def choose_backend(
     where it cannot run; False rules it out)."""
     vocab = target_probs.shape[-1]
     if fused is None:
-        fused = (
-            method in FUSED_METHODS
-            and fused_refusal(method, tree, vocab) is None
-            and triton_reads(target_probs, draft_probs)
-        )
+        fused = fused_available(method, tree, target_probs, draft_probs)
     elif fused and method not in FUSED_METHODS:
         raise ValueError(f"no fused kernels for {method!r}; they exist for {', '.join(FUSED_METHODS)}")
     elif fused and (refusal := fused_refusal(method, tree, vocab)):
