@@ -75,20 +75,23 @@ def plan_children(
     batch, frontier, vocab = q.shape
     m = min(budget.max_children, vocab)
     # 1. The `expand` best frontier nodes (stable: ties keep the lower index).
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(frontier, device=q.device).expand_as(order))
-    kept = (rank < budget.expand) & (scores > 0)
+    kept = (_descending_rank(scores) < budget.expand) & (scores > 0)
     # 2. The best candidate slots: slot j of v is worth score(v) * (j-th largest q_v).
     top_q = torch.topk(q, m, dim=-1).values  # [B, F, m], descending
     worth = torch.where(kept.unsqueeze(-1), scores.unsqueeze(-1) * top_q, torch.zeros_like(top_q))
     flat = worth.flatten(1)  # [B, F * m]: node-major, so ties go to the lower node, then slot
-    flat_order = torch.sort(flat, dim=-1, descending=True, stable=True).indices
-    flat_rank = torch.empty_like(flat_order).scatter_(
-        -1, flat_order, torch.arange(flat.shape[1], device=q.device).expand_as(flat_order)
-    )
+    flat_rank = _descending_rank(flat)
     slots = torch.clamp(nodes_left, min=0).clamp(max=budget.level_width).unsqueeze(-1)  # [B, 1]
     taken = (flat_rank < slots) & (flat > 0)
     return taken.view(batch, frontier, m).sum(-1)
+
+
+def _descending_rank(values: torch.Tensor) -> torch.Tensor:
+    """[B, K] -> LongTensor [B, K]: each entry's place when its row is sorted in
+    descending order, ties kept in index order (0 = the largest)."""
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    places = torch.arange(values.shape[-1], device=values.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, places)
 
 
 def draw_children(
