@@ -9,6 +9,7 @@ loop) and a concurrency sweep (closed loop, rate unbounded), MT-Bench prompts
 through the chat endpoint, a fixed output length (ignore_eos). Reported: output
 tokens/s, TTFT / TPOT / ITL p50 and p99, and each row's ratio to no speculation.
 
+    pip install -e '.[serve-bench]'                       # what `vllm bench serve` imports
     python -m benchmarks.serving                          # default matrix
     python -m benchmarks.serving --rates 1 --concurrency 1 4 --configs nospec auto
 Results: ``benchmarks/results/serving.md`` and ``serving.json``.
@@ -17,6 +18,7 @@ Results: ``benchmarks/results/serving.md`` and ``serving.json``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -155,6 +157,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--out", default="serving", help="results/OUT.md and .json")
     args = ap.parse_args()
+    missing = [name for name in ("pandas", "datasets") if importlib.util.find_spec(name) is None]
+    if missing:  # `vllm bench serve` imports them; fail here, before the first server starts
+        sys.exit(f"`vllm bench serve` needs {', '.join(missing)}: pip install -e '.[serve-bench]'")
 
     from vllm_univer.tools.real_models import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
 

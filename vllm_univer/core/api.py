@@ -165,17 +165,16 @@ def _argmax_matching(tt, tokens: torch.Tensor, argmax_rows: torch.Tensor):
     matching child; those nodes form one chain from the root, and the end is its
     deepest node. Found for all depths at once (no loop over levels).
     """
-    parent_argmax = argmax_rows[:, tt.parent.clamp(min=0)]
-    match = (tokens == parent_argmax) & (tokens >= 0)
+    match = (tokens == tt.at_parents(argmax_rows)) & (tokens >= 0)
     match[:, 0] = False
-    first = match & ~F.pad(match, (0, 1))[:, tt.earlier_siblings].any(-1)
-    on_walk = F.pad(first, (0, 1), value=True)[:, tt.path_nodes].all(-1)  # the root: an empty path
+    first = match & ~tt.at_earlier_siblings(F.pad(match, (0, 1))).any(-1)
+    on_walk = tt.along_paths(F.pad(first, (0, 1), value=True)).all(-1)  # the root: an empty path
     end = torch.where(on_walk, tt.depth, -1).argmax(-1)
     return end, argmax_rows.gather(1, end.unsqueeze(-1)).squeeze(-1)
 
 
 def _assemble(tt, tokens: torch.Tensor, end: torch.Tensor, next_token: torch.Tensor, max_depth: int) -> VerifyOutput:
-    path = tt.ancestors[end]  # [B, D]
+    path = tt.ancestors_of(end)  # [B, D]
     accepted = tokens.gather(1, path.clamp(min=0)).masked_fill(path < 0, -1)
     out = torch.cat([accepted, torch.full_like(accepted[:, :1], -1)], 1)
     num_accepted = tt.depth[end]

@@ -258,6 +258,28 @@ class _TreeTensors:
                 )
             )
 
+    def children_of(self, nodes: torch.Tensor) -> torch.Tensor:
+        """nodes [B] or [B, n] -> their children in slot order, [B, C] or [B, n, C] (-1 padded)."""
+        return self.children[nodes]
+
+    def ancestors_of(self, nodes: torch.Tensor) -> torch.Tensor:
+        """nodes [B] -> [B, D]: the nodes at depth 1..D on the path to each (-1 past it)."""
+        return self.ancestors[nodes]
+
+    def at_parents(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N+1] -> [B, N+1]: x at each node's parent (the root reads itself)."""
+        return x[:, self.parent.clamp(min=0)]
+
+    def at_earlier_siblings(self, padded: torch.Tensor) -> torch.Tensor:
+        """padded [B, N+2] (a column past the nodes) -> [B, N+1, max(C-1, 1)]: padded at
+        each node's siblings in earlier slots, the extra column where there are fewer."""
+        return padded[:, self.earlier_siblings]
+
+    def along_paths(self, padded: torch.Tensor) -> torch.Tensor:
+        """padded [B, N+2] (a column past the nodes) -> [B, N+1, D]: padded at the nodes
+        of depth 1..D on each node's path, the extra column past the node's depth."""
+        return padded[:, self.path_nodes]
+
     @cached_property
     def postorder(self) -> torch.Tensor:
         """LongTensor [N+1]: the nodes in post-order (the root last)."""
@@ -320,3 +342,15 @@ class _Level:
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, N+1, ...] -> the rows of this level's nodes [B, n, ...]."""
         return x[:, self.span] if self.span is not None else x[:, self.nodes]
+
+    def put(self, x: torch.Tensor, values: torch.Tensor) -> None:
+        """x [B, N+1] at this level's nodes <- values [B, n]."""
+        x[:, self.nodes] = values
+
+    def take_kids(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N+1] -> [B, n, C]: x at each node's children, 0 where a slot is empty."""
+        return x[:, self.kids.clamp(min=0)].masked_fill(self.kids < 0, 0)
+
+    def put_kids(self, x: torch.Tensor, values: torch.Tensor) -> None:
+        """x [B, N+1] at the children <- values [B, n, C] (empty slots' values dropped)."""
+        x[:, self.kid_ids] = values.flatten(1)[:, self.kid_pos]

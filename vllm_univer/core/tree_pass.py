@@ -17,7 +17,7 @@ from .verifiers import Family, NodeBatch, TreeVerifier
 
 def child_tokens(tt: _TreeTensors, tokens: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
     """tokens [B, N+1], nodes [n] or [B, n] -> [B, n, C]: the child tokens of each node, -1 padded."""
-    kids = tt.children[nodes]  # [n, C] or [B, n, C]
+    kids = tt.children_of(nodes)  # [n, C] or [B, n, C]
     if kids.dim() == 2:
         kids = kids.unsqueeze(0).expand(tokens.shape[0], -1, -1)
     picked = tokens.gather(1, kids.clamp(min=0).flatten(1)).view_as(kids)
@@ -58,15 +58,15 @@ def node_weights(
     stop = target_probs.new_zeros(batch, n1) if postorder else None
     for level in tt.levels:  # depth by depth: a level's scales need its parents'
         nodes = level.nodes
-        scale = weight[:, nodes] if postorder else torch.ones_like(weight[:, nodes])
+        scale = level.rows(weight) if postorder else torch.ones_like(level.rows(weight))
         batch = node_batch(verifier, tt, level.rows(target_probs), level.rows(draft_probs), tokens, nodes, scale)
         kid_tokens = batch.tokens
         out = (node_rule or verifier.node_rule)(batch, want_residual=False)
         # A mask, not a product: rows of missing nodes are never read, even if they hold NaN.
         child_w = out.child_weights.masked_fill(kid_tokens < 0, 0.0)
-        weight[:, level.kid_ids] = child_w.flatten(1)[:, level.kid_pos]
+        level.put_kids(weight, child_w)
         if postorder:
-            stop[:, nodes] = out.stop_prob
+            level.put(stop, out.stop_prob)
     return weight, finish_stop(tt, tokens, weight, stop) if postorder else None
 
 
@@ -95,7 +95,7 @@ def decide_descent(tt: _TreeTensors, alpha: torch.Tensor, uniforms: torch.Tensor
     """
     node = torch.zeros(alpha.shape[0], dtype=torch.long, device=alpha.device)
     for _ in range(max_depth):
-        kids = tt.children[node]  # [B, C]
+        kids = tt.children_of(node)  # [B, C]
         safe = kids.clamp(min=0)
         take = (uniforms.gather(1, safe) < alpha.gather(1, safe)) & (kids >= 0)
         first = take.to(torch.uint8).argmax(-1, keepdim=True)
@@ -108,25 +108,22 @@ def end_node_law(
 ) -> torch.Tensor:
     """Exact P(end node = e) [B, N+1] from the per-node weights of ``node_weights``."""
     if verifier.family is Family.POSTORDER:
-        order = tt.postorder
-        h = stop[:, order]
+        order = tt.postorder.expand_as(stop)
+        h = stop.gather(1, order)
         survive = torch.cumprod(1.0 - h, -1)
         before = torch.cat([torch.ones_like(survive[:, :1]), survive[:, :-1]], -1)
-        law = torch.empty_like(h)
-        law[:, order] = h * before
-        return law
+        return torch.empty_like(h).scatter_(1, order, h * before)
 
     reach = torch.zeros_like(weight)
     reach[:, 0] = 1.0
     law = torch.zeros_like(weight)
     for level in tt.levels:
-        kids = level.kids
-        alpha = weight[:, kids.clamp(min=0)].masked_fill(kids < 0, 0.0)
+        alpha = level.take_kids(weight)  # 0 at empty slots
         keep = torch.cumprod(1.0 - alpha, -1)  # no child among slots 0..j taken
         before = torch.cat([torch.ones_like(keep[..., :1]), keep[..., :-1]], -1)
-        parent_reach = reach[:, level.nodes].unsqueeze(-1)
-        reach[:, level.kid_ids] = (parent_reach * before * alpha).flatten(1)[:, level.kid_pos]
-        law[:, level.nodes] = parent_reach.squeeze(-1) * keep[..., -1]
+        parent_reach = level.rows(reach).unsqueeze(-1)
+        level.put_kids(reach, parent_reach * before * alpha)
+        level.put(law, parent_reach.squeeze(-1) * keep[..., -1])
     return torch.where(tt.is_internal, law, reach)
 
 
