@@ -20,6 +20,7 @@ import torch
 from .compiled_rules import compile_by_default
 from .fused_tree_pass import CHAIN_METHODS, FUSED_METHODS, WOR_METHODS, fused_available, fused_refusal
 from .tree import TreeSpec
+from .tree_batch import TREE_BATCH_METHODS, TreeBatch
 
 
 class Backend(enum.Enum):
@@ -36,7 +37,7 @@ class Backend(enum.Enum):
 
 def choose_backend(
     method: str,
-    tree: TreeSpec,
+    tree: TreeSpec | TreeBatch,
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     fused: bool | None = None,
@@ -46,6 +47,15 @@ def choose_backend(
     arguments: None lets the rows decide, True demands it, with a clear error
     where it cannot run; False rules it out)."""
     vocab = target_probs.shape[-1]
+    if isinstance(tree, TreeBatch):  # per-request shapes: the PyTorch rules only
+        if method not in TREE_BATCH_METHODS:
+            raise ValueError(
+                f"verifier {method!r} does not run on per-request tree shapes (context-aware trees); "
+                f"these do: {', '.join(TREE_BATCH_METHODS)}"
+            )
+        if fused or compiled:
+            raise ValueError("per-request tree shapes run the PyTorch node rules: pass fused=False, compiled=False")
+        return Backend.TORCH
     if fused is None:
         fused = fused_available(method, tree, target_probs, draft_probs)
     elif fused and method not in FUSED_METHODS:

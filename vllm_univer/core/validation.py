@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .tree import TreeSpec
+from .tree_batch import TreeBatch
 from .verifiers import TreeVerifier
 
 ROW_SUM_TOLERANCE = 1e-3
@@ -12,7 +13,7 @@ ROW_SUM_TOLERANCE = 1e-3
 
 def check_inputs(
     verifier: TreeVerifier,
-    tree: TreeSpec,
+    tree: TreeSpec | TreeBatch,
     draft_token_ids: torch.Tensor,
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
@@ -24,9 +25,11 @@ def check_inputs(
     (float), greedy [B] (bool). Rows of nodes that do not exist (token -1) and
     draft rows of nodes without existing children are not read and not checked.
     """
-    if not isinstance(tree, TreeSpec):
-        raise ValueError(f"tree must be a TreeSpec, got {type(tree).__name__}")
-    if verifier.chain_only and not tree.is_chain:
+    if not isinstance(tree, (TreeSpec, TreeBatch)):
+        raise ValueError(f"tree must be a TreeSpec or a TreeBatch, got {type(tree).__name__}")
+    if isinstance(tree, TreeBatch) and draft_token_ids.shape[:1] != tree.parent.shape[:1]:
+        raise ValueError(f"draft_token_ids has {draft_token_ids.shape[0]} rows, the tree batch {tree.batch_size}")
+    if verifier.chain_only and not (isinstance(tree, TreeSpec) and tree.is_chain):
         raise ValueError(
             f"verifier {verifier.name!r} verifies a single chain; tree has up to "
             f"{tree.max_children} children per node (use e.g. '1x{tree.max_depth}')"
@@ -66,8 +69,9 @@ def check_inputs(
     tokens = draft_token_ids.long()
     exists = tokens >= 0
     exists[:, 0] = True
+    parents = tt.parent.expand_as(tokens)[:, 1:]  # a TreeSpec's shared row or a TreeBatch's own
     child_count = torch.zeros_like(tokens)
-    child_count.index_add_(1, tt.parent[1:], exists[:, 1:].long())
+    child_count.scatter_add_(1, parents.clamp(min=0), exists[:, 1:].long())
     has_child = child_count > 0
 
     p_sum = target_probs.sum(-1)
@@ -76,7 +80,7 @@ def check_inputs(
     flags = torch.stack(
         [
             ((tokens[:, 1:] < -1) | (tokens[:, 1:] >= vocab)).any(),
-            (exists[:, 1:] & ~exists[:, tt.parent[1:]]).any(),
+            (exists[:, 1:] & ((parents < 0) | ~exists.gather(1, parents.clamp(min=0)))).any(),
             (exists & ~torch.isfinite(p_sum)).any() | (has_child & ~torch.isfinite(q_sum)).any(),
             (exists & (target_probs.amin(-1) < 0)).any() | (has_child & (draft_probs.amin(-1) < 0)).any(),
             (exists & ((p_sum - 1).abs() > ROW_SUM_TOLERANCE)).any()

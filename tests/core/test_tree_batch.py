@@ -1,0 +1,203 @@
+"""Per-request tree shapes (``core.tree_batch.TreeBatch``): every request's row verifies
+exactly as its own ``TreeSpec`` does (float64, 1e-12), the sampling code draws that
+law, greedy rows match argmax matching, and malformed batches fail clearly.
+
+Each request's tree is read back from the batch's parents into a ``TreeSpec``
+(``spec_of_row``) with a position -> node map, so the comparison needs no
+knowledge of how the batch was laid out: positions are shuffled within each
+depth, and some hold no node."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_univer.core.api import outcome_law, verify, verify_greedy
+from vllm_univer.core.tree import TreeSpec
+from vllm_univer.core.tree_batch import TREE_BATCH_METHODS, TreeBatch
+from vllm_univer.tools.goodness_of_fit import chi_square_pvalue
+
+pytestmark = pytest.mark.quick
+
+
+def random_batch(batch: int, level_sizes, max_children: int, seed: int, fill: float = 0.8) -> torch.Tensor:
+    """parent [B, N+1]: per request, each position of depth d >= 1 holds a node with
+    probability ``fill``, its parent a random node of depth d-1 with a free slot."""
+    rng = np.random.default_rng(seed)
+    starts = np.cumsum((0,) + tuple(level_sizes))
+    parent = np.full((batch, starts[-1]), -1, dtype=np.int64)
+    for b in range(batch):
+        nodes_above, count = [0], {0: 0}
+        for d in range(1, len(level_sizes)):
+            here = []
+            for pos in rng.permutation(np.arange(starts[d], starts[d + 1])):
+                free = [v for v in nodes_above if count[v] < max_children]
+                if free and (rng.random() < fill or (d == 1 and not here)):  # never an empty tree
+                    v = int(rng.choice(free))
+                    parent[b, pos] = v
+                    count[v] += 1
+                    count[int(pos)] = 0
+                    here.append(int(pos))
+            nodes_above = here
+    return torch.from_numpy(parent)
+
+
+def spec_of_row(parent_row: list[int]) -> tuple[TreeSpec, dict[int, int]]:
+    """The TreeSpec of one request's row and the map position -> its node id."""
+    paths = {0: ()}
+    for pos, par in enumerate(parent_row):  # parents come before children (by depth)
+        if pos > 0 and par >= 0:
+            slot = sum(1 for other in range(pos) if parent_row[other] == par and other > 0)
+            paths[pos] = paths[par] + (slot,)
+    tree = TreeSpec.from_paths([p for pos, p in paths.items() if pos > 0])
+    node_of = {pos: tree.paths.index(path) for pos, path in paths.items()}
+    return tree, node_of
+
+
+def random_rows(parent: torch.Tensor, vocab: int, seed: int):
+    """tokens [B, N+1] (-1 at empty positions; siblings distinct), p, q [B, N+1, V] float64."""
+    g = torch.Generator().manual_seed(seed)
+    batch, n1 = parent.shape
+    keys = torch.rand(batch, n1, vocab, generator=g)
+    tokens = torch.full((batch, n1), -1, dtype=torch.long)
+    for b in range(batch):  # distinct tokens among one parent's children, as the schemes draw
+        for par in set(parent[b].tolist()) - {-1}:
+            kids = (parent[b] == par).nonzero().flatten()
+            tokens[b, kids] = torch.randperm(vocab, generator=g)[: len(kids)]
+    p = torch.softmax(3 * torch.randn(batch, n1, vocab, generator=g, dtype=torch.float64), -1)
+    q = torch.softmax(3 * torch.randn(batch, n1, vocab, generator=g, dtype=torch.float64), -1)
+    del keys
+    return tokens, p, q
+
+
+def per_row_law(method, parent, tokens, p, q) -> torch.Tensor:
+    """outcome_law of each request on its own TreeSpec, laid back onto the batch's positions."""
+    out = torch.zeros_like(p)
+    for b in range(parent.shape[0]):
+        tree, node_of = spec_of_row(parent[b].tolist())
+        pos_of = torch.tensor([pos for pos, _ in sorted(node_of.items(), key=lambda kv: kv[1])])
+        law = outcome_law(method, tree, tokens[b : b + 1, pos_of], p[b : b + 1, pos_of], q[b : b + 1, pos_of])
+        out[b, pos_of] = law[0]
+    return out
+
+
+LAYOUTS = [((1, 3, 5, 4), 3), ((1, 2, 4, 6, 3), 2), ((1, 4, 6), 4), ((1, 1, 1, 1), 1)]
+
+
+@pytest.mark.parametrize("method", TREE_BATCH_METHODS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_row_verifies_as_its_own_tree(method, layout, seed):
+    level_sizes, max_children = layout
+    parent = random_batch(6, level_sizes, max_children, seed)
+    tokens, p, q = random_rows(parent, vocab=5, seed=seed)
+    trees = TreeBatch(parent, level_sizes, max_children)
+    law = outcome_law(method, trees, tokens, p, q)
+    expected = per_row_law(method, parent, tokens, p, q)
+    assert (law - expected).abs().max() < 1e-12
+    assert torch.allclose(law.sum((1, 2)), torch.ones(6, dtype=torch.float64), atol=1e-12)
+
+
+def test_shapes_really_differ_per_request():
+    parent = random_batch(6, (1, 3, 5, 4), 3, seed=0)
+    shapes = {spec_of_row(parent[b].tolist())[0].paths for b in range(6)}
+    assert len(shapes) >= 4
+
+
+def test_tables_match_each_tree():
+    level_sizes, c = (1, 3, 5, 4), 3
+    parent = random_batch(8, level_sizes, c, seed=3)
+    trees = TreeBatch(parent, level_sizes, c)
+    for b in range(8):
+        tree, node_of = spec_of_row(parent[b].tolist())
+        pos_of = {node: pos for pos, node in node_of.items()}
+        for pos, node in node_of.items():
+            kids = [pos_of[k] for k in tree.children[node].tolist() if k >= 0]
+            assert trees.children[b, pos, : len(kids)].tolist() == kids
+            assert (trees.children[b, pos, len(kids) :] == -1).all()
+            path = [pos_of[a] for a in tree.ancestors[node].tolist() if a >= 0]
+            assert trees.ancestors[b, pos, : len(path)].tolist() == path
+        # post-order of the nodes: the same sequence as the TreeSpec's
+        by_rank = sorted(node_of, key=lambda pos: int(trees.postorder_rank[b, pos]))
+        assert [node_of[pos] for pos in by_rank] == tree.postorder_rank.argsort().tolist()
+
+
+@pytest.mark.parametrize("method", TREE_BATCH_METHODS)
+def test_sampled_outcomes_match_outcome_law(method):
+    """The code that runs (verify: the decision and the draw) against the exact law,
+    on a batch of different shapes repeated many times."""
+    level_sizes, c, vocab, reps = (1, 3, 4), 2, 4, 6000
+    parent = random_batch(3, level_sizes, c, seed=5, fill=0.9)
+    tokens, p, q = random_rows(parent, vocab=vocab, seed=5)
+    law = outcome_law(method, TreeBatch(parent, level_sizes, c), tokens, p, q)  # [3, N+1, V]
+    big = TreeBatch(parent.repeat(reps, 1), level_sizes, c)
+    g = torch.Generator().manual_seed(11)
+    out = verify(method, big, tokens.repeat(reps, 1), p.repeat(reps, 1, 1), q.repeat(reps, 1, 1), generator=g)
+    n1 = parent.shape[1]
+    cell = (out.end_node * vocab + out.output_token_ids.gather(1, out.num_accepted.unsqueeze(-1)).squeeze(-1)).view(reps, 3)
+    for b in range(3):
+        counts = torch.bincount(cell[:, b], minlength=n1 * vocab).numpy()
+        assert chi_square_pvalue(counts, law[b].reshape(-1).numpy()) > 1e-4, (method, b)
+
+
+def test_greedy_rows_match_argmax_matching():
+    level_sizes, c = (1, 3, 5, 4), 3
+    parent = random_batch(8, level_sizes, c, seed=7, fill=0.9)
+    tokens, p, q = random_rows(parent, vocab=3, seed=7)  # V = 3: argmax often drafted
+    out = verify("univer", TreeBatch(parent, level_sizes, c), tokens, p, q, greedy=torch.ones(8, dtype=torch.bool))
+    accepted_any = 0
+    for b in range(8):
+        tree, node_of = spec_of_row(parent[b].tolist())
+        pos_of = torch.tensor([pos for pos, _ in sorted(node_of.items(), key=lambda kv: kv[1])])
+        ref = verify_greedy(tree, tokens[b : b + 1, pos_of], p[b : b + 1, pos_of].argmax(-1))
+        assert out.output_token_ids[b].tolist() == ref.output_token_ids[0].tolist()
+        assert node_of[int(out.end_node[b])] == int(ref.end_node[0])
+        accepted_any += int(ref.num_accepted[0])
+    assert accepted_any > 0  # the walk went down somewhere
+
+
+def _parent(rows):
+    return torch.tensor(rows, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([[0, 0, 0]], "position 0 is the root"),
+        ([[-1, 0, 2]], "not in the depth above"),
+        ([[-1, -1, 1]], "holds no node"),
+        ([[-1, 0, 1], [-1, 0, 0]], "not in the depth above"),
+    ],
+)
+def test_malformed_batches_fail_clearly(rows, message):
+    with pytest.raises(ValueError, match=message):
+        TreeBatch(_parent(rows), (1, 1, 1), 1)
+
+
+def test_too_many_children_fail_clearly():
+    with pytest.raises(ValueError, match="more than max_children"):
+        TreeBatch(_parent([[-1, 0, 0, 0]]), (1, 3), 2)
+
+
+@pytest.mark.parametrize("method", ["univer_wor", "rrs", "token", "block", "traversal"])
+def test_other_verifiers_are_refused(method):
+    parent = random_batch(2, (1, 2, 2), 2, seed=0)
+    tokens, p, q = random_rows(parent, vocab=4, seed=0)
+    with pytest.raises(ValueError, match="per-request tree shapes|single chain"):
+        verify(method, TreeBatch(parent, (1, 2, 2), 2), tokens, p, q)
+
+
+def test_fused_is_refused():
+    parent = random_batch(2, (1, 2, 2), 2, seed=0)
+    tokens, p, q = random_rows(parent, vocab=4, seed=0)
+    with pytest.raises(ValueError, match="PyTorch node rules"):
+        verify("univer", TreeBatch(parent, (1, 2, 2), 2), tokens, p, q, fused=True)
+
+
+def test_a_token_where_no_node_is_refused():
+    parent = _parent([[-1, 0, -1]])
+    tokens = torch.tensor([[-1, 1, 2]])
+    p = torch.full((1, 3, 4), 0.25, dtype=torch.float64)
+    with pytest.raises(ValueError, match="parent is missing"):
+        verify("univer", TreeBatch(parent, (1, 2), 1), tokens, p, p.clone())
