@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_univer.core.dynamic_tree import DynamicTreeBudget, draw_children, plan_children
+from vllm_univer.core.api import outcome_law
+from vllm_univer.core.dynamic_tree import DynamicTreeBudget, grow_trees, level_sizes, plan_children
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue
-from vllm_univer.tools.law_oracle import PathModel, dynamic_tree_law_error, dynamic_trees
+from vllm_univer.tools.law_oracle import PathModel, dynamic_tree_law_error, dynamic_trees, tree_of_row
 
 pytestmark = pytest.mark.quick
 
@@ -93,39 +94,37 @@ def test_bad_budgets_say_why():
         DynamicTreeBudget(max_nodes=500)
 
 
-def _grow_sampled(budget: DynamicTreeBudget, draft: PathModel, batch: int, generator: torch.Generator):
-    """The level loop a drafter runs, over a batch: ``plan_children`` then
-    ``draw_children`` per level. Returns each request's {slot path: token}."""
-    vocab = draft.vocab
-    frontier = [[((), (), 1.0)] for _ in range(batch)]
-    nodes: list[dict] = [{} for _ in range(batch)]
-    left = torch.full((batch,), budget.max_nodes, dtype=torch.long)
-    for _ in range(budget.max_depth):
-        width = max(len(f) for f in frontier)
-        if width == 0:
-            break
-        q = torch.zeros(batch, width, vocab, dtype=torch.float64)
-        scores = torch.zeros(batch, width, dtype=torch.float64)
-        for b, front in enumerate(frontier):
-            for i, (_, tokens, score) in enumerate(front):
-                q[b, i] = torch.from_numpy(draft(tokens))
-                scores[b, i] = score
-        k = plan_children(scores, q, budget, left)
-        kids = draw_children(q, k, budget.max_children, generator)
-        left = left - k.sum(-1)
-        k_list, kids_list, score_list = k.tolist(), kids.tolist(), scores.tolist()
-        for b, front in enumerate(frontier):
-            expanded = sorted((i for i in range(len(front)) if k_list[b][i] > 0), key=lambda i: (-score_list[b][i], i))
-            nxt = []
-            for i in expanded:
-                spath, tpath, score = front[i]
-                for slot in range(k_list[b][i]):
-                    tok = kids_list[b][i][slot]
-                    nodes[b][spath + (slot,)] = tok
-                    if tok >= 0:
-                        nxt.append((spath + (slot,), tpath + (tok,), score * draft(tpath)[tok]))
-            frontier[b] = nxt
-    return nodes
+def _path_rows(draft: PathModel):
+    """draft_rows for ``grow_trees`` from a PathModel: q of each position's token path
+    (paths [B, F, d], -1 padded; a position without a node reads its parent's row,
+    which nothing draws from)."""
+
+    def rows(paths: torch.Tensor) -> torch.Tensor:
+        batch, width, _ = paths.shape
+        out = torch.zeros(batch, width, draft.vocab, dtype=torch.float64)
+        cache: dict[tuple, torch.Tensor] = {}
+        for b, row in enumerate(paths.tolist()):
+            for f, path in enumerate(row):
+                key = tuple(path)
+                while key and key[-1] == -1:  # padding past the position's depth, or no node there
+                    key = key[:-1]
+                if -1 not in key:
+                    if key not in cache:
+                        cache[key] = torch.from_numpy(draft(key))
+                    out[b, f] = cache[key]
+        return out
+
+    return rows
+
+
+def _grown_nodes(grown) -> list[dict]:
+    """Each request's {slot path: token} from the grown batch (positions that hold a node)."""
+    trees, tokens = grown.trees, grown.tokens.tolist()
+    out = []
+    for b, parent_row in enumerate(trees.parent.tolist()):
+        tree, node_of = tree_of_row(parent_row)
+        out.append({tree.paths[node]: tokens[b][pos] for pos, node in node_of.items() if pos > 0})
+    return out
 
 
 @pytest.mark.parametrize("budget,vocab,seed,independent", [(BUDGETS[0], 3, 1, False), (VARYING, 4, 0, True)])
@@ -135,8 +134,41 @@ def test_the_drafting_code_draws_the_enumerated_trees(budget, vocab, seed, indep
     assert empty == 0
     index = {tuple(sorted(zip(tree.paths[1:], tokens[1:]))): j for j, (_, tree, tokens) in enumerate(trees)}
     counts = np.zeros(len(trees))
-    for nodes in _grow_sampled(budget, draft, batch=8000, generator=torch.Generator().manual_seed(seed)):
+    grown = grow_trees(budget, _path_rows(draft), batch=8000, generator=torch.Generator().manual_seed(seed))
+    for nodes in _grown_nodes(grown):
         key = tuple(sorted(nodes.items()))
         assert key in index, f"a tree the rule cannot grow: {key}"
         counts[index[key]] += 1
     assert chi_square_pvalue(counts, [pr for pr, _, _ in trees]) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["univer", "greedy", "target_only"])
+def test_grown_batches_verify_as_their_own_trees(method):
+    """A grown batch (per-request shapes in one layout) verifies, row by row, exactly
+    as each tree on its own shape: so the exact law above is the law of the batch."""
+    target, draft = _pair(4, 0, independent=True)
+    grown = grow_trees(VARYING, _path_rows(draft), batch=24, generator=torch.Generator().manual_seed(3))
+    trees, tokens, q = grown.trees, grown.tokens, grown.draft_probs
+    p = _path_rows(target)(_token_paths(trees, tokens))
+    law = outcome_law(method, trees, tokens, p, q)
+    shapes = set()
+    for b in range(24):
+        tree, node_of = tree_of_row(trees.parent[b].tolist())
+        shapes.add(tree.paths)
+        pos = torch.tensor([pos for pos, _ in sorted(node_of.items(), key=lambda kv: kv[1])])
+        own = outcome_law(method, tree, tokens[b : b + 1, pos], p[b : b + 1, pos], q[b : b + 1, pos])
+        assert (law[b, pos] - own[0]).abs().max() < 1e-12
+    assert len(shapes) >= 2
+
+
+def _token_paths(trees, tokens) -> torch.Tensor:
+    """[B, N+1, D] token path of every position (-1 padded past its depth)."""
+    anc = trees.ancestors
+    return torch.where(anc >= 0, tokens.gather(1, anc.clamp(min=0).flatten(1)).view_as(anc), -1)
+
+
+def test_level_sizes_follow_the_budget():
+    assert level_sizes(DynamicTreeBudget(32, 6, 4, 4)) == (1, 4, 16, 12)
+    assert level_sizes(DynamicTreeBudget(8, 3, 2, 2)) == (1, 2, 4, 2)
+    assert level_sizes(DynamicTreeBudget(5, 3, 1, 2)) == (1, 2, 2, 1)
+    assert level_sizes(DynamicTreeBudget(64, 2, 8, 4)) == (1, 4, 16)

@@ -3,7 +3,7 @@ exactly as its own ``TreeSpec`` does (float64, 1e-12), the sampling code draws t
 law, greedy rows match argmax matching, and malformed batches fail clearly.
 
 Each request's tree is read back from the batch's parents into a ``TreeSpec``
-(``spec_of_row``) with a position -> node map, so the comparison needs no
+(``law_oracle.tree_of_row``) with a position -> node map, so the comparison needs no
 knowledge of how the batch was laid out: positions are shuffled within each
 depth, and some hold no node."""
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from vllm_univer.core.api import outcome_law, verify, verify_greedy
-from vllm_univer.core.tree import TreeSpec
 from vllm_univer.core.tree_batch import TREE_BATCH_METHODS, TreeBatch
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue
+from vllm_univer.tools.law_oracle import tree_of_row
 
 pytestmark = pytest.mark.quick
 
@@ -43,18 +43,6 @@ def random_batch(batch: int, level_sizes, max_children: int, seed: int, fill: fl
     return torch.from_numpy(parent)
 
 
-def spec_of_row(parent_row: list[int]) -> tuple[TreeSpec, dict[int, int]]:
-    """The TreeSpec of one request's row and the map position -> its node id."""
-    paths = {0: ()}
-    for pos, par in enumerate(parent_row):  # parents come before children (by depth)
-        if pos > 0 and par >= 0:
-            slot = sum(1 for other in range(pos) if parent_row[other] == par and other > 0)
-            paths[pos] = paths[par] + (slot,)
-    tree = TreeSpec.from_paths([p for pos, p in paths.items() if pos > 0])
-    node_of = {pos: tree.paths.index(path) for pos, path in paths.items()}
-    return tree, node_of
-
-
 def random_rows(parent: torch.Tensor, vocab: int, seed: int):
     """tokens [B, N+1] (-1 at empty positions; siblings distinct), p, q [B, N+1, V] float64."""
     g = torch.Generator().manual_seed(seed)
@@ -75,7 +63,7 @@ def per_row_law(method, parent, tokens, p, q) -> torch.Tensor:
     """outcome_law of each request on its own TreeSpec, laid back onto the batch's positions."""
     out = torch.zeros_like(p)
     for b in range(parent.shape[0]):
-        tree, node_of = spec_of_row(parent[b].tolist())
+        tree, node_of = tree_of_row(parent[b].tolist())
         pos_of = torch.tensor([pos for pos, _ in sorted(node_of.items(), key=lambda kv: kv[1])])
         law = outcome_law(method, tree, tokens[b : b + 1, pos_of], p[b : b + 1, pos_of], q[b : b + 1, pos_of])
         out[b, pos_of] = law[0]
@@ -101,7 +89,7 @@ def test_each_row_verifies_as_its_own_tree(method, layout, seed):
 
 def test_shapes_really_differ_per_request():
     parent = random_batch(6, (1, 3, 5, 4), 3, seed=0)
-    shapes = {spec_of_row(parent[b].tolist())[0].paths for b in range(6)}
+    shapes = {tree_of_row(parent[b].tolist())[0].paths for b in range(6)}
     assert len(shapes) >= 4
 
 
@@ -110,7 +98,7 @@ def test_tables_match_each_tree():
     parent = random_batch(8, level_sizes, c, seed=3)
     trees = TreeBatch(parent, level_sizes, c)
     for b in range(8):
-        tree, node_of = spec_of_row(parent[b].tolist())
+        tree, node_of = tree_of_row(parent[b].tolist())
         pos_of = {node: pos for pos, node in node_of.items()}
         for pos, node in node_of.items():
             kids = [pos_of[k] for k in tree.children[node].tolist() if k >= 0]
@@ -135,7 +123,9 @@ def test_sampled_outcomes_match_outcome_law(method):
     g = torch.Generator().manual_seed(11)
     out = verify(method, big, tokens.repeat(reps, 1), p.repeat(reps, 1, 1), q.repeat(reps, 1, 1), generator=g)
     n1 = parent.shape[1]
-    cell = (out.end_node * vocab + out.output_token_ids.gather(1, out.num_accepted.unsqueeze(-1)).squeeze(-1)).view(reps, 3)
+    cell = (out.end_node * vocab + out.output_token_ids.gather(1, out.num_accepted.unsqueeze(-1)).squeeze(-1)).view(
+        reps, 3
+    )
     for b in range(3):
         counts = torch.bincount(cell[:, b], minlength=n1 * vocab).numpy()
         assert chi_square_pvalue(counts, law[b].reshape(-1).numpy()) > 1e-4, (method, b)
@@ -148,7 +138,7 @@ def test_greedy_rows_match_argmax_matching():
     out = verify("univer", TreeBatch(parent, level_sizes, c), tokens, p, q, greedy=torch.ones(8, dtype=torch.bool))
     accepted_any = 0
     for b in range(8):
-        tree, node_of = spec_of_row(parent[b].tolist())
+        tree, node_of = tree_of_row(parent[b].tolist())
         pos_of = torch.tensor([pos for pos, _ in sorted(node_of.items(), key=lambda kv: kv[1])])
         ref = verify_greedy(tree, tokens[b : b + 1, pos_of], p[b : b + 1, pos_of].argmax(-1))
         assert out.output_token_ids[b].tolist() == ref.output_token_ids[0].tolist()

@@ -35,6 +35,7 @@ import torch
 from .drafting import top_tokens
 from .inverse_cdf import BlockCdf
 from .tree import MAX_TREE_NODES
+from .tree_batch import TreeBatch
 
 
 @dataclass(frozen=True)
@@ -115,3 +116,91 @@ def draw_children(
     if m < max_children:
         kids = torch.cat([kids, kids.new_full(kids.shape[:-1] + (max_children - m,), -1)], -1)
     return kids
+
+
+def level_sizes(budget: DynamicTreeBudget) -> tuple[int, ...]:
+    """Positions per depth 0..D of a budget's trees (``TreeBatch.level_sizes``): the
+    root, then per level the slots it may take, ``min(expand, frontier) * m``,
+    while the budget lasts. Fixed per budget, so a step's shapes are fixed; each
+    level's slot cap is these positions (known before anything is drawn)."""
+    sizes, used = [1], 0
+    for _ in range(budget.max_depth):
+        cap = min(min(budget.expand, sizes[-1]) * budget.max_children, budget.max_nodes - used)
+        if cap <= 0:
+            break
+        sizes.append(cap)
+        used += cap
+    return tuple(sizes)
+
+
+def place_children(
+    scores: torch.Tensor, num_children: torch.Tensor, kids: torch.Tensor, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay one level's children onto the next level's ``size`` positions.
+
+    scores, num_children: [B, F] (as ``plan_children`` saw and returned them); kids:
+    [B, F, m] (``draw_children``). The taken slots (slot j of v for j < k_v, absent
+    draws included: the position stays, its token is -1) go in order of their
+    parent's rank (score, ties to the lower index), then slot. Returns parent
+    [B, size] (frontier index, -1: no node) and tokens [B, size] (-1 likewise).
+    """
+    frontier, m = kids.shape[1], kids.shape[2]
+    rank = _descending_rank(scores)
+    slot = torch.arange(m, device=kids.device)
+    none = frontier * m
+    key = torch.where(slot < num_children.unsqueeze(-1), rank.unsqueeze(-1) * m + slot, none).flatten(1)
+    picked = torch.sort(key, dim=1, stable=True).indices[:, :size]  # [B, size]: flat (node, slot)
+    taken = key.gather(1, picked) < none
+    parent = torch.where(taken, picked // m, -1)
+    tokens = torch.where(taken, kids.flatten(1).gather(1, picked), -1)
+    return parent, tokens
+
+
+@dataclass
+class GrownTrees:
+    """A batch of context-aware trees: ``trees`` (TreeBatch), ``tokens`` [B, N+1]
+    (-1: no node), ``draft_probs`` [B, N+1, V] (the q rows the children were drawn
+    from; zeros at the last level, which has no children)."""
+
+    trees: TreeBatch
+    tokens: torch.Tensor
+    draft_probs: torch.Tensor
+
+
+def grow_trees(
+    budget: DynamicTreeBudget, draft_rows, batch: int, generator: torch.Generator | None = None
+) -> GrownTrees:
+    """Grow every request's tree, level by level (the loop a drafter runs).
+
+    draft_rows(paths) -> q [B, F, V]: the draft rows of a level's F positions, from
+    their token paths ``paths`` [B, F, d] (-1 somewhere in a path: no node; its
+    row is never drawn from). Returns the trees in ``level_sizes(budget)`` layout.
+    """
+    sizes = level_sizes(budget)
+    parents, token_cols, q_cols = [], [], []
+    paths = torch.empty(batch, 1, 0, dtype=torch.long)
+    scores, offset = None, 0
+    for d in range(len(sizes) - 1):
+        q = draft_rows(paths)  # [B, F, V]
+        paths = paths.to(q.device)
+        if scores is None:
+            scores = torch.ones(batch, 1, dtype=q.dtype, device=q.device)
+            parents.append(torch.full((batch, 1), -1, dtype=torch.long, device=q.device))
+            token_cols.append(torch.full((batch, 1), -1, dtype=torch.long, device=q.device))
+        q_cols.append(q)
+        cap = torch.full((batch,), sizes[d + 1], dtype=torch.long, device=q.device)
+        k = plan_children(scores, q, budget, cap)
+        kids = draw_children(q, k, budget.max_children, generator)
+        parent, tokens = place_children(scores, k, kids, sizes[d + 1])
+        parents.append(torch.where(parent >= 0, parent + offset, -1))
+        token_cols.append(tokens)
+        # The next frontier: each position's path probability (0 where no token) and path.
+        safe, vocab = parent.clamp(min=0), q.shape[-1]
+        q_of_token = q.flatten(1).gather(1, safe * vocab + tokens.clamp(min=0))
+        scores = torch.where(tokens >= 0, scores.gather(1, safe) * q_of_token, 0.0)
+        above = paths.gather(1, safe.unsqueeze(-1).expand(-1, -1, paths.shape[-1]))
+        paths = torch.cat([above, tokens.unsqueeze(-1)], -1)
+        offset += sizes[d]
+    q_cols.append(q_cols[-1].new_zeros(batch, sizes[-1], q_cols[-1].shape[-1]))
+    trees = TreeBatch(torch.cat(parents, 1), sizes, budget.max_children, validate=False)
+    return GrownTrees(trees, torch.cat(token_cols, 1), torch.cat(q_cols, 1))

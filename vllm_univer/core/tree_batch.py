@@ -155,7 +155,11 @@ class TreeBatch:
         """[B, N+1]: the positions in post-order (children in slot order, then the node).
         A node's key is its slot path padded with C past its depth (C sorts after every
         slot, so a node follows its subtree); sorted one depth at a time, last first."""
-        digits = torch.where(self.ancestors >= 0, self.slot.gather(1, self.ancestors.clamp(min=0).flatten(1)).view_as(self.ancestors), self.max_children)
+        digits = torch.where(
+            self.ancestors >= 0,
+            self.slot.gather(1, self.ancestors.clamp(min=0).flatten(1)).view_as(self.ancestors),
+            self.max_children,
+        )
         order = torch.arange(self.num_nodes + 1, device=self.parent.device).expand(self.batch_size, -1)
         for k in reversed(range(self.max_depth)):  # a stable sort per digit (radix sort)
             key = digits[..., k].gather(1, order)

@@ -210,19 +210,20 @@ def dynamic_trees(budget, draft: PathModel, keep_child=None, context=()):
     package's own ``plan_children``; the draws are enumerated here (``scheme_outcomes``).
     ``keep_child(q_row, slot, token) -> bool``, if given, drops drawn children after
     the fact (a rule that is NOT lossless: the tests' negative control)."""
-    from vllm_univer.core.dynamic_tree import plan_children
+    from vllm_univer.core.dynamic_tree import level_sizes, plan_children
 
     results = []
+    sizes = level_sizes(budget)  # a level's slot cap: the next level's positions
 
-    def level(depth: int, frontier: list, nodes: dict, left: int, prob: float):
+    def level(depth: int, frontier: list, nodes: dict, prob: float):
         # frontier: [(slot path, token path, score)] in layout order; nodes: slot path -> token
-        if depth == budget.max_depth or not frontier or left <= 0:
+        if depth + 1 >= len(sizes) or not frontier:
             results.append((prob, dict(nodes)))
             return
         rows = [draft(context + tokens) for _, tokens, _ in frontier]
         q = torch.tensor(np.array(rows), dtype=torch.float64).unsqueeze(0)
         scores = torch.tensor([[s for _, _, s in frontier]], dtype=torch.float64)
-        k = plan_children(scores, q, budget, torch.tensor([left])).squeeze(0).tolist()
+        k = plan_children(scores, q, budget, torch.tensor([sizes[depth + 1]])).squeeze(0).tolist()
         expanded = [i for i in range(len(frontier)) if k[i] > 0]
         # Layout order of the next frontier: expanded nodes by score rank, then slot.
         expanded.sort(key=lambda i: (-frontier[i][2], i))
@@ -238,9 +239,9 @@ def dynamic_trees(budget, draft: PathModel, keep_child=None, context=()):
                     grown[spath + (slot,)] = tok
                     if tok >= 0:
                         nxt.append((spath + (slot,), tpath + (tok,), score * rows[i][tok]))
-            level(depth + 1, nxt, {**nodes, **grown}, left - sum(k), pr)
+            level(depth + 1, nxt, {**nodes, **grown}, pr)
 
-    level(0, [((), (), 1.0)], {}, budget.max_nodes, 1.0)
+    level(0, [((), (), 1.0)], {}, 1.0)
     out, empty = [], 0.0
     for prob, nodes in results:
         if not nodes:  # nothing drafted: the step samples one token from p
@@ -250,6 +251,20 @@ def dynamic_trees(budget, draft: PathModel, keep_child=None, context=()):
         tokens = [-1] + [nodes[p] for p in tree.paths[1:]]
         out.append((prob, tree, tokens))
     return out, empty
+
+
+def tree_of_row(parent_row: list[int]) -> tuple[TreeSpec, dict[int, int]]:
+    """One request of a ``TreeBatch`` as its own TreeSpec: (tree, position -> node id).
+    parent_row: the request's parents [N+1] (-1: no node); its children are slotted
+    by position."""
+    paths = {0: ()}
+    for pos, par in enumerate(parent_row):  # parents come before their children
+        if pos > 0 and par >= 0:
+            slot = sum(1 for other in range(1, pos) if parent_row[other] == par)
+            paths[pos] = paths[par] + (slot,)
+    tree = TreeSpec.from_paths([path for pos, path in paths.items() if pos > 0])
+    index = {path: i for i, path in enumerate(tree.paths)}
+    return tree, {pos: index[path] for pos, path in paths.items()}
 
 
 def dynamic_tree_law_error(method, budget, target: PathModel, draft: PathModel, keep_child=None) -> float:
