@@ -149,7 +149,7 @@ def test_grown_batches_verify_as_their_own_trees(method):
     target, draft = _pair(4, 0, independent=True)
     grown = grow_trees(VARYING, _path_rows(draft), batch=24, generator=torch.Generator().manual_seed(3))
     trees, tokens, q = grown.trees, grown.tokens, grown.draft_probs
-    p = _path_rows(target)(_token_paths(trees, tokens))
+    p = _path_rows(target)(trees.token_paths(tokens))
     law = outcome_law(method, trees, tokens, p, q)
     shapes = set()
     for b in range(24):
@@ -159,12 +159,6 @@ def test_grown_batches_verify_as_their_own_trees(method):
         own = outcome_law(method, tree, tokens[b : b + 1, pos], p[b : b + 1, pos], q[b : b + 1, pos])
         assert (law[b, pos] - own[0]).abs().max() < 1e-12
     assert len(shapes) >= 2
-
-
-def _token_paths(trees, tokens) -> torch.Tensor:
-    """[B, N+1, D] token path of every position (-1 padded past its depth)."""
-    anc = trees.ancestors
-    return torch.where(anc >= 0, tokens.gather(1, anc.clamp(min=0).flatten(1)).view_as(anc), -1)
 
 
 def test_level_sizes_follow_the_budget():

@@ -191,3 +191,34 @@ def test_a_token_where_no_node_is_refused():
     p = torch.full((1, 3, 4), 0.25, dtype=torch.float64)
     with pytest.raises(ValueError, match="parent is missing"):
         verify("univer", TreeBatch(parent, (1, 2), 1), tokens, p, p.clone())
+
+
+def test_ancestor_masks_and_token_paths_match_each_tree():
+    level_sizes, c = (1, 3, 5, 4), 3
+    parent = random_batch(6, level_sizes, c, seed=4)
+    tokens, _, _ = random_rows(parent, vocab=6, seed=4)
+    trees = TreeBatch(parent, level_sizes, c)
+    paths = trees.token_paths(tokens)
+    for b in range(6):
+        tree, node_of = tree_of_row(parent[b].tolist())
+        pos_of = {node: pos for pos, node in node_of.items()}
+        for pos, node in node_of.items():
+            seen = {pos_of[j] for j in torch.nonzero(tree.ancestor_mask[node]).flatten().tolist()}
+            assert set(torch.nonzero(trees.ancestor_mask[b, pos]).flatten().tolist()) == seen
+            path = [int(tokens[b, pos_of[a]]) for a in tree.ancestors[node].tolist() if a >= 0]
+            assert paths[b, pos].tolist() == path + [-1] * (trees.max_depth - len(path))
+        for pos in set(range(parent.shape[1])) - set(node_of):  # no node there: sees itself only
+            assert torch.nonzero(trees.ancestor_mask[b, pos]).flatten().tolist() == [pos]
+
+
+def test_cut_and_take_keep_each_requests_tree():
+    level_sizes, c = (1, 3, 5, 4), 3
+    parent = random_batch(5, level_sizes, c, seed=6)
+    trees = TreeBatch(parent, level_sizes, c)
+    cut = trees.cut(2)
+    assert cut.level_sizes == (1, 3, 5) and cut.layout == trees.layout.cut(2)
+    assert torch.equal(cut.ancestors, trees.ancestors[:, :9, :2])
+    one = trees.take(2, 3)
+    assert torch.equal(one.children, trees.children[2:3]) and torch.equal(one.postorder_rank, trees.postorder_rank[2:3])
+    assert trees.layout.num_nodes == 12 and trees.layout.nodes_per_depth == [1, 3, 5, 4]
+    assert trees.layout.depth.tolist() == trees.depth.tolist()

@@ -161,6 +161,50 @@ def test_mixed_batch_greedy_requests_equal_no_speculation(models):
     assert mixed_out[3] == alone_out[1] and mixed_out[7] == alone_out[3]
 
 
+# tree "dynamic": context-aware trees, each request's own shape per step.
+DYNAMIC_CASES = [
+    ("univer", {"max_nodes": 8, "max_depth": 4, "expand": 2, "max_children": 2}),
+    ("target_only", {"max_nodes": 6, "max_depth": 3, "expand": 1, "max_children": 3}),
+    ("greedy", {"max_nodes": 12, "max_depth": 5, "expand": 2, "max_children": 2}),
+]
+
+
+def test_greedy_identity_with_dynamic_trees(models):
+    """tree "dynamic" at temperature 0 (each greedy request's tree grown from its own
+    draft rows): token for token the target's; also with prompts prefilled in
+    chunks beside decoding trees that the scheduler cuts short, and with sampled
+    and seeded requests in the same batch (a seeded one repeats alone)."""
+    target, draft = models
+    job = call(prompts(8, seed=5), temperature=0.0, max_tokens=120, ignore_eos=True)
+    engines = [reference(target, [job])]
+    engines += [
+        engine(target, [job], {**univer(draft, "dynamic", method), **budget}) for method, budget in DYNAMIC_CASES
+    ]
+    texts = prompts(6, seed=6)
+    greedy = {"temperature": 0.0, "max_tokens": 60, "ignore_eos": True}
+    seeded = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 60, "ignore_eos": True, "seed": 5}
+    params = [greedy, seeded, greedy, {"temperature": 1.0, "max_tokens": 60, "ignore_eos": True}, greedy, greedy]
+    mixed = {"prompts": texts, "params": params}
+    alone = {"prompts": texts[1:2], "params": [seeded]}
+    kw = {"max_num_batched_tokens": 40, "enable_chunked_prefill": True, "max_num_seqs": 6}
+    engines += [
+        reference(target, [{"prompts": texts[::2] + texts[5:], "params": [greedy] * 4}], **kw),
+        engine(target, [mixed, alone], {**univer(draft, "dynamic"), **DYNAMIC_CASES[0][1]}, **kw),
+    ]
+    results = run_engines(engines)
+    ref = results[0]["calls"][0]
+    for (method, budget), result in zip(DYNAMIC_CASES, results[1:4]):
+        assert "error" not in result, (method, budget, result.get("error"))
+        assert_greedy_identical(result["calls"][0]["outputs"], ref, (method, budget))
+        spec = result["spec"]
+        assert spec["vllm:spec_decode_num_drafts"] > 0 and spec["vllm:spec_decode_num_accepted_tokens"] > 0
+    chunked_ref, chunked = results[4], results[5]
+    assert "error" not in chunked, chunked.get("error")
+    out = chunked["calls"][0]["outputs"]
+    assert_greedy_identical([out[0], out[2], out[4], out[5]], chunked_ref["calls"][0], "dynamic, chunked")
+    assert all(len(o) == 60 for o in out) and out[1] == chunked["calls"][1]["outputs"][0]
+
+
 def test_path_dependent_options_equal_no_speculation(models):
     """allowed_token_ids, bad_words and min_tokens, applied per tree path, and
     logit_bias on every row: greedy requests equal their non-speculative output

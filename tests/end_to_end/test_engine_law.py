@@ -302,6 +302,33 @@ def test_tree_auto_cuts_law_equals_target_law(small_models):
     assert_follows_target_law(result["calls"][0]["outputs"], target, {"temperature": 1.0}, "auto")
 
 
+def test_dynamic_trees_law_equals_target_law(small_models):
+    """tree "dynamic" (context-aware trees: each request grows its own tree per step,
+    the frontier ranked by draft path probability, child slots fixed before the
+    children are drawn): the law of the first three tokens and of (t3, t4) is the
+    target's, for univer at T = 1 (one node expanded per level: the shape follows the
+    draws) and target_only under top-k / top-p (two per level)."""
+    target, draft = small_models
+    cases = [
+        ("univer", {"max_nodes": 6, "max_depth": 3, "expand": 1, "max_children": 2}, {"temperature": 1.0}),
+        (
+            "target_only",
+            {"max_nodes": 8, "max_depth": 3, "expand": 2, "max_children": 2},
+            {"temperature": 0.8, "top_k": 8, "top_p": 0.9},
+        ),
+    ]
+    prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
+    engines = []
+    for verifier, budget, params in cases:
+        spec = {"method": "univer", "model": draft, "tree": "dynamic", "verifier": verifier, **budget}
+        engines.append(law_engine(target, spec, prompts, {**params, "max_tokens": 4, "ignore_eos": True}))
+    for (verifier, _, params), result in zip(cases, run_engines(engines)):
+        assert "error" not in result, (verifier, result.get("error"))
+        counters = result["spec"]
+        assert 0 < counters["vllm:spec_decode_num_accepted_tokens"] < counters["vllm:spec_decode_num_drafts"] * 3
+        assert_follows_target_law(result["calls"][0]["outputs"], target, params, ("dynamic", verifier))
+
+
 def test_path_options_law_equals_target_law(small_models):
     """allowed_token_ids, bad_words and min_tokens at temperature 1: the generated
     law is the target's under those options (applied per tree path, drafts

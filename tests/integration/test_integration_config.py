@@ -45,6 +45,11 @@ def test_tree_auto_schedules_the_largest_tree():
         ({"model": "d", "tree": "2x3", "max_tree": "2x5"}, "max_tree applies to tree 'auto'"),
         ({"model": "d", "tree": "auto", "max_tree": "2z5"}, "malformed tree"),
         ({"model": "d", "tree": "auto", "verifier": "token"}, "single chain"),
+        ({"model": "d", "tree": "2x3", "max_nodes": 16}, "max_nodes apply to tree 'dynamic'"),
+        ({"model": "d", "tree": "dynamic", "verifier": "univer_wor"}, "does not run on context-aware trees"),
+        ({"model": "d", "tree": "dynamic", "expand": 0}, "expand must be >= 1"),
+        ({"model": "d", "tree": "dynamic", "max_nodes": 500}, "max_nodes 500"),
+        ({"model": "d", "tree": "dynamic", "max_nodes": 8, "num_speculative_tokens": 9}, "disagrees with tree"),
     ],
 )
 def test_bad_configs(spec, match):
@@ -55,3 +60,20 @@ def test_bad_configs(spec, match):
 def test_unknown_field_is_refused():
     with pytest.raises(ValueError, match="extra"):
         UniverConfig(tree="2x2", depth=3)
+
+
+def test_tree_dynamic_lays_out_its_budget():
+    from vllm_univer.core.dynamic_tree import DynamicTreeBudget, level_sizes
+
+    ours, theirs = split_user_config({"model": "d", "tree": "dynamic"})
+    layout = ours.drafted_tree
+    assert ours.dynamic and not ours.auto and ours.scheme == "topk1"
+    assert layout.level_sizes == level_sizes(DynamicTreeBudget())
+    assert theirs["num_speculative_tokens"] == layout.num_nodes <= DynamicTreeBudget().max_nodes
+    assert ours.tree_shapes == [layout]
+    spec = {"model": "d", "tree": "dynamic", "max_nodes": 8, "max_depth": 4, "expand": 1, "max_children": 2}
+    ours, theirs = split_user_config({**spec, "verifier": "target_only"})
+    assert ours.dynamic_budget == DynamicTreeBudget(8, 4, 1, 2)
+    assert ours.drafted_tree.level_sizes == (1, 2, 2, 2, 2) and theirs["num_speculative_tokens"] == 8
+    with pytest.raises(ValueError, match="no single shape"):
+        ours.tree_spec  # noqa: B018

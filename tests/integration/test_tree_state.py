@@ -83,3 +83,19 @@ def test_forgotten_trees_are_not_gathered():
     state.forget(["plain", "absent"])
     tokens, _, found, _ = state.gather(["plain", "other"], TREE_1X2)
     assert found == [False, True] and tokens.tolist() == [[-1, -1, -1], [4, 1, 2]]
+
+
+def test_parents_of_context_aware_trees_follow_their_requests():
+    """tree "dynamic": each request's parents come back in the batch's order, from
+    whichever drafting they were stored by; a request without a tree of these levels
+    gets the root alone."""
+    from vllm_univer.core.tree_batch import LevelLayout
+
+    layout = LevelLayout((1, 2, 2), 2)
+    state = TreeState()
+    first = torch.tensor([[-1, 0, 0, 1, 1], [-1, 0, 0, 2, -1]])
+    state.add(DraftedTrees(["a", "b"], torch.zeros(2, 5, dtype=torch.long), None, layout, first))
+    state.add(DraftedTrees(["c"], torch.zeros(1, 5, dtype=torch.long), None, layout, torch.tensor([[-1, 0, 0, 1, 2]])))
+    state.add(DraftedTrees(["static"], torch.zeros(1, 3, dtype=torch.long), None, TREE_1X2))
+    got = state.parents_of(["c", "new", "b", "static", "a"], layout, torch.device("cpu"))
+    assert got.tolist() == [[-1, 0, 0, 1, 2], [-1] * 5, [-1, 0, 0, 2, -1], [-1] * 5, [-1, 0, 0, 1, 1]]

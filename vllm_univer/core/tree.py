@@ -266,6 +266,11 @@ class _TreeTensors:
         """nodes [B] -> [B, D]: the nodes at depth 1..D on the path to each (-1 past it)."""
         return self.ancestors[nodes]
 
+    def token_paths(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, N+1] -> [B, N+1, D]: the tokens on each node's path from depth 1
+        (its own last), -1 past its depth."""
+        return tokens[:, self.ancestors.clamp(min=0)].masked_fill(self.ancestors < 0, -1)
+
     def at_parents(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, N+1] -> [B, N+1]: x at each node's parent (the root reads itself)."""
         return x[:, self.parent.clamp(min=0)]

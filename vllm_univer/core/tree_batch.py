@@ -24,6 +24,7 @@ depth levels, no loop over requests or nodes, no host sync (except in
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -31,6 +32,40 @@ import torch
 from .tree import MAX_TREE_NODES
 
 TREE_BATCH_METHODS = ("univer", "greedy", "target_only")
+
+
+@dataclass(frozen=True)
+class LevelLayout:
+    """The levels a batch of per-request trees shares: positions per depth 0..D
+    (``level_sizes[0] = 1``, the root) and C, the most children of one node. What
+    a step's positions, slots and level spans are built from; the parents are
+    each request's own (``TreeBatch``)."""
+
+    level_sizes: tuple[int, ...]
+    max_children: int
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(self.level_sizes) - 1
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.level_sizes) - 1
+
+    @property
+    def nodes_per_depth(self) -> list[int]:
+        return list(self.level_sizes)
+
+    @property
+    def depth(self) -> torch.Tensor:
+        """LongTensor [N+1]: each position's depth."""
+        return torch.repeat_interleave(torch.arange(len(self.level_sizes)), torch.tensor(self.level_sizes))
+
+    is_chain = False
+
+    def cut(self, depth: int) -> LevelLayout:
+        """The levels down to ``depth`` (a breadth-first prefix of the positions)."""
+        return LevelLayout(self.level_sizes[: depth + 1], self.max_children)
 
 
 class TreeBatch:
@@ -145,6 +180,34 @@ class TreeBatch:
         picked = stacked.gather(2, steps.clamp(min=0).expand(self.batch_size, -1, -1))
         return torch.where(steps >= 0, picked, -1)
 
+    @property
+    def layout(self) -> LevelLayout:
+        return LevelLayout(self.level_sizes, self.max_children)
+
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """BoolTensor [B, N+1, N+1]: mask[b, i, j] = j is i or an ancestor of i (the
+        root is every node's ancestor; a position without a node sees itself only)."""
+        n1 = self.num_nodes + 1
+        mask = torch.zeros(self.batch_size, n1, n1 + 1, dtype=torch.bool, device=self.parent.device)
+        mask[:, :, 0] = True
+        mask.scatter_(2, torch.where(self.ancestors >= 0, self.ancestors, n1), True)
+        mask[:, :, n1] = False
+        mask = mask[:, :, :n1]
+        empty = (self.parent < 0) & (torch.arange(n1, device=self.parent.device) > 0)
+        return mask & ~(empty.unsqueeze(-1) & ~torch.eye(n1, dtype=torch.bool, device=mask.device))
+
+    def take(self, start: int, stop: int) -> TreeBatch:
+        """Requests ``start`` .. ``stop`` - 1 (e.g. one seeded request verified alone)."""
+        return TreeBatch(self.parent[start:stop], self.level_sizes, self.max_children, validate=False)
+
+    def cut(self, depth: int) -> TreeBatch:
+        """The trees down to ``depth`` (positions past it dropped)."""
+        if depth >= self.max_depth:
+            return self
+        sizes = self.level_sizes[: depth + 1]
+        return TreeBatch(self.parent[:, : sum(sizes)], sizes, self.max_children, validate=False)
+
     @cached_property
     def path_nodes(self) -> torch.Tensor:
         """[B, N+1, D]: ``ancestors`` with N+1 (a column past the nodes) instead of -1."""
@@ -221,6 +284,12 @@ class TreeBatch:
     def along_paths(self, padded: torch.Tensor) -> torch.Tensor:
         """padded [B, N+2] -> [B, N+1, D] (as ``_TreeTensors.along_paths``)."""
         return padded.gather(1, self.path_nodes.flatten(1)).view_as(self.path_nodes)
+
+    def token_paths(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, N+1] -> [B, N+1, D]: the tokens on each position's path from depth 1
+        (its own last), -1 past its depth."""
+        picked = tokens.gather(1, self.ancestors.clamp(min=0).flatten(1)).view_as(self.ancestors)
+        return torch.where(self.ancestors >= 0, picked, -1)
 
     @property
     def kid_sizes(self) -> torch.Tensor:

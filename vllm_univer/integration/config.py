@@ -2,11 +2,19 @@
 
     {"method": "univer", "model": DRAFT, "tree": "2x5", "verifier": "univer"}
     {"method": "univer", "model": DRAFT, "tree": "auto", "max_tree": "2x5"}
+    {"method": "univer", "model": DRAFT, "tree": "dynamic", "max_nodes": 32}
 
 ``"tree": "auto"`` drafts, each step, the cut of ``max_tree`` (default
 ``DEFAULT_TREE``): one of its width cuts (``1x5`` or ``2x5`` for ``2x5``) to
 a depth (0 = no speculation), the one the measured cost and acceptance models
 expect to give the most tokens per second (``vllm_univer.sizing``).
+
+``"tree": "dynamic"`` grows each request's tree per step where the draft is
+confident (``core.dynamic_tree``, ``docs/dynamic-trees.md``) under a budget:
+``max_nodes`` (what one target forward verifies), ``max_depth``, ``expand``
+(nodes expanded per level) and ``max_children`` (child slots per expanded
+node); the defaults are ``DynamicTreeBudget``'s. Verified by univer, greedy or
+target_only (the verifiers that run on per-request shapes).
 
 Validated with pydantic before vLLM sees anything, so a bad tree or verifier
 fails at config time with a message that names the field. No vLLM import here.
@@ -18,13 +26,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from ..core.dynamic_tree import DynamicTreeBudget, level_sizes
 from ..core.tree import TreeSpec
+from ..core.tree_batch import TREE_BATCH_METHODS, LevelLayout
 from ..core.verifiers import METHODS, get_verifier
 
 METHOD_NAME = "univer"
 DEFAULT_TREE = "2x5"
 DEFAULT_VERIFIER = "univer"
 AUTO_TREE = "auto"
+DYNAMIC_TREE = "dynamic"
+BUDGET_KEYS = ("max_nodes", "max_depth", "expand", "max_children")
 
 
 class UniverConfig(BaseModel):
@@ -35,6 +47,10 @@ class UniverConfig(BaseModel):
     tree: str | list[list[int]] = DEFAULT_TREE
     verifier: str = DEFAULT_VERIFIER
     max_tree: str | list[list[int]] | None = None
+    max_nodes: int | None = None
+    max_depth: int | None = None
+    expand: int | None = None
+    max_children: int | None = None
 
     @field_validator("verifier")
     @classmethod
@@ -45,7 +61,7 @@ class UniverConfig(BaseModel):
     @field_validator("tree")
     @classmethod
     def _valid_tree(cls, value):
-        if value != AUTO_TREE:
+        if value not in (AUTO_TREE, DYNAMIC_TREE):
             TreeSpec.parse(value)  # ValueError saying what is malformed
         return value
 
@@ -60,7 +76,18 @@ class UniverConfig(BaseModel):
     def _tree_fits_verifier(self) -> UniverConfig:
         if self.max_tree is not None and not self.auto:
             raise ValueError(f"max_tree applies to tree 'auto' (got tree {self.tree!r}); drop one of them")
+        given = [key for key in BUDGET_KEYS if getattr(self, key) is not None]
+        if given and not self.dynamic:
+            raise ValueError(f"{', '.join(given)} apply to tree 'dynamic' (got tree {self.tree!r}); drop them")
         verifier = get_verifier(self.verifier)
+        if self.dynamic:
+            if self.verifier not in TREE_BATCH_METHODS:
+                raise ValueError(
+                    f"verifier {self.verifier!r} does not run on context-aware trees (tree 'dynamic'); "
+                    f"use one of {', '.join(TREE_BATCH_METHODS)}"
+                )
+            self.dynamic_budget  # noqa: B018 -- ValueError naming a bad budget field
+            return self
         if verifier.chain_only and not self.tree_spec.is_chain:
             raise ValueError(
                 f"verifier {self.verifier!r} verifies a single chain; use a chain tree such as "
@@ -73,8 +100,28 @@ class UniverConfig(BaseModel):
         return self.tree == AUTO_TREE
 
     @property
+    def dynamic(self) -> bool:
+        return self.tree == DYNAMIC_TREE
+
+    @property
+    def dynamic_budget(self) -> DynamicTreeBudget:
+        """The budget of ``tree: dynamic`` (the fields given, else the defaults)."""
+        return DynamicTreeBudget(**{key: getattr(self, key) for key in BUDGET_KEYS if getattr(self, key) is not None})
+
+    @property
+    def drafted_tree(self) -> TreeSpec | LevelLayout:
+        """What a step drafts: the tree (``auto``: the largest), or for ``dynamic``
+        the levels every request's own tree is laid on."""
+        if self.dynamic:
+            budget = self.dynamic_budget
+            return LevelLayout(level_sizes(budget), budget.max_children)
+        return self.tree_spec
+
+    @property
     def tree_spec(self) -> TreeSpec:
         """The tree drafted (with ``auto``: the largest, cut per step)."""
+        if self.dynamic:
+            raise ValueError("tree 'dynamic' has no single shape: each request has its own (drafted_tree)")
         if self.auto:
             return TreeSpec.parse(self.max_tree if self.max_tree is not None else DEFAULT_TREE)
         return TreeSpec.parse(self.tree)
@@ -84,6 +131,8 @@ class UniverConfig(BaseModel):
         """The trees a step may draft (each cut to any depth with ``auto``): with
         ``auto``, the width cuts of ``max_tree`` (for ``2x5``: the chain ``1x5``
         and ``2x5``), narrowest first; else the tree alone."""
+        if self.dynamic:
+            return [self.drafted_tree]
         return self.tree_spec.width_cuts() if self.auto else [self.tree_spec]
 
     @property
@@ -92,11 +141,11 @@ class UniverConfig(BaseModel):
 
     @property
     def num_speculative_tokens(self) -> int:
-        return self.tree_spec.num_nodes
+        return self.drafted_tree.num_nodes
 
 
 # Keys of the user's dict that belong to us, not to vLLM's SpeculativeConfig.
-OWN_KEYS = ("tree", "verifier", "max_tree")
+OWN_KEYS = ("tree", "verifier", "max_tree", *BUDGET_KEYS)
 
 
 def split_user_config(spec: dict[str, Any]) -> tuple[UniverConfig, dict[str, Any]]:
@@ -124,6 +173,7 @@ def split_user_config(spec: dict[str, Any]) -> tuple[UniverConfig, dict[str, Any
 
 __all__ = [
     "AUTO_TREE",
+    "DYNAMIC_TREE",
     "DEFAULT_TREE",
     "DEFAULT_VERIFIER",
     "METHOD_NAME",

@@ -201,7 +201,8 @@ def patch_input_processor_validate_params() -> None:
         def _validate_params(self, params, *args, **kwargs):
             result = original(self, params, *args, **kwargs)
             if is_univer(self.speculative_config) and isinstance(params, SamplingParams):
-                problem = unsupported_option(params, self.structured_outputs_config)
+                dynamic = self.speculative_config.univer.dynamic
+                problem = unsupported_option(params, self.structured_outputs_config, dynamic_trees=dynamic)
                 if problem is not None:
                     from vllm.exceptions import VLLMValidationError
 
@@ -248,6 +249,8 @@ def patch_structured_output_manager() -> None:
         spec = manager.vllm_config.speculative_config
         if not is_univer(spec):
             return None
+        if spec.univer.dynamic:  # refused per request (request_options): the trees live in the workers
+            raise NotImplementedError("structured outputs are not supported with tree 'dynamic'")
         if getattr(manager, "_univer_tree_bitmask", None) is None:
             manager._univer_tree_bitmask = TreeGrammarBitmask(spec.univer.tree_spec)
         return manager._univer_tree_bitmask
@@ -293,7 +296,7 @@ def patch_proposer_dummy_run() -> None:
                 return original(self, *args, **kwargs)
             num_nodes = self.num_speculative_tokens
             # The forward count it loops over (``TreeSizer`` times a single forward).
-            self.num_speculative_tokens = getattr(self, "univer_forwards", None) or spec.univer.tree_spec.max_depth
+            self.num_speculative_tokens = getattr(self, "univer_forwards", None) or spec.univer.drafted_tree.max_depth
             try:
                 return original(self, *args, **kwargs)
             finally:

@@ -15,7 +15,7 @@ from typing import Any
 from vllm.config import SpeculativeConfig
 from vllm.config.utils import config
 
-from .config import DEFAULT_TREE, DEFAULT_VERIFIER, METHOD_NAME, UniverConfig, split_user_config
+from .config import DEFAULT_TREE, DEFAULT_VERIFIER, METHOD_NAME, OWN_KEYS, UniverConfig, split_user_config
 
 
 @config
@@ -25,10 +25,15 @@ class UniverSpeculativeConfig(SpeculativeConfig):
     tree: str | list[list[int]] = DEFAULT_TREE
     verifier: str = DEFAULT_VERIFIER
     max_tree: str | list[list[int]] | None = None
+    # tree "dynamic"'s budget (None: DynamicTreeBudget's default)
+    max_nodes: int | None = None
+    max_depth: int | None = None
+    expand: int | None = None
+    max_children: int | None = None
 
     @property
     def univer(self) -> UniverConfig:
-        return UniverConfig(tree=self.tree, verifier=self.verifier, max_tree=self.max_tree)
+        return UniverConfig(**{key: getattr(self, key) for key in OWN_KEYS})
 
 
 def is_univer(speculative_config: Any) -> bool:
@@ -81,9 +86,7 @@ def create_univer_speculative_config(spec: dict[str, Any], **engine_fields) -> U
     ``engine_fields`` are the ones vLLM adds itself (target model and parallel configs).
     """
     ours, theirs = split_user_config({k: v for k, v in spec.items() if k != "method"})
-    return UniverSpeculativeConfig(
-        **theirs, **engine_fields, tree=ours.tree, verifier=ours.verifier, max_tree=ours.max_tree
-    )
+    return UniverSpeculativeConfig(**theirs, **engine_fields, **{key: getattr(ours, key) for key in OWN_KEYS})
 
 
 __all__ = [

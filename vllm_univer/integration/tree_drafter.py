@@ -116,7 +116,7 @@ class TreeDrafter:
         banned = sampling_metadata.allowed_token_ids_mask
         if banned is not None:  # draft inside the allowed set: other drafts would always be rejected
             banned = banned[upload(active, banned.device)]
-        tokens, q = self._draft_levels(
+        tokens, q, parents = self._draft_levels(
             active,
             root_pos,
             start,
@@ -132,7 +132,7 @@ class TreeDrafter:
         self._clear_q_below_cuts(q, cut)
         for r, req_id in zip(root_pos.tolist(), active_ids):
             self.state.draft_kv_len[req_id] = r + 1  # the context and the root
-        self.state.add(DraftedTrees(active_ids, tokens, q, tree))
+        self.state.add(DraftedTrees(active_ids, tokens, q, tree, parents))
         node_tokens = tokens[:, 1:].clamp(min=0).tolist()
         for row, (i, d) in enumerate(zip(active.tolist(), cut.tolist())):
             drafts[i] = node_tokens[row][: self.level_span[d][1]]
@@ -156,7 +156,9 @@ class TreeDrafter:
         self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned, cut
     ):
         """The levels of every active request's tree, each request to its ``cut``
-        (int64 [R], deepest first): level d's forward runs the requests cut below d only."""
+        (int64 [R], deepest first): level d's forward runs the requests cut below d only.
+        Returns (tokens [R, N+1], q [R, M, V] or None, parents [R, N+1] or None: the
+        requests' own parents where each has its own shape)."""
         tree, runner = self.tree, self.runner
         device = runner.device
         reqs = len(active)
@@ -223,7 +225,7 @@ class TreeDrafter:
             )
             # Views of the first n rows: the draws land in ``tokens`` itself.
             self._draw_children(d, tokens[:n], rows, greedy.first(n), generators, active[:n])
-        return tokens, q
+        return tokens, q, None  # one shape for every request: no parents of their own
 
     def _range(self, n: int) -> torch.Tensor:
         """0 .. n-1 on the device: a view of one range kept across steps (no launch per level)."""

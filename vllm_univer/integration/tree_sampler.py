@@ -18,6 +18,7 @@ from vllm.v1.outputs import SamplerOutput
 
 from .. import verify, verify_greedy
 from ..core.tree import TreeSpec
+from ..core.tree_batch import LevelLayout, TreeBatch
 from ..core.verifiers import scheme_for
 from ..sizing.chain_estimate import chain_survival, greedy_chain_survival
 from .attention.kv_compaction import accepted_path_moves, move_paged_kv
@@ -102,7 +103,8 @@ class TreeVerificationSampler:
         tokens = tokens[:, :n1]
         missing = tree.depth.numpy()[None, :] > keep_depth[:, None]  # below a request's cut
         tokens = tokens.masked_fill(upload(missing, device), -1)
-        transforms = self._path_transforms(tree, tokens, sampling_metadata, batch)
+        trees = self._step_trees(tree, shape, req_ids, device)  # the shape, or each request's own
+        transforms = self._path_transforms(trees, tokens, sampling_metadata, batch)
         if sampling_metadata.all_greedy:
             # Argmax matching needs neither probabilities nor q: the argmax of the
             # processed logits, as vLLM's greedy sampler takes it.
@@ -111,10 +113,10 @@ class TreeVerificationSampler:
                     tree_logits, transforms, out=self.probs_buffer.get(tuple(tree_logits.shape))
                 )
             argmax = tree_logits.argmax(-1)
-            result, rows_for_chain = verify_greedy(tree, tokens, argmax), None
+            result, rows_for_chain = verify_greedy(trees, tokens, argmax), None
         else:
             result, rows_for_chain = self._verify_sampled(
-                tree, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch
+                trees, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch
             )
         end = result.end_node
         # vLLM's layout: [B, D+1] of the configured tree, -1 padded.
@@ -122,11 +124,11 @@ class TreeVerificationSampler:
         if output.shape[1] < self.tree.max_depth + 1:  # a shallower cut or shape
             output = torch.nn.functional.pad(output, (0, self.tree.max_depth + 1 - output.shape[1]), value=-1)
 
-        path = self._accepted_path(tree, end)
+        path = self._accepted_path(trees, end)
         with self.timers.measure("kv_moves"):
             self._keep_accepted_kv(batch, path)
         chain = self._chain_survival(shape, tree, tokens, path, rows_for_chain)
-        self._defer_draft_kv_len(req_ids, num_draft_list, keep_depth, tree.on(device).depth[end], shape, chain)
+        self._defer_draft_kv_len(req_ids, num_draft_list, keep_depth, trees.on(device).depth[end], shape, chain)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, upload(rows, device), path, output, sampling_metadata.max_num_logprobs)
@@ -143,17 +145,28 @@ class TreeVerificationSampler:
         depth of the shape they fill completely (0: not even depth 1)."""
         return np.searchsorted(self._nodes_through_depth(shape), num_draft + 1, side="right") - 1
 
-    def _cut_tree(self, shape: TreeSpec, depth: int) -> TreeSpec:
+    def _cut_tree(self, shape: TreeSpec | LevelLayout, depth: int) -> TreeSpec | LevelLayout:
         """``shape`` cut to ``depth`` (a breadth-first prefix: node ids unchanged)."""
         if depth >= shape.max_depth:
             return shape
+        if isinstance(shape, LevelLayout):
+            return shape.cut(depth)
         if (shape, depth) not in self._cut_trees:
             self._cut_trees[shape, depth] = TreeSpec(shape.paths[: int(self._nodes_through_depth(shape)[depth])])
         return self._cut_trees[shape, depth]
 
-    def _accepted_path(self, tree: TreeSpec, end: torch.Tensor) -> torch.Tensor:
+    def _step_trees(self, tree, shape, req_ids: list[str], device) -> TreeSpec | TreeBatch:
+        """What this step verifies on: ``tree`` (one shape for the batch), or for
+        context-aware trees (``tree`` a LevelLayout, a cut of ``shape``) each
+        request's own parents on those levels (``TreeBatch``)."""
+        if not isinstance(tree, LevelLayout):
+            return tree
+        parents = self.state.parents_of(req_ids, shape, device)[:, : tree.num_nodes + 1]
+        return TreeBatch(parents, tree.level_sizes, tree.max_children, validate=False)
+
+    def _accepted_path(self, trees: TreeSpec | TreeBatch, end: torch.Tensor) -> torch.Tensor:
         """[B, D] (D: the configured tree's depth): the accepted nodes at depth 1 .. D, -1 past the end."""
-        path = tree.on(end.device).ancestors[end]
+        path = trees.on(end.device).ancestors_of(end)
         missing = self.tree.max_depth - path.shape[1]  # a shallower cut or shape
         return torch.nn.functional.pad(path, (0, missing), value=-1) if missing else path
 
@@ -185,7 +198,7 @@ class TreeVerificationSampler:
                 continue
             one = verify(
                 self.method,
-                tree,
+                tree.take(row, row + 1) if isinstance(tree, TreeBatch) else tree,
                 tokens[row : row + 1],
                 p[row : row + 1],
                 q[row : row + 1],
@@ -210,17 +223,20 @@ class TreeVerificationSampler:
             survival = torch.where(greedy.unsqueeze(1), survival, sampled)
         return survival
 
-    def _path_transforms(self, tree: TreeSpec, tokens, sampling_metadata, batch: int) -> list:
-        """vLLM's logits transforms that depend on the text a row continues, in vLLM's order."""
-        tree = tree.on(tokens.device)
+    def _path_transforms(self, trees, tokens, sampling_metadata, batch: int) -> list:
+        """vLLM's logits transforms that depend on the text a row continues, in vLLM's
+        order. trees: the step's TreeSpec or TreeBatch (per-request shapes)."""
+        tables = trees.on(tokens.device)
+        masks, penalties = TreePathMasks.needed(sampling_metadata), not sampling_metadata.no_penalties
+        paths = tables.token_paths(tokens) if masks or penalties else None
         transforms = []
-        if TreePathMasks.needed(sampling_metadata):
-            transforms.append(TreePathMasks(tokens, tree.ancestors, tree.depth, sampling_metadata, batch))
+        if masks:
+            transforms.append(TreePathMasks(paths, tables.depth, sampling_metadata, batch))
         logit_bias = self.bias_and_min_p.logit_bias()
         if logit_bias is not None:
             transforms.append(logit_bias)
-        if not sampling_metadata.no_penalties:
-            transforms.append(TreePenalties(tokens, tree.ancestors, sampling_metadata, batch))
+        if penalties:
+            transforms.append(TreePenalties(paths, sampling_metadata, batch))
         return transforms
 
     def _logprobs(self, logits, node_rows, path, output, num_logprobs):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..core.tree_batch import LevelLayout, TreeBatch
 from .attention.kv_cache_views import check_cpu_isa, layer_kv_views
 from .attention.tree_attention_plan import TreeAttentionPlan, backend_kind, check_layer_supported
+from .dynamic_tree_drafter import DynamicTreeDrafter
 from .host_to_device import upload_packed
 from .timers import StepTimers
 from .tree_drafter import TreeDrafter
@@ -33,10 +35,13 @@ class TreeSpeculation:
             )
         _refuse_custom_logits_processors(runner.input_batch.logitsprocs)
         self.runner = runner
-        self.tree = config.tree_spec
+        self.tree = config.drafted_tree  # a TreeSpec, or (tree: dynamic) the LevelLayout of per-request trees
         self.state = TreeState(latest_tree=self.tree)
         self.timers = StepTimers(runner.device)
-        self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
+        if config.dynamic:
+            self.drafter = DynamicTreeDrafter(runner, runner.drafter, config.dynamic_budget, self.state, self.timers)
+        else:
+            self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
         self.sizer = None
         if config.auto:
             self.sizer = TreeSizer(runner, config.tree_shapes, self.drafter)
@@ -127,8 +132,15 @@ class TreeSpeculation:
         query_rows, valid_rows, valid_positions, request_index, context_lens = upload_packed(
             [rows, rows[row_valid], positions[row_valid], tree_reqs, context], device, torch.int64
         )
-        mask = tree.ancestor_mask[: nodes + 1, : nodes + 1]
-        row_valid_dev, mask = upload_packed([row_valid, mask], device, torch.bool)
+        if isinstance(tree, LevelLayout):  # context-aware trees: each request's own mask, built on the device
+            ids = runner.input_batch.req_ids
+            parents = self.state.parents_of([ids[i] for i in tree_reqs.tolist()], tree, device)
+            trees = TreeBatch(parents, tree.level_sizes, tree.max_children, validate=False)
+            (row_valid_dev,) = upload_packed([row_valid], device, torch.bool)
+            mask = trees.ancestor_mask[:, : nodes + 1, : nodes + 1]
+        else:
+            mask = tree.ancestor_mask[: nodes + 1, : nodes + 1]
+            row_valid_dev, mask = upload_packed([row_valid, mask], device, torch.bool)
         runner.positions[valid_rows] = valid_positions.to(runner.positions.dtype)
         self._pending_plan = TreeAttentionPlan(
             query_rows=query_rows,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.tree import TreeSpec
+from ..core.tree_batch import LevelLayout
 
 
 @dataclass
@@ -23,13 +24,17 @@ class DraftedTrees:
         every request of the batch was greedy (argmax matching never reads q, and
         the drafter then never builds it).
     tree: the shape drafted (node ids are its own; with ``tree: auto`` a width
-        cut of ``max_tree``, each row cut to its own depth).
+        cut of ``max_tree``, each row cut to its own depth); for context-aware
+        trees the levels they share (``LevelLayout``), their parents in ``parents``.
+    parents: LongTensor [B, N+1] or None: each request's parent of each position
+        (context-aware trees, ``TreeBatch``).
     """
 
     req_ids: list[str]
     tokens: torch.Tensor
     draft_probs: torch.Tensor | None
-    tree: TreeSpec
+    tree: TreeSpec | LevelLayout
+    parents: torch.Tensor | None = None
 
 
 @dataclass
@@ -107,6 +112,25 @@ class TreeState:
             q = torch.nn.functional.pad(q[:, :num_rows], (0, 0, 0, max(num_rows - q.shape[1], 0)))
         missing = torch.tensor([not f for f in found], device=tokens.device)
         return tokens.masked_fill(missing.unsqueeze(1), -1), q, found, q_missing
+
+    def parents_of(self, req_ids: list[str], layout: LevelLayout, device) -> torch.Tensor:
+        """[B, N+1]: the parents of each request's context-aware tree drafted on
+        ``layout``; a request without one gets only the root (-1 elsewhere), as
+        ``gather`` gives it no tokens. One index per batch the trees come from."""
+        n1 = layout.num_nodes + 1
+        out = torch.full((len(req_ids), n1), -1, dtype=torch.long, device=device)
+        by_batch: dict[int, tuple[DraftedTrees, list[int], list[int]]] = {}
+        for row, req_id in enumerate(req_ids):
+            entry = self.trees.get(req_id)
+            if entry is None or entry[0].tree != layout or entry[0].parents is None:
+                continue
+            drafted, _, _ = by_batch.setdefault(id(entry[0]), (entry[0], [], []))
+            by_batch[id(entry[0])][1].append(row)
+            by_batch[id(entry[0])][2].append(entry[1])
+        for drafted, rows, sources in by_batch.values():
+            index = torch.tensor(sources, device=device)
+            out[torch.tensor(rows, device=device)] = drafted.parents[index, :n1]
+        return out
 
     def forget(self, req_ids) -> None:
         """Drop the trees of ``req_ids``: they got no tree this step, so theirs is never verified again."""

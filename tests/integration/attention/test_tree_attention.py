@@ -157,3 +157,18 @@ def test_accepted_path_kv_moves_in_every_cache_of_a_list():
     move_paged_kv(caches, table, request, src, dst)
     for got, want in zip(caches, expected):
         assert torch.equal(got, want)
+
+
+def test_per_request_masks_equal_each_requests_own():
+    """Context-aware trees: one ancestor mask per request ([R, Tq, Tk]) gives each
+    request what its own mask alone gives (the CPU key mask and the reference)."""
+    from vllm_univer.core.tree_batch import TreeBatch
+    from vllm_univer.integration.attention.tree_attention import cached_tree_key_mask
+
+    parent = torch.tensor([[-1, 0, 0, 1, 1, 2], [-1, 0, 0, 2, 2, 1], [-1, 0, -1, 1, -1, -1]])
+    own = TreeBatch(parent, (1, 2, 3), 2).ancestor_mask
+    context = torch.tensor([3, 9, 0])
+    both = cached_tree_key_mask(context, own, 20)
+    for r in range(3):
+        assert torch.equal(both[r], cached_tree_key_mask(context[r : r + 1], own[r], 20)[0])
+    assert not torch.equal(both[0], both[1])

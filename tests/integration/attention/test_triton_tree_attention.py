@@ -88,6 +88,28 @@ CHECK = textwrap.dedent("""
     check("2x5", 4, 2, 32, [3, 70, 20], level=(3, 6), splits=4)
     check("2x3", 4, 2, 32, [9, 48], cut=[5, 3], splits=5)
 
+    # One mask per request (context-aware trees): each request's rows under its own tree.
+    from vllm_univer.core.tree_batch import TreeBatch
+
+    parent = torch.tensor([[-1, 0, 0, 1, 1, 2, 3], [-1, 0, 0, 2, 2, 1, -1], [-1, 0, -1, 1, -1, -1, -1]])
+    own = TreeBatch(parent, (1, 2, 3, 1), 2).ancestor_mask
+    context = torch.tensor([4, 40, 19])
+    table = torch.randperm(BLOCKS, generator=gen)[:12].view(3, 4).int()
+    rows = torch.arange(3 * 7).view(3, 7)
+    (keys, values), query = paged_cache(2, 32, torch.float32, False), torch.randn(21, 4, 32, generator=gen)
+    for splits in (1, 2):
+        output = torch.full_like(query, 7.0)
+        paged_tree_attention_triton(query, keys, values, table, context, rows, own, output, scale=0.3,
+                                    max_context_len=40, num_splits=splits)
+        positions = context.unsqueeze(1) + torch.arange(7)
+        ref = tree_attention(query[rows].double(), gather_paged(keys, table, positions).double(),
+                             gather_paged(values, table, positions).double(), keys.double(), values.double(),
+                             table, context, own, scale=0.3)
+        torch.testing.assert_close(output[rows].double(), ref, atol=2e-5, rtol=2e-5)
+        shared = torch.full_like(query, 7.0)  # the first request's mask for all: another answer
+        paged_tree_attention_triton(query, keys, values, table, context, rows, own[0], shared, scale=0.3)
+        assert (shared[rows].double() - ref).abs().max() > 1e-3
+
     # One launch prepared for a forward serves each of its layers (own query, cache and
     # output; shared rows, masks, block table and split buffers): every layer's rows exact.
     from vllm_univer.integration.attention.triton_paged_tree_attention import PagedTreeAttention

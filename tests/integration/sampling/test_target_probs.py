@@ -92,7 +92,7 @@ def test_tree_penalties_equal_vllm_penalties_on_each_path():
         output_token_ids=[[4, 9, 9], []],
     )
     ours = logits.clone()
-    TreePenalties(tokens, tree.ancestors, meta, 2).apply(ours)
+    TreePenalties(tree.on(tokens.device).token_paths(tokens), meta, 2).apply(ours)
     for b in range(2):
         for node in range(rows):
             path = [int(tokens[b, a]) for a in tree.ancestors[node].tolist() if a >= 0 and tokens[b, a] >= 0]
@@ -138,6 +138,10 @@ def test_options_that_depend_on_the_path_are_refused():
     assert unsupported_option(honoured, StructuredOutputsConfig(reasoning_parser="deepseek_r1")) is None
     parameter, message = unsupported_option(structured, StructuredOutputsConfig(reasoning_parser="deepseek_r1"))
     assert parameter == "structured_outputs" and "reasoning parser" in message
+    # Context-aware trees live in the workers; the scheduler's grammar cannot walk them.
+    parameter, message = unsupported_option(structured, StructuredOutputsConfig(), dynamic_trees=True)
+    assert parameter == "structured_outputs" and "tree 'dynamic'" in message
+    assert unsupported_option(honoured, StructuredOutputsConfig(), dynamic_trees=True) is None
     parameter, message = unsupported_option(SamplingParams(thinking_token_budget=16))
     assert parameter == "thinking_token_budget" and "differs between tree paths" in message
 
@@ -177,7 +181,7 @@ def test_path_masks_equal_vllm_on_each_path():
     )
     assert TreePathMasks.needed(meta)
     ours = logits.clone()
-    TreePathMasks(tokens, tree.ancestors, tree.depth, meta, batch).apply(ours)
+    TreePathMasks(tree.on(tokens.device).token_paths(tokens), tree.depth, meta, batch).apply(ours)
 
     stops = {b: (state[0], state[2]) for b, state in min_tokens.min_toks.items()}
     banned_somewhere = 0

@@ -26,7 +26,7 @@ def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, o
     block_table = attn_metadata.block_table[plan.request_index]
     # Blocks that hold the longest context and its tree keys (the rest of a shorter
     # request's blocks, and any past its own, are masked out).
-    num_blocks = min(-(-(plan.max_context_len + plan.mask.shape[1]) // block_size), block_table.shape[1])
+    num_blocks = min(-(-(plan.max_context_len + plan.mask.shape[-1]) // block_size), block_table.shape[1])
     # One workspace and one key mask per forward, shared by its layers.
     workspace = plan.derived("cpu_gather_workspace", dict)
     keys, values = gather_cpu_blocks(kv_cache, layer.isa, block_table[:, :num_blocks], workspace)

@@ -134,14 +134,20 @@ def cached_tree_key_mask(context_lens: torch.Tensor, ancestor_mask: torch.Tensor
     """Which of a request's first ``num_keys`` cached positions each tree query sees,
     when the tree keys are cached right after the context (tree key k at position L + k).
 
-    context_lens [B] (L), ancestor_mask [Tq, Tk] bool (query j sees tree key k) ->
-    [B, Tq, num_keys] bool: position s is visible to query j iff s < L, or
-    s = L + k with ancestor_mask[j, k]. Positions past L + Tk are not.
+    context_lens [B] (L), ancestor_mask [Tq, Tk] bool (query j sees tree key k), or
+    [B, Tq, Tk] (one per request) -> [B, Tq, num_keys] bool: position s is visible
+    to query j iff s < L, or s = L + k with ancestor_mask[j, k]. Positions past
+    L + Tk are not.
     """
-    tree_keys = ancestor_mask.shape[1]
+    tree_keys = ancestor_mask.shape[-1]
     rel = torch.arange(num_keys, device=context_lens.device).unsqueeze(0) - context_lens.unsqueeze(1)  # [B, S]
     in_tree = (rel >= 0) & (rel < tree_keys)
-    tree_visible = ancestor_mask[:, rel.clamp(0, tree_keys - 1)].transpose(0, 1) & in_tree.unsqueeze(1)  # [B, Tq, S]
+    key = rel.clamp(0, tree_keys - 1)
+    if ancestor_mask.dim() == 3:
+        tree_visible = ancestor_mask.gather(2, key.unsqueeze(1).expand(-1, ancestor_mask.shape[1], -1))
+    else:
+        tree_visible = ancestor_mask[:, key].transpose(0, 1)
+    tree_visible = tree_visible & in_tree.unsqueeze(1)  # [B, Tq, S]
     return tree_visible | (rel < 0).unsqueeze(1)
 
 

@@ -26,7 +26,8 @@ class TreeAttentionPlan:
     request_index: LongTensor [R], each tree request's row in the metadata's block table.
     context_lens: LongTensor [R], L: cached tokens every tree token sees in full.
     mask: BoolTensor [Tq, Tk], query j may see tree key k (ancestors and itself);
-        tree key k is cached at position L + k when the layer attends.
+        tree key k is cached at position L + k when the layer attends. [R, Tq, Tk]:
+        one mask per tree request (context-aware trees: per-request shapes).
     covers_all_rows: every row of the forward is a tree row (skip vLLM's kernel).
     max_context_len: Python int bound on context_lens (avoids a host sync).
     _derived: what every layer of the forward derives alike (``derived``).

@@ -36,7 +36,8 @@ def _paged_tree_attention_kernel(
     context_lens_ptr,  # [R] int: L per request; tree key j is cached at L + j
     query_rows_ptr,  # [R, Tq] int64: flat row of tree query t of request r
     row_valid_ptr,  # [R, Tq] int8: rows to compute (read if HAS_ROW_VALID)
-    mask_ptr,  # [Tq, Tk] int8 contiguous: query t sees tree key j
+    mask_ptr,  # [R or 1, Tq, Tk] int8, (Tq, Tk) contiguous: query t sees tree key j
+    stride_mr,  # mask stride per request: 0 where every request shares one mask
     stride_qt,
     stride_qh,
     stride_kb,
@@ -132,7 +133,7 @@ def _paged_tree_attention_kernel(
         in_tree = in_range & (tree_key >= 0)
         ancestor = (
             tl.load(
-                mask_ptr + t[:, None] * num_tree_keys + tree_key[None, :],
+                mask_ptr + req * stride_mr + t[:, None] * num_tree_keys + tree_key[None, :],
                 mask=row_ok[:, None] & in_tree[None, :],
                 other=0,
             )
@@ -193,7 +194,8 @@ def paged_tree_attention_triton(
     block_table [R, max_blocks] (int): the tree requests' rows of the block table.
     context_lens [R] (int): L per request; tree key j is cached at position L + j.
     query_rows [R, Tq] (long): flat row of tree query t of request r.
-    ancestor_mask [Tq, Tk] bool (or int8): query t sees tree key j.
+    ancestor_mask [Tq, Tk] bool (or int8): query t sees tree key j; or [R, Tq, Tk],
+        one mask per request (per-request tree shapes).
 
     Options (keywords): scale (default 1 / sqrt(Dh)); row_valid [R, Tq] bool (or
     int8) or None: rows to compute (others are left untouched; int8 contiguous
@@ -242,8 +244,10 @@ class PagedTreeAttention:
         if heads % kv_heads:
             raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
         num_reqs, num_queries = query_rows.shape
-        if ancestor_mask.shape[0] != num_queries:
-            raise ValueError(f"ancestor_mask has {ancestor_mask.shape[0]} rows for {num_queries} tree queries")
+        if ancestor_mask.dim() == 3 and ancestor_mask.shape[0] != num_reqs:
+            raise ValueError(f"ancestor_mask has {ancestor_mask.shape[0]} masks for {num_reqs} tree requests")
+        if ancestor_mask.shape[-2] != num_queries:
+            raise ValueError(f"ancestor_mask has {ancestor_mask.shape[-2]} rows for {num_queries} tree queries")
         expect("query", query, (tokens, heads, head_size), FLOATS, last_contiguous=True)
         expect("output", output, (tokens, heads, head_size), FLOATS, last_contiguous=True, device=query.device)
         expect("key_cache", key_cache, (None, None, kv_heads, head_size), FLOATS, device=query.device)
@@ -254,7 +258,7 @@ class PagedTreeAttention:
         self.num_reqs = num_reqs
         if num_reqs == 0:
             return
-        num_tree_keys = ancestor_mask.shape[1]
+        num_tree_keys = ancestor_mask.shape[-1]
         groups = heads // kv_heads
         scale = scale if scale is not None else 1.0 / math.sqrt(head_size)
         mask = ancestor_mask.to(device=query.device, dtype=torch.int8).contiguous()
@@ -287,7 +291,8 @@ class PagedTreeAttention:
             context_lens_ptr=context_lens,  # [R] int: L per request; tree key j is cached at L + j
             query_rows_ptr=rows,  # [R, Tq] int64: flat row of tree query t of request r
             row_valid_ptr=valid,  # [R, Tq] int8: rows to compute (read if HAS_ROW_VALID)
-            mask_ptr=mask,  # [Tq, Tk] int8 contiguous: query t sees tree key j
+            mask_ptr=mask,  # [R or 1, Tq, Tk] int8 contiguous: query t sees tree key j
+            stride_mr=mask.stride(0) if mask.dim() == 3 else 0,  # 0: one mask for every request
             stride_qt=query.stride(0),
             stride_qh=query.stride(1),
             stride_kb=key_strides[0],

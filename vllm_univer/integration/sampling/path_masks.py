@@ -36,13 +36,12 @@ def min_tokens_state(sampling_metadata) -> dict[int, tuple]:
 
 
 class TreePathMasks:
-    """tokens [B, T] (node tokens, -1 = none), ancestors [T, D] (the node at depth
-    j+1 on the path to each node, -1 past it), depth [T], sampling_metadata: vLLM's."""
+    """paths [B, T, D]: the tokens on the path to each row's node (depth 1 .. D, -1
+    past its depth or where no node is: ``token_paths`` of the step's trees); depth
+    [T]; sampling_metadata: vLLM's."""
 
-    def __init__(
-        self, tokens: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor, sampling_metadata, batch: int
-    ):
-        self.tokens, self.ancestors, self.depth = tokens, ancestors, depth
+    def __init__(self, paths: torch.Tensor, depth: torch.Tensor, sampling_metadata, batch: int):
+        self.paths, self.depth = paths, depth
         self.meta, self.batch = sampling_metadata, batch
         self.bad_words = {b: w for b, w in (sampling_metadata.bad_words_token_ids or {}).items() if b < batch}
         self.min_tokens = {b: s for b, s in min_tokens_state(sampling_metadata).items() if b < batch}
@@ -94,13 +93,8 @@ class TreePathMasks:
             [[NO_TOKEN] * (history - len(tails[b])) + list(tails[b]) for b, _ in words], device=device
         )  # [W, H]
         # Path tokens of every row (depth 1 .. d), NO_TOKEN past the row's depth.
-        rows, depth_max = self.ancestors.shape
-        path = (
-            self.tokens[request]
-            .gather(1, self.ancestors.clamp(min=0).flatten().unsqueeze(0).expand(len(words), -1))
-            .view(len(words), rows, depth_max)
-        )
-        path = path.masked_fill((self.ancestors < 0).unsqueeze(0), NO_TOKEN)
+        rows = self.paths.shape[1]
+        path = self.paths[request].masked_fill(self.paths[request] < 0, NO_TOKEN)  # [W, T, D]
         text = torch.cat([tail.unsqueeze(1).expand(-1, rows, -1), path], -1)  # [W, T, H + D]
         # The last H tokens of row t's text end at position H + depth(t).
         window = self.depth.to(device).unsqueeze(1) + torch.arange(history, device=device).unsqueeze(0)  # [T, H]

@@ -106,12 +106,13 @@ class TreePenalties:
     to i, so its output-token counts are the request's generated tokens plus
     those path tokens; vLLM's own ``apply_penalties`` then does the rest.
 
-    tokens [B, T] (node tokens, -1 = none), ancestors [T, D] (the node at depth
-    j+1 on the path to each node, -1 past it), sampling_metadata: vLLM's.
+    paths [B, T, D]: the tokens on the path to each row's node (depth 1 .. D, -1 past
+    its depth or where no node is: ``token_paths`` of the step's trees),
+    sampling_metadata: vLLM's.
     """
 
-    def __init__(self, tokens: torch.Tensor, ancestors: torch.Tensor, sampling_metadata, batch: int):
-        self.tokens, self.ancestors, self.meta, self.batch = tokens, ancestors, sampling_metadata, batch
+    def __init__(self, paths: torch.Tensor, sampling_metadata, batch: int):
+        self.paths, self.meta, self.batch = paths, sampling_metadata, batch
 
     def apply(self, logits: torch.Tensor) -> None:
         """logits [B, T, V] float32, in place."""
@@ -123,9 +124,7 @@ class TreePenalties:
         )  # [B, Lo]
         if generated.dim() == 1:  # no request has generated anything yet
             generated = generated.view(batch, 0)
-        path = self.tokens.gather(1, self.ancestors.clamp(min=0).flatten().unsqueeze(0).expand(batch, -1))
-        path = path.view(batch, rows, -1)
-        path = path.masked_fill((self.ancestors < 0).unsqueeze(0) | (path < 0), vocab)  # [B, T, D]
+        path = self.paths[:batch].masked_fill(self.paths[:batch] < 0, vocab)  # [B, T, D]: vocab pads
         outputs = torch.cat([generated.unsqueeze(1).expand(-1, rows, -1), path], -1).flatten(0, 1)
         flat = logits.view(batch * rows, vocab)
         apply_penalties(

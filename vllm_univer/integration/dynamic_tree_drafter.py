@@ -1,0 +1,118 @@
+"""Drafting context-aware trees (``tree: "dynamic"``) with vLLM's draft model.
+
+The step of ``TreeDrafter`` (level 0 causal over the missing draft KV, then one
+draft forward per depth level, node at position L + depth and slot L + its
+position), on the levels ``core.dynamic_tree.level_sizes`` gives the budget.
+What differs is how each level's children are chosen, per request:
+``plan_children`` gives the ``expand`` best nodes of the level (by draft path
+probability, the product of q along the path) their child slots,
+``draw_children`` draws them with the ``topk1`` scheme, and ``place_children``
+lays them on the next level's positions. So every request has its own parents,
+and its own ancestor mask in each draft forward; the shapes of the step stay
+fixed (``level_sizes`` positions per level for every request).
+
+Why this is lossless: ``docs/dynamic-trees.md``. Greedy requests (temperature
+0) take the top tokens in every slot: argmax matching is exact on any tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.drafting import top_tokens
+from ..core.dynamic_tree import DynamicTreeBudget, draw_children, level_sizes, place_children, plan_children
+from ..core.tree_batch import LevelLayout
+from .attention.tree_attention_plan import TreeAttentionPlan
+from .draft_inputs import build_draft_step_inputs
+from .host_to_device import upload
+from .tree_drafter import TreeDrafter
+
+
+class DynamicTreeDrafter(TreeDrafter):
+    def __init__(self, runner, proposer, budget: DynamicTreeBudget, state, timers):
+        self.budget = budget
+        layout = LevelLayout(level_sizes(budget), budget.max_children)
+        super().__init__(runner, proposer, layout, "topk1", state, timers)
+
+    def _use(self, tree: LevelLayout) -> None:
+        self.tree = tree
+        depth = tree.depth
+        self.level_span = [(int((depth < d).sum()), int((depth <= d).sum()) - 1) for d in range(tree.max_depth + 1)]
+        self.last_run_node = self.level_span[tree.max_depth - 1][1]  # the deepest level is never run
+        self.child_groups = None  # children are placed per request, not by a shared table
+
+    def _draft_levels(
+        self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned, cut
+    ):
+        """Every active request's tree on the shared levels (``cut`` is the full depth
+        here). Returns (tokens [R, N+1], q [R, N+1, V], parents [R, N+1])."""
+        layout, runner = self.tree, self.runner
+        device = runner.device
+        reqs, n1, depth = len(active), layout.num_nodes + 1, layout.max_depth
+        sizes, m = layout.level_sizes, layout.max_children
+        step = build_draft_step_inputs(
+            level0, start, root_pos, self.level_span, depth, block_rows, block_size, device, [reqs] * depth
+        )
+        level = step.levels[0]
+        hidden = self._forward(level.token_ids, level, step.block_table, plan=None)
+        logits = self._logits(hidden[level.query_start_loc[1:] - 1]).unsqueeze(1)  # [R, 1, V]: the roots
+        vocab = logits.shape[-1]
+
+        tokens = torch.full((reqs, n1), -1, dtype=torch.long, device=device)
+        tokens[:, 0] = step.root_tokens
+        parents = torch.full_like(tokens, -1)
+        # mask[r, i, j]: position j is i or an ancestor of i in request r's tree (built level by level).
+        mask = torch.zeros(reqs, n1, n1, dtype=torch.bool, device=device)
+        mask[:, 0, 0] = True
+        # q rows of every request (greedy ones too: their scores rank the frontier);
+        # the deepest level's rows are never a draw's law: zero, as TreeDrafter leaves them.
+        batch_ids = runner.input_batch.req_ids
+        q = self._q_buffer((reqs, n1, vocab), {batch_ids[i] for i in active})
+        q[:, self.level_span[depth][0] :] = 0.0
+        temp = upload(temperature, device).view(-1, 1, 1)
+        greedy_rows = upload(greedy, device).view(-1, 1, 1) if bool(greedy.any()) else None
+        row_of = {int(b): r for r, b in enumerate(active)} if generators else {}
+        seeded = [(row_of[b], g) for b, g in generators.items() if b in row_of and not bool(greedy[row_of[b]])]
+        scores = torch.ones(reqs, 1, dtype=q.dtype, device=device)
+        for d in range(depth):
+            first, last = self.level_span[d]
+            rows = self._level_rows(q, d, logits, temp, banned)  # [R, F, V], written into q
+            slots = torch.full((reqs,), sizes[d + 1], dtype=torch.long, device=device)
+            k = plan_children(scores, rows, self.budget, slots)
+            kids = draw_children(rows, k, m)
+            for row, generator in seeded:  # seeded requests draw from their own generator
+                kids[row] = draw_children(rows[row : row + 1], k[row : row + 1], m, generator)[0]
+            if greedy_rows is not None:
+                top = top_tokens(rows, m)
+                top = torch.where(torch.arange(m, device=device) < k.unsqueeze(-1), top, -1)
+                kids = torch.where(greedy_rows, top, kids)
+            below, level_tokens = place_children(scores, k, kids, sizes[d + 1])
+            nxt_first, nxt_last = self.level_span[d + 1]
+            parent = torch.where(below >= 0, below + first, -1)
+            parents[:, nxt_first : nxt_last + 1] = parent
+            tokens[:, nxt_first : nxt_last + 1] = level_tokens
+            # The next level's draft path probabilities and ancestor rows.
+            safe = below.clamp(min=0)
+            q_of_token = rows.flatten(1).gather(1, safe * vocab + level_tokens.clamp(min=0))
+            scores = torch.where(level_tokens >= 0, scores.gather(1, safe) * q_of_token, 0.0)
+            inherited = mask.gather(1, parent.clamp(min=0).unsqueeze(-1).expand(-1, -1, n1)) & (parent >= 0).unsqueeze(
+                -1
+            )
+            own = torch.arange(nxt_first, nxt_last + 1, device=device)
+            mask[:, nxt_first : nxt_last + 1] = inherited | (torch.arange(n1, device=device) == own.unsqueeze(-1))
+            if d + 1 == depth:
+                break
+            width = nxt_last - nxt_first + 1
+            plan = TreeAttentionPlan(
+                query_rows=self._range(reqs * width).view(reqs, width),
+                row_valid=None,
+                request_index=self._range(reqs),
+                context_lens=step.context_lens,
+                mask=mask[:, nxt_first : nxt_last + 1, : nxt_last + 1],
+                covers_all_rows=True,
+                max_context_len=int(root_pos.max()),
+            )
+            node_ids = tokens[:, nxt_first : nxt_last + 1].clamp(min=0).flatten()
+            hidden = self._forward(node_ids, step.levels[d + 1], step.block_table, plan=plan)
+            logits = self._logits(hidden).view(reqs, width, vocab)
+        return tokens, q, parents
