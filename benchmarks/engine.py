@@ -88,6 +88,8 @@ def engine_configs(quick: bool) -> list[dict]:
             {"name": f"{v} auto", "spec": {"method": "univer", "tree": "auto", "verifier": v}, "cells": SPEED_CELLS}
             for v in ("univer", "traversal")
         ),
+        # Only for ``engine_ab.py`` (no cells here): context-aware trees at their default budget.
+        {"name": "univer dynamic", "spec": {"method": "univer", "tree": "dynamic", "verifier": "univer"}, "cells": []},
         # Only for ``engine_ab.py`` (no cells here): tree auto as before its depth per temperature band.
         {
             "name": "univer auto one depth",

@@ -44,10 +44,12 @@ class DynamicTreeBudget:
     max_depth: levels; expand: frontier nodes expanded per level; max_children:
     m, child slots per expanded node."""
 
+    # Defaults: the best of the widths measured at about 30 nodes on the real pair
+    # (benchmarks/results/dynamic_trees.md): three nodes x two children per level.
     max_nodes: int = 32
-    max_depth: int = 6
-    expand: int = 4
-    max_children: int = 4
+    max_depth: int = 8
+    expand: int = 3
+    max_children: int = 2
 
     def __post_init__(self):
         for name in ("max_nodes", "max_depth", "expand", "max_children"):

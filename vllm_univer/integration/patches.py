@@ -268,7 +268,7 @@ def patch_structured_output_manager() -> None:
 
     def make_validate_tokens(original):
         def validate_tokens(self, request, spec_tokens):
-            if tree_of(self) is not None:
+            if is_univer(self.vllm_config.speculative_config):  # tree drafts: never cut as a chain
                 return spec_tokens
             return original(self, request, spec_tokens)
 
