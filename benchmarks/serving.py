@@ -150,8 +150,8 @@ def report(results: dict, args, hardware: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["nospec", "chain k=3", "chain k=5", "auto"], choices=CONFIGS)
-    ap.add_argument("--rates", nargs="+", type=float, default=[0.5, 2.0])
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--rates", nargs="*", type=float, default=[0.5, 2.0])
+    ap.add_argument("--concurrency", nargs="*", type=int, default=[1, 4])
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
