@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vllm_univer.core.api import outcome_law, verify, verify_greedy
-from vllm_univer.core.tree_batch import TREE_BATCH_METHODS, TreeBatch
+from vllm_univer.core.tree_batch import TREE_BATCH_METHODS, LevelLayout, TreeBatch
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue
 from vllm_univer.tools.law_oracle import tree_of_row
 
@@ -163,6 +163,24 @@ def _parent(rows):
 def test_malformed_batches_fail_clearly(rows, message):
     with pytest.raises(ValueError, match=message):
         TreeBatch(_parent(rows), (1, 1, 1), 1)
+
+
+@pytest.mark.parametrize(
+    "level_sizes, max_children, message",
+    [
+        ((2, 2), 2, "start with 1"),
+        ((1, 0, 2), 2, "start with 1"),
+        ((1,), 2, "at least one level"),
+        ((1, 2), 0, "max_children must be >= 1"),
+        ((1, 300, 300), 300, "at most"),
+    ],
+)
+def test_malformed_levels_fail_clearly(level_sizes, max_children, message):
+    with pytest.raises(ValueError, match=message):
+        LevelLayout(level_sizes, max_children)
+    parent = torch.full((1, max(sum(level_sizes), 1)), -1)
+    with pytest.raises(ValueError, match=message):
+        TreeBatch(parent, level_sizes, max_children)
 
 
 def test_too_many_children_fail_clearly():

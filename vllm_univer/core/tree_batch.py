@@ -23,6 +23,7 @@ depth levels, no loop over requests or nodes, no host sync (except in
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -44,6 +45,20 @@ class LevelLayout:
     level_sizes: tuple[int, ...]
     max_children: int
 
+    is_chain = False
+
+    def __post_init__(self):
+        sizes = tuple(int(n) for n in self.level_sizes)
+        object.__setattr__(self, "level_sizes", sizes)
+        if not sizes or sizes[0] != 1 or min(sizes) < 1:
+            raise ValueError(f"tree levels: level sizes must start with 1 (the root) and be >= 1, got {sizes}")
+        if len(sizes) < 2:
+            raise ValueError("tree levels: at least one level of draft positions is needed")
+        if self.num_nodes > MAX_TREE_NODES:
+            raise ValueError(f"tree levels have {self.num_nodes} positions; at most {MAX_TREE_NODES} are supported")
+        if self.max_children < 1:
+            raise ValueError(f"tree levels: max_children must be >= 1, got {self.max_children}")
+
     @property
     def num_nodes(self) -> int:
         return sum(self.level_sizes) - 1
@@ -56,12 +71,16 @@ class LevelLayout:
     def nodes_per_depth(self) -> list[int]:
         return list(self.level_sizes)
 
-    @property
+    @cached_property
     def depth(self) -> torch.Tensor:
-        """LongTensor [N+1]: each position's depth."""
+        """LongTensor [N+1] (CPU): each position's depth."""
         return torch.repeat_interleave(torch.arange(len(self.level_sizes)), torch.tensor(self.level_sizes))
 
-    is_chain = False
+    @cached_property
+    def spans(self) -> tuple[slice, ...]:
+        """Per depth 0..D: the slice of its positions."""
+        starts = list(itertools.accumulate(self.level_sizes, initial=0))
+        return tuple(slice(starts[d], starts[d + 1]) for d in range(len(self.level_sizes)))
 
     def cut(self, depth: int) -> LevelLayout:
         """The levels down to ``depth`` (a breadth-first prefix of the positions)."""
@@ -78,27 +97,13 @@ class TreeBatch:
     """
 
     def __init__(self, parent: torch.Tensor, level_sizes: Sequence[int], max_children: int, validate: bool = True):
-        self.level_sizes = tuple(int(n) for n in level_sizes)
-        if not self.level_sizes or self.level_sizes[0] != 1 or min(self.level_sizes) < 1:
-            raise ValueError(f"tree batch: level sizes must start with 1 (the root) and be >= 1, got {level_sizes}")
-        if len(self.level_sizes) < 2:
-            raise ValueError("tree batch: at least one level of draft positions is needed")
-        self.num_nodes = sum(self.level_sizes) - 1
-        if self.num_nodes > MAX_TREE_NODES:
-            raise ValueError(f"tree batch has {self.num_nodes} positions; at most {MAX_TREE_NODES} are supported")
-        if max_children < 1:
-            raise ValueError(f"tree batch: max_children must be >= 1, got {max_children}")
+        self.layout = LevelLayout(tuple(level_sizes), int(max_children))  # checks the levels
+        self.level_sizes, self.max_children = self.layout.level_sizes, self.layout.max_children
+        self.num_nodes, self.max_depth, self.spans = self.layout.num_nodes, self.layout.max_depth, self.layout.spans
         if parent.dim() != 2 or parent.shape[1] != self.num_nodes + 1:
             raise ValueError(f"parent must be [B, N+1] = [B, {self.num_nodes + 1}], got {tuple(parent.shape)}")
         self.parent = parent.long()
-        self.max_depth = len(self.level_sizes) - 1
-        self.max_children = int(max_children)
-        device = parent.device
-        starts = torch.tensor((0,) + self.level_sizes, device="cpu").cumsum(0).tolist()
-        self.spans = [slice(starts[d], starts[d + 1]) for d in range(len(self.level_sizes))]
-        self.depth = torch.repeat_interleave(
-            torch.arange(len(self.level_sizes), device=device), torch.tensor(self.level_sizes, device=device)
-        )
+        self.depth = self.layout.depth.to(parent.device)
         if validate:
             self.validate()
         self.slot = self._slots()
@@ -179,10 +184,6 @@ class TreeBatch:
         steps = self.depth.unsqueeze(-1) - 1 - torch.arange(self.max_depth, device=self.parent.device)
         picked = stacked.gather(2, steps.clamp(min=0).expand(self.batch_size, -1, -1))
         return torch.where(steps >= 0, picked, -1)
-
-    @property
-    def layout(self) -> LevelLayout:
-        return LevelLayout(self.level_sizes, self.max_children)
 
     @cached_property
     def ancestor_mask(self) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ..core.tree_batch import LevelLayout
 from .attention.tree_attention_plan import TreeAttentionPlan
 from .draft_inputs import build_draft_step_inputs
 from .host_to_device import upload
-from .tree_drafter import TreeDrafter
+from .tree_drafter import TreeDrafter, level_spans
 
 
 class DynamicTreeDrafter(TreeDrafter):
@@ -36,8 +36,7 @@ class DynamicTreeDrafter(TreeDrafter):
 
     def _use(self, tree: LevelLayout) -> None:
         self.tree = tree
-        depth = tree.depth
-        self.level_span = [(int((depth < d).sum()), int((depth <= d).sum()) - 1) for d in range(tree.max_depth + 1)]
+        self.level_span = level_spans(tree)
         self.last_run_node = self.level_span[tree.max_depth - 1][1]  # the deepest level is never run
         self.child_groups = None  # children are placed per request, not by a shared table
 

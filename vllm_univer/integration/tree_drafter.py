@@ -17,6 +17,7 @@ Loops run over depth levels and over the (few) distinct child counts of a level.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -336,12 +337,18 @@ class TreeDrafter:
             return run_draft_model(proposer, inputs, per_layer)
 
 
+def level_spans(tree) -> list[tuple[int, int]]:
+    """Per depth 0..D of ``tree`` (a TreeSpec or LevelLayout: positions breadth-first),
+    its (first, last) position."""
+    ends = itertools.accumulate(tree.nodes_per_depth)
+    return [(end - n, end - 1) for end, n in zip(ends, tree.nodes_per_depth)]
+
+
 class _Shape:
     """What the level loop needs of one tree shape, built once per shape."""
 
     def __init__(self, tree: TreeSpec, device: torch.device):
-        depth = tree.depth
-        self.level_span = [(int((depth < d).sum()), int((depth <= d).sum()) - 1) for d in range(tree.max_depth + 1)]
+        self.level_span = level_spans(tree)
         # The drafter runs every node above the deepest level (leaves are never run).
         self.last_run_node = self.level_span[tree.max_depth - 1][1]
         # Per depth: [(parents [g], kids [g, m], m, where the parents' rows are in the level,

@@ -161,8 +161,7 @@ class TreeVerificationSampler:
         request's own parents on those levels (``TreeBatch``)."""
         if not isinstance(tree, LevelLayout):
             return tree
-        parents = self.state.parents_of(req_ids, shape, device)[:, : tree.num_nodes + 1]
-        return TreeBatch(parents, tree.level_sizes, tree.max_children, validate=False)
+        return self.state.step_trees(req_ids, shape, device).cut(tree.max_depth)
 
     def _accepted_path(self, trees: TreeSpec | TreeBatch, end: torch.Tensor) -> torch.Tensor:
         """[B, D] (D: the configured tree's depth): the accepted nodes at depth 1 .. D, -1 past the end."""

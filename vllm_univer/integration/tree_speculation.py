@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..core.tree_batch import LevelLayout, TreeBatch
+from ..core.tree_batch import LevelLayout
 from .attention.kv_cache_views import check_cpu_isa, layer_kv_views
 from .attention.tree_attention_plan import TreeAttentionPlan, backend_kind, check_layer_supported
 from .dynamic_tree_drafter import DynamicTreeDrafter
@@ -133,11 +133,10 @@ class TreeSpeculation:
             [rows, rows[row_valid], positions[row_valid], tree_reqs, context], device, torch.int64
         )
         if isinstance(tree, LevelLayout):  # context-aware trees: each request's own mask, built on the device
-            ids = runner.input_batch.req_ids
-            parents = self.state.parents_of([ids[i] for i in tree_reqs.tolist()], tree, device)
-            trees = TreeBatch(parents, tree.level_sizes, tree.max_children, validate=False)
+            # The whole batch's trees, as the verifier reads them after this forward.
+            trees = self.state.step_trees(runner.input_batch.req_ids[:batch], tree, device)
             (row_valid_dev,) = upload_packed([row_valid], device, torch.bool)
-            mask = trees.ancestor_mask[:, : nodes + 1, : nodes + 1]
+            mask = trees.ancestor_mask[request_index, : nodes + 1, : nodes + 1]
         else:
             mask = tree.ancestor_mask[: nodes + 1, : nodes + 1]
             row_valid_dev, mask = upload_packed([row_valid, mask], device, torch.bool)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.tree import TreeSpec
-from ..core.tree_batch import LevelLayout
+from ..core.tree_batch import LevelLayout, TreeBatch
 
 
 @dataclass
@@ -51,9 +51,13 @@ class TreeState:
     # a tree of another shape (its request was skipped for a step while the shape
     # changed) is verified as no tree at all.
     latest_tree: TreeSpec | None = None
+    # The context-aware trees of the step being verified (``step_trees``): the target
+    # forward's masks and the verifier read one TreeBatch. Key: (req ids, layout, device).
+    _step_batch: tuple[tuple, TreeBatch] | None = None
 
     def add(self, drafted: DraftedTrees) -> None:
         self.latest_tree = drafted.tree
+        self._step_batch = None
         for row, req_id in enumerate(drafted.req_ids):
             self.trees[req_id] = (drafted, row)
 
@@ -132,12 +136,23 @@ class TreeState:
             out[torch.tensor(rows, device=device)] = drafted.parents[index, :n1]
         return out
 
+    def step_trees(self, req_ids: list[str], layout: LevelLayout, device) -> TreeBatch:
+        """``parents_of`` as a TreeBatch on ``layout``, built once per step: the target
+        forward's masks and the verifier ask for the same batch."""
+        key = (tuple(req_ids), layout, torch.device(device))
+        if self._step_batch is None or self._step_batch[0] != key:
+            parents = self.parents_of(req_ids, layout, device)
+            self._step_batch = (key, TreeBatch(parents, layout.level_sizes, layout.max_children, validate=False))
+        return self._step_batch[1]
+
     def forget(self, req_ids) -> None:
         """Drop the trees of ``req_ids``: they got no tree this step, so theirs is never verified again."""
+        self._step_batch = None
         for req_id in req_ids:
             self.trees.pop(req_id, None)
 
     def forget_except(self, live_req_ids: list[str]) -> None:
         live = set(live_req_ids)
+        self._step_batch = None
         self.draft_kv_len = {r: n for r, n in self.draft_kv_len.items() if r in live}
         self.trees = {r: t for r, t in self.trees.items() if r in live}
