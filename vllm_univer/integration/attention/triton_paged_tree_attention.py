@@ -356,6 +356,14 @@ class PagedTreeAttention:
                 BLOCK_D=block_d,
             )
 
+    def launch_tensors(self) -> list[torch.Tensor]:
+        """The tensors every layer's launch reads besides its own query, caches and output."""
+        if self.num_reqs == 0:
+            return []
+        merge = self._merge.values() if self.num_splits > 1 else ()
+        found = [v for v in (*self._launch.values(), *merge) if isinstance(v, torch.Tensor)]
+        return list({id(t): t for t in found}.values())
+
     def __call__(
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor
     ) -> None:
