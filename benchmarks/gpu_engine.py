@@ -105,6 +105,9 @@ ROWS = [
     ("no speculation", None, None),
     ("vLLM chain k=3", {"method": "draft_model", "num_speculative_tokens": 3}, ("1x3", "token")),
     ("univer 2x3", {"method": "univer", "tree": "2x3"}, ("2x3", "univer")),
+    # Opt-in full CUDA graphs for batches of whole trees (FULL_AND_PIECEWISE, tree attention over
+    # persistent buffers): the same tree and tau as "univer 2x3", one graph replay per target forward.
+    ("univer 2x3 full graphs", {"method": "univer", "tree": "2x3", "cuda_graphs": "full"}, ("2x3", "univer")),
     # tree auto (max_tree 2x5): its choice runs on this machine's costs and on the study's
     # acceptance (fixed hazards, ``auto_hazards``); tau: the study's, over the cuts it drafted.
     ("univer auto", {"method": "univer", "tree": "auto"}, ("auto", "univer")),

@@ -3,9 +3,10 @@
 # (../shared/gpu/make_bundle.sh; per part `bash .gpu-bundle/<part>/install.sh`, one device
 # call each, about 70 s together with the machine's start). Then one device call per part:
 #
-#   bash benchmarks/gpu_engine.sh graphs   # about 150 s: the engine under vLLM's piecewise CUDA
-#                                          # graphs, target and draft (tests/end_to_end/test_draft_forward.py:
-#                                          # greedy identity, drafts accepted as in an eager engine)
+#   bash benchmarks/gpu_engine.sh graphs   # about 240 s: the engine under vLLM's piecewise CUDA
+#                                          # graphs, target and draft, and with "cuda_graphs": "full"
+#                                          # (tests/end_to_end/test_draft_forward.py -k cuda_graphs: greedy
+#                                          # identity, drafts accepted as in an eager / piecewise engine)
 #   bash benchmarks/gpu_engine.sh check    # about 200 s: benchmarks/gpu_check.py (verifiers'
 #                                          # laws, kernels, verify timings; cut off at GPU_CHECK_S),
 #                                          # then attention_host_overhead.py (<= 45 s: host time per
@@ -34,8 +35,8 @@ out="${OUT:-benchmarks/results}"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L || true
 if [ "$part" = graphs ] || [ "$part" = all ]; then
-  UNIVER_TEST_ATTENTION_BACKEND=TRITON_ATTN timeout "${GPU_GRAPHS_S:-150}" \
-    python -m pytest -q -p no:cacheprovider tests/end_to_end/test_draft_forward.py -k cuda_graphs 2>&1 | tee "$out/graphs_gpu.txt"
+  UNIVER_TEST_ATTENTION_BACKEND=TRITON_ATTN timeout "${GPU_GRAPHS_S:-240}" \
+    python -m pytest -q -p no:cacheprovider tests/end_to_end/test_draft_forward.py -k "cuda_graphs" 2>&1 | tee "$out/graphs_gpu.txt"
 fi
 if [ "$part" = check ] || [ "$part" = all ]; then
   timeout "${GPU_CHECK_S:-200}" python -m benchmarks.gpu_check --out "$out" \

@@ -83,3 +83,34 @@ def test_trees_drafted_under_cuda_graphs(tiny_pair):
         graphs["spec"],
         eager["spec"],
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (benchmarks/gpu_engine.sh graphs)")
+@pytest.mark.parametrize("tree", ["2x3", "dynamic"])
+def test_whole_trees_under_full_cuda_graphs(tiny_pair, tree):
+    """``"cuda_graphs": "full"``: batches of whole trees replay one full graph of the
+    target forward (tree attention over the captured size's buffers), mixed batches
+    the piecewise graphs. Greedy tokens are the target's alone, and trees are accepted
+    as often as under piecewise graphs (a replay on stale plan buffers would reject them)."""
+    target, draft = tiny_pair
+    job = call(prompts(6, seed=3), temperature=0.0, max_tokens=60, ignore_eos=True)
+    spec = univer(draft, tree)
+    results = run_engines(
+        [
+            reference(target, [job], **CUDA_GRAPHS),
+            engine(target, [job], {**spec, "cuda_graphs": "full"}, **CUDA_GRAPHS),
+            engine(target, [job], spec, **CUDA_GRAPHS),
+        ]
+    )
+    full, piecewise = results[1], results[2]
+    assert "error" not in full, full.get("error")
+    assert_greedy_identical(full["calls"][0]["outputs"], results[0]["calls"][0], f"univer {tree} under full graphs")
+
+    def accepted_per_draft(result):
+        spec = result["spec"]
+        return spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_drafts"]
+
+    assert abs(accepted_per_draft(full) - accepted_per_draft(piecewise)) <= 0.05 * accepted_per_draft(piecewise), (
+        full["spec"],
+        piecewise["spec"],
+    )

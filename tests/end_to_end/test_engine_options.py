@@ -1,5 +1,6 @@
 """Engine-wide options tree speculation sets or refuses when vLLM builds its
-config: the V1 model runner (where the trees live), no full CUDA graphs (a
+config: the V1 model runner (where the trees live), no full CUDA graphs unless
+asked for (``"cuda_graphs": "full"``: batches of whole trees only; by default a
 replayed attention call would not see the step's tree plan) and no pipeline
 parallelism."""
 
@@ -20,13 +21,13 @@ def target(tmp_path_factory):
     return str(build_tiny_llama(tmp_path_factory.mktemp("options") / "target"))
 
 
-def _engine_args(target, **kwargs):
+def _engine_args(target, spec=None, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
         model=target,
         max_model_len=256,
-        speculative_config={"method": "univer", "model": target, "tree": "2x2"},
+        speculative_config={"method": "univer", "model": target, "tree": "2x2", **(spec or {})},
         **kwargs,
     )
 
@@ -60,6 +61,30 @@ def test_other_methods_keep_vllm_defaults(target):
 def test_full_cuda_graphs_are_refused(target, mode):
     with pytest.raises(ValueError, match="outside CUDA graphs"):
         _engine_args(target, compilation_config={"cudagraph_mode": mode}).create_engine_config()
+
+
+def test_full_graphs_for_whole_trees_are_opt_in(target):
+    """``"cuda_graphs": "full"``: unset mode becomes FULL_AND_PIECEWISE (batches of whole
+    trees replay one graph, mixed batches piecewise); the config carries the switch."""
+    from vllm.config import CUDAGraphMode
+
+    args = _engine_args(target, {"cuda_graphs": "full"})
+    config = args.create_engine_config()
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert config.speculative_config.univer.cuda_graphs == "full"
+    for mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
+        explicit = _engine_args(target, {"cuda_graphs": "full"}, compilation_config={"cudagraph_mode": mode})
+        explicit.create_engine_config()
+        assert explicit.compilation_config.cudagraph_mode == CUDAGraphMode[mode]
+
+
+def test_full_graphs_of_mixed_batches_are_refused(target):
+    with pytest.raises(ValueError, match="captures batches of whole trees only"):
+        _engine_args(
+            target, {"cuda_graphs": "full"}, compilation_config={"cudagraph_mode": "FULL"}
+        ).create_engine_config()
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        _engine_args(target, {"cuda_graphs": "whole"}).create_engine_config()
 
 
 def test_explicit_v2_model_runner_is_refused(target, monkeypatch):

@@ -3,6 +3,7 @@
     {"method": "univer", "model": DRAFT, "tree": "2x5", "verifier": "univer"}
     {"method": "univer", "model": DRAFT, "tree": "auto", "max_tree": "2x5"}
     {"method": "univer", "model": DRAFT, "tree": "dynamic", "max_nodes": 32}
+    {"method": "univer", "model": DRAFT, "tree": "2x3", "cuda_graphs": "full"}
 
 ``"tree": "auto"`` drafts, each step, the cut of ``max_tree`` (default
 ``DEFAULT_TREE``): one of its width cuts (``1x5`` or ``2x5`` for ``2x5``) to
@@ -22,7 +23,7 @@ fails at config time with a message that names the field. No vLLM import here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
@@ -51,6 +52,11 @@ class UniverConfig(BaseModel):
     max_depth: int | None = None
     expand: int | None = None
     max_children: int | None = None
+    # "full": vLLM's full CUDA graphs for batches of whole trees (FULL_AND_PIECEWISE),
+    # tree attention over persistent buffers; "piecewise" (default): attention, and
+    # with it the tree, runs eagerly between graph pieces. Opt-in until a GPU run
+    # has passed greedy identity and the T = 1 law under full graphs (issue 49).
+    cuda_graphs: Literal["piecewise", "full"] = "piecewise"
 
     @field_validator("verifier")
     @classmethod
@@ -145,7 +151,7 @@ class UniverConfig(BaseModel):
 
 
 # Keys of the user's dict that belong to us, not to vLLM's SpeculativeConfig.
-OWN_KEYS = ("tree", "verifier", "max_tree", *BUDGET_KEYS)
+OWN_KEYS = ("tree", "verifier", "max_tree", *BUDGET_KEYS, "cuda_graphs")
 
 
 def split_user_config(spec: dict[str, Any]) -> tuple[UniverConfig, dict[str, Any]]:

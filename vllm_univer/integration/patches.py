@@ -93,7 +93,10 @@ def patch_model_runner() -> None:
         def _build_attention_metadata(self, *args, **kwargs):
             attn_metadata, common = original(self, *args, **kwargs)
             if getattr(self, "tree_speculation", None) is not None:
-                self.tree_speculation.attach_plan(attn_metadata)
+                # vLLM pads the metadata (num_tokens_padded) exactly when the forward runs under a full graph.
+                self.tree_speculation.attach_plan(
+                    attn_metadata, kwargs.get("num_tokens_padded"), kwargs.get("max_query_len")
+                )
             return attn_metadata, common
 
         return _build_attention_metadata

@@ -30,6 +30,7 @@ class UniverSpeculativeConfig(SpeculativeConfig):
     max_depth: int | None = None
     expand: int | None = None
     max_children: int | None = None
+    cuda_graphs: str = "piecewise"  # "full": full CUDA graphs for batches of whole trees
 
     @property
     def univer(self) -> UniverConfig:
@@ -47,9 +48,13 @@ def check_engine_options(engine_args) -> None:
     * The V1 model runner: trees live in ``GPUModelRunner`` (vLLM falls back to
       it by itself, see ``patches.patch_vllm_config_v2_model_runner``); an explicit
       ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused.
-    * No full CUDA graphs: a captured attention call would replay without the
-      step's tree plan. Unset ``cudagraph_mode`` becomes PIECEWISE (attention runs
-      eagerly between graph pieces); an explicit FULL mode is refused.
+    * CUDA graphs: by default none of the full kind (a captured attention call
+      would replay without the step's tree plan): unset ``cudagraph_mode`` becomes
+      PIECEWISE (attention runs eagerly between graph pieces) and a full mode is
+      refused. With ``"cuda_graphs": "full"`` (opt-in) it becomes
+      FULL_AND_PIECEWISE: batches of whole trees replay one graph, their tree
+      attention over persistent buffers (``attention.tree_graph_plans``); a mode
+      that captures mixed batches whole is refused.
     * No pipeline parallelism: the accepted path is known on the last stage only,
       and every stage must keep that path's keys and values in its own layers'
       cache (a chain's accepted tokens are a prefix of its slots; a tree path's
@@ -71,12 +76,20 @@ def check_engine_options(engine_args) -> None:
         )
     compilation = engine_args.compilation_config
     mode = compilation.cudagraph_mode
+    spec = engine_args.speculative_config
+    full = isinstance(spec, dict) and spec.get("cuda_graphs", spec.get("cuda-graphs")) == "full"
     if mode is None:
-        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
-    elif mode.has_full_cudagraphs():
+        compilation.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE if full else CUDAGraphMode.PIECEWISE
+    elif mode.has_full_cudagraphs() and not full:
         raise ValueError(
             f'method "{METHOD_NAME}" computes tree attention outside CUDA graphs; cudagraph_mode {mode.name} '
-            "captures attention. Use -cc.cudagraph_mode=PIECEWISE (or NONE)."
+            'captures attention. Use -cc.cudagraph_mode=PIECEWISE (or NONE), or add "cuda_graphs": "full" to '
+            "--speculative-config (full graphs for batches of whole trees)."
+        )
+    elif full and mode.mixed_mode() == CUDAGraphMode.FULL:
+        raise ValueError(
+            f'"cuda_graphs": "full" captures batches of whole trees only; cudagraph_mode {mode.name} also '
+            "captures mixed batches (prompts, cut trees) whole. Use FULL_AND_PIECEWISE or FULL_DECODE_ONLY."
         )
 
 

@@ -14,8 +14,9 @@ import torch
 from ..core.tree_batch import LevelLayout
 from .attention.kv_cache_views import check_cpu_isa, layer_kv_views
 from .attention.tree_attention_plan import TreeAttentionPlan, backend_kind, check_layer_supported
+from .attention.tree_graph_plans import TreeGraphPlans, uniform_batch_plan
 from .dynamic_tree_drafter import DynamicTreeDrafter
-from .host_to_device import upload_packed
+from .host_to_device import upload, upload_packed
 from .timers import StepTimers
 from .tree_drafter import TreeDrafter
 from .tree_sampler import TreeVerificationSampler, tree_rows
@@ -51,6 +52,11 @@ class TreeSpeculation:
         runner.rejection_sampler = self.sampler
         self._pending_plan: TreeAttentionPlan | None = None
         self._kv_views = None
+        # Full CUDA graphs of batches of whole trees (opt-in; CUDA only).
+        self.graph_plans = None
+        self._graph_batch: np.ndarray | None = None  # cached tokens per request of the batch being prepared
+        if config.cuda_graphs == "full" and torch.device(runner.device).type == "cuda":
+            self.graph_plans = TreeGraphPlans(self.tree.num_nodes + 1, runner.max_model_len)
 
     # ------------------------------------------------------------ KV caches
     def attention_layers(self):
@@ -97,6 +103,9 @@ class TreeSpeculation:
         computed from the consecutive positions; the model reads ``runner.positions``.
         """
         self._pending_plan = None
+        if self.graph_plans is not None:  # a real batch (not a dummy forward): what a full graph's plan needs
+            computed = self.runner.input_batch.num_computed_tokens_cpu[: self.runner.input_batch.num_reqs]
+            self._graph_batch = computed.astype(np.int64)
         if spec_decode_metadata is None:
             return
         # Host arrays in numpy: a few microseconds per operation where small CPU
@@ -152,15 +161,42 @@ class TreeSpeculation:
             max_context_len=int(context.max()),
         )
 
-    def attach_plan(self, attn_metadata) -> None:
-        """Hand the pending plan to the attention metadata of this forward."""
+    def attach_plan(self, attn_metadata, num_tokens_padded: int | None = None, max_query_len: int | None = None):
+        """Hand the pending plan to the attention metadata of this forward.
+
+        num_tokens_padded: set when vLLM runs the forward under a full CUDA graph
+        (its dummy forwards too: warm-up and capture), padded to that many tokens;
+        max_query_len: its most query tokens of one request. Such a forward's
+        layers read the captured size's buffers, this step's plan written in."""
         plan, self._pending_plan = self._pending_plan, None
+        batch, self._graph_batch = self._graph_batch, None
+        if self.graph_plans is not None and num_tokens_padded is not None and isinstance(attn_metadata, dict):
+            plan = self._full_graph_plan(plan, batch, num_tokens_padded, max_query_len, attn_metadata)
         if plan is None:
             return
         if not isinstance(attn_metadata, dict):
             raise NotImplementedError("tree speculation does not support micro-batching (ubatches)")
         for metadata in {id(m): m for m in attn_metadata.values()}.values():
             metadata.tree_plan = plan
+
+    def _full_graph_plan(self, plan, computed, num_tokens_padded: int, max_query_len: int, attn_metadata):
+        """A forward under a full CUDA graph: a uniform batch of N + 1 tokens per
+        request reads the captured size's buffers, every request's rows written in
+        (``computed``: their cached tokens; None for vLLM's dummy forwards); any other
+        batch carries no tree (vLLM dispatches trees cut short to piecewise graphs)."""
+        num_tree_tokens = self.graph_plans.num_tree_tokens
+        if max_query_len != num_tree_tokens:
+            if plan is not None:
+                raise RuntimeError(
+                    f"a full CUDA graph forward of up to {max_query_len} tokens per request carries trees of "
+                    f"{num_tree_tokens} positions"
+                )
+            return None
+        if computed is not None:
+            context = upload(computed, self.runner.device)
+            plan = uniform_batch_plan(plan, context, int(computed.max()), num_tree_tokens)
+        table = next(iter(attn_metadata.values())).block_table
+        return self.graph_plans.for_forward(num_tokens_padded, plan, table)
 
     def calibrate(self) -> None:
         """After vLLM's warm-up: time the forwards ``tree: auto`` chooses with."""

@@ -17,13 +17,16 @@ from triton_interpreter import run_interpreted
 pytest.importorskip("triton")
 
 from vllm_univer.core.tree_batch import TreeBatch  # noqa: E402
-from vllm_univer.integration.attention.persistent_tree_attention import PersistentTreeAttention  # noqa: E402
+from vllm_univer.integration.attention.persistent_tree_attention import (  # noqa: E402
+    PersistentTreeAttention,
+    TreePlanBuffers,
+)
 from vllm_univer.integration.attention.tree_attention_plan import TreeAttentionPlan  # noqa: E402
 
 CHECK = textwrap.dedent("""
     import torch
     from vllm_univer.core.tree_batch import TreeBatch
-    from vllm_univer.integration.attention.persistent_tree_attention import PersistentTreeAttention
+    from vllm_univer.integration.attention.persistent_tree_attention import PersistentTreeAttention, TreePlanBuffers
     from vllm_univer.integration.attention.tree_attention_plan import TreeAttentionPlan
     from vllm_univer.integration.attention.triton_paged_tree_attention import paged_tree_attention_triton
     from vllm_univer.tools.graph_discipline import GraphDiscipline
@@ -73,13 +76,12 @@ CHECK = textwrap.dedent("""
         plan([[-1, 0, 0, 1, 1, 2], [-1, 0, 0, 2, 2, -1]], [3, 0], [5, 100], None),
     ]
     for splits in (1, 3):
-        attention = PersistentTreeAttention(query, keys, values, output, max_reqs=R, num_queries=N1,
-                                            num_tree_keys=N1, max_blocks=8, max_model_len=MAX_LEN, scale=0.3,
-                                            num_splits=splits)
+        buffers = TreePlanBuffers(R, N1, N1, 8, MAX_LEN, "cpu")
+        attention = PersistentTreeAttention(buffers, query, keys, values, output, scale=0.3, num_splits=splits)
         read = None
         for step in steps:
             with GraphDiscipline() as writing:
-                attention.write(step, table)
+                buffers.write(step, table)
             assert writing.violations == [], writing.violations
             # The layer's call with its launches recorded, not run: the host code around
             # them issues no ATen op, and each launch has the grid and the memory of the
@@ -102,9 +104,9 @@ CHECK = textwrap.dedent("""
             written = (output != 7.0).any(-1).any(-1)
             valid = torch.ones_like(step.query_rows, dtype=torch.bool) if step.row_valid is None else step.row_valid
             assert written.sum() == valid.sum()  # padding requests and cut rows: nothing written
-        buffers = {t.data_ptr() for t in (attention.query_rows, attention.row_valid, attention.block_table,
-                                           attention.context_lens, attention.mask)}
-        assert buffers <= {t.data_ptr() for t in attention.launch_tensors()}
+        owned = {t.data_ptr() for t in (buffers.query_rows, buffers.row_valid, buffers.block_table,
+                                        buffers.context_lens, buffers.mask)}
+        assert owned <= {t.data_ptr() for t in attention.launch_tensors()}
     print("OK")
 """)
 
@@ -113,11 +115,9 @@ def test_persistent_tree_attention_is_capturable_and_exact():
     run_interpreted(CHECK, "OK")
 
 
-def _attention(**sizes):
-    query = torch.zeros(30, 4, 32)
-    cache = torch.zeros(64, 16, 2, 32)
+def _buffers(**sizes):
     sizes = {"max_reqs": 4, "num_queries": 6, "num_tree_keys": 6, "max_blocks": 8, "max_model_len": 128, **sizes}
-    return PersistentTreeAttention(query, cache, cache, query.clone(), **sizes)
+    return TreePlanBuffers(**sizes, device="cpu")
 
 
 def _plan(reqs: int, queries: int = 6, context: int = 10):
@@ -136,18 +136,113 @@ def _plan(reqs: int, queries: int = 6, context: int = 10):
 @pytest.mark.parametrize(
     "plan, message",
     [
-        (_plan(5), "does not fit the captured bucket"),
-        (_plan(2, queries=4), "does not fit the captured bucket"),
+        (_plan(5), "does not fit the captured size"),
+        (_plan(2, queries=4), "does not fit the captured size"),
         (_plan(2, context=125), "exceed max_model_len"),
     ],
 )
 def test_plans_that_do_not_fit_the_bucket_fail_clearly(plan, message):
     with pytest.raises(ValueError, match=message):
-        _attention().write(plan, torch.zeros(6, 8, dtype=torch.int32))
+        _buffers().write(plan, torch.zeros(6, 8, dtype=torch.int32))
 
 
-def test_buckets_that_cannot_hold_a_context_fail_clearly():
+def test_sizes_that_cannot_hold_a_context_fail_clearly():
+    query, cache = torch.zeros(30, 4, 32), torch.zeros(64, 16, 2, 32)
     with pytest.raises(ValueError, match="do not hold max_model_len"):
-        _attention(max_blocks=4)
+        PersistentTreeAttention(_buffers(max_blocks=4), query, cache, cache, query.clone())
     with pytest.raises(ValueError, match="must be >= 1"):
-        _attention(max_reqs=0)
+        _buffers(max_reqs=0)
+
+
+# vLLM's full CUDA graph of a uniform batch, emulated on CPU: "capture" runs each
+# layer's tree rows through ``forward_tree_rows`` with its launches recorded (the
+# dummy forward: buffers cleared); each "replay" writes a real batch's plan into the
+# captured size's buffers and reruns the recorded launches as they are (grid,
+# pointers, scalars), with the real kernel, on the graph's static query and output
+# holding new data. Every request of the batch is a plan row: trees (their own
+# masks) and a prompt chunk of exactly N + 1 tokens (causal). The replayed rows
+# equal the eager launch of the batch bit for bit, and the reference to 2e-5.
+GRAPH_REPLAY = textwrap.dedent("""
+    import contextlib
+    from types import SimpleNamespace
+    import torch
+    import vllm_univer.integration.attention.triton_paged_tree_attention as kernels
+    from vllm_univer.core.tree_batch import TreeBatch
+    from vllm_univer.integration.attention.cuda_tree_attention import forward_tree_rows
+    from vllm_univer.integration.attention.tree_attention import gather_paged, tree_attention
+    from vllm_univer.integration.attention.tree_attention_plan import TreeAttentionPlan
+    from vllm_univer.integration.attention.tree_graph_plans import TreeGraphPlans, uniform_batch_plan
+    from vllm_univer.integration.attention.triton_paged_tree_attention import paged_tree_attention_triton
+
+    gen = torch.Generator().manual_seed(1)
+    N1, PADDED_REQS, MAX_LEN, HEADS, KV_HEADS, DH = 6, 4, 128, 4, 2, 32
+    impl = SimpleNamespace(num_heads=HEADS, head_size=DH, scale=0.3)
+    layers = [torch.randn(64, KV_HEADS, 16, 2 * DH, generator=gen) for _ in range(2)]  # vLLM's CUDA cache layout
+    query = torch.zeros(PADDED_REQS * N1, HEADS * DH)  # the graph's static tensors
+    output = torch.zeros_like(query)
+    graphs = TreeGraphPlans(N1, MAX_LEN)
+
+    launches = []
+    names = ("_paged_tree_attention_kernel", "_merge_splits_kernel")
+    real = {name: getattr(kernels, name) for name in names}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+        def __getitem__(self, grid):
+            return lambda **args: launches.append((self.name, grid, args))
+
+    table = torch.randperm(64, generator=gen)[:48].view(6, 8).int()
+    captured = graphs.for_forward(PADDED_REQS * N1, None, table)  # the dummy forward of capture
+    for name in names:
+        setattr(kernels, name, Recorder(name))
+    for kv in layers:
+        forward_tree_rows(impl, None, query, None, None, kv, SimpleNamespace(block_table=table), output, captured)
+    for name in names:
+        setattr(kernels, name, real[name])
+    assert len(launches) == 2  # one per layer, one launch prepared for both
+
+    def batch(parents, context):
+        # Requests with a parent row are trees; None: a prompt chunk of N1 tokens.
+        trees = [i for i, p in enumerate(parents) if p is not None]
+        own = TreeBatch(torch.tensor([parents[i] for i in trees]), (1, 2, 3), 2).ancestor_mask
+        tree_plan = TreeAttentionPlan(
+            query_rows=torch.tensor(trees).unsqueeze(1) * N1 + torch.arange(N1), row_valid=None,
+            request_index=torch.tensor(trees), context_lens=torch.tensor(context)[trees], mask=own,
+            covers_all_rows=True, max_context_len=max(context))
+        plan = uniform_batch_plan(tree_plan, torch.tensor(context), max(context), N1)
+        expected_mask = torch.ones(len(parents), N1, N1, dtype=torch.bool).tril()
+        expected_mask[trees] = own
+        return plan, expected_mask
+
+    steps = [
+        batch([[-1, 0, 0, 1, 1, 2], None, [-1, 0, -1, 1, -1, -1], [-1, 0, 0, 2, 2, 1]], [30, 9, 0, 100]),
+        batch([[-1, 0, 0, 1, 2, 2], None], [44, 17]),  # fewer requests: the padding must go quiet
+    ]
+    for plan, mask in steps:
+        reqs = mask.shape[0]
+        assert graphs.for_forward(PADDED_REQS * N1, plan, table) is captured
+        rows = torch.arange(reqs * N1).view(reqs, N1)
+        for (name, grid, args), kv in zip(launches, layers):  # the replay, layer by layer (one static output here)
+            query.copy_(torch.randn(query.shape, generator=gen))
+            output.fill_(7.0)
+            getattr(kernels, name)[grid](**args)
+            keys, values = kv.transpose(1, 2)[..., :DH], kv.transpose(1, 2)[..., DH:]
+            got = args["out_ptr"]
+            eager = torch.full_like(got, 7.0)
+            q = args["q_ptr"]
+            paged_tree_attention_triton(q, keys, values, table[:reqs], plan.context_lens, rows, mask, eager,
+                                        scale=0.3, max_context_len=MAX_LEN, num_splits=1)
+            assert torch.equal(got, eager), (got - eager).abs().max()
+            assert (got[reqs * N1:] == 7.0).all(), "the padding requests' rows were written"
+            positions = plan.context_lens.unsqueeze(1) + torch.arange(N1)
+            ref = tree_attention(q[rows].double(), gather_paged(keys, table[:reqs], positions).double(),
+                                 gather_paged(values, table[:reqs], positions).double(), keys.double(),
+                                 values.double(), table[:reqs], plan.context_lens, mask, scale=0.3)
+            torch.testing.assert_close(got[rows].double(), ref, atol=2e-5, rtol=2e-5)
+    print("OK")
+""")
+
+
+def test_full_graph_replay_of_a_uniform_batch_is_exact():
+    run_interpreted(GRAPH_REPLAY, "OK")

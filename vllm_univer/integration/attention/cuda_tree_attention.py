@@ -11,11 +11,15 @@ paged cache and written into the backend's output (no gather of the context).
 from __future__ import annotations
 
 from .kv_cache_views import standard_kv_views
+from .persistent_tree_attention import PersistentTreeAttention
 from .tree_attention_plan import TreeAttentionPlan
+from .tree_graph_plans import GraphTreePlan
 from .triton_paged_tree_attention import PagedTreeAttention
 
 
-def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, output, plan: TreeAttentionPlan) -> None:
+def forward_tree_rows(
+    impl, layer, query, key, value, kv_cache, attn_metadata, output, plan: TreeAttentionPlan | GraphTreePlan
+) -> None:
     """Overwrite ``output`` at the plan's rows with exact tree attention.
 
     query [tokens, Hq, Dh]; kv_cache [num_blocks, Hkv, block_size, 2*Dh] with the
@@ -29,10 +33,16 @@ def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, o
     # masks, strides, key splits: PagedTreeAttention) and reused by the others. Keyed by what the
     # preparation read of the layer's tensors, should a model mix layer shapes.
     layout = (query.shape, query.stride(), key_cache.shape, key_cache.stride(), value_cache.stride())
-    key = ("tree_attention", id(attn_metadata.block_table), layout, output.stride(), query.dtype, impl.scale)
-    attention = plan.derived(
-        key, lambda: _prepare(plan, attn_metadata.block_table, query, key_cache, value_cache, output, impl.scale)
-    )
+    layout = (*layout, output.stride(), query.dtype, impl.scale)
+    if isinstance(plan, GraphTreePlan):  # a full CUDA graph: the launch reads the captured size's buffers
+        attention = plan.derived(
+            layout, lambda: PersistentTreeAttention(plan.buffers, query, key_cache, value_cache, output, impl.scale)
+        )
+    else:
+        attention = plan.derived(
+            ("tree_attention", id(attn_metadata.block_table), layout),
+            lambda: _prepare(plan, attn_metadata.block_table, query, key_cache, value_cache, output, impl.scale),
+        )
     attention(query, key_cache, value_cache, output)
 
 

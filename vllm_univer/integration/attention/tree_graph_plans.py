@@ -1,0 +1,107 @@
+"""Tree rows inside vLLM's full CUDA graphs (``"cuda_graphs": "full"``, opt-in).
+
+Under ``FULL_AND_PIECEWISE`` vLLM captures, per padded token count, one graph
+of the whole target forward for uniform decode batches: every request with
+1 + num_speculative_tokens query tokens, which for tree speculation is a batch
+of whole trees (N + 1 positions each). Mixed batches (prompts, trees cut
+short, ``tree: auto``'s cuts) keep the piecewise graphs and the per-step
+``TreeAttentionPlan``.
+
+A graph replays the launches of its capture, so such a forward's attention
+layers get a ``GraphTreePlan`` instead: the captured size's ``TreePlanBuffers``
+(the step's plan copied in before the replay, every request of the batch a
+row: ``uniform_batch_plan``; cleared for vLLM's dummy forwards, warm-up and
+capture) and the layer launches prepared over them,
+which live as long as the graph. The layers skip vLLM's causal kernel
+(``covers_all_rows``): every row of a uniform tree batch is a tree row, and a
+padding row's output is never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .persistent_tree_attention import TreePlanBuffers
+from .tree_attention_plan import TreeAttentionPlan
+
+
+@dataclass(eq=False)
+class GraphTreePlan:
+    """What the attention layers of a full-graph forward read: ``buffers`` and, per
+    layer layout, the launch over them (``derived``, kept across steps)."""
+
+    buffers: TreePlanBuffers
+    launches: dict = field(default_factory=dict)
+    covers_all_rows: bool = True
+
+    def derived(self, key, make: Callable[[], object]):
+        if key not in self.launches:
+            self.launches[key] = make()
+        return self.launches[key]
+
+
+class TreeGraphPlans:
+    """One ``GraphTreePlan`` per padded token count vLLM captures a graph for.
+
+    num_tree_tokens: N + 1, the query tokens of each request in a uniform batch;
+    max_model_len: the engine's (fixes every launch's key splits).
+    """
+
+    def __init__(self, num_tree_tokens: int, max_model_len: int):
+        self.num_tree_tokens = num_tree_tokens
+        self.max_model_len = max_model_len
+        self.plans: dict[int, GraphTreePlan] = {}
+
+    def for_forward(
+        self, num_tokens_padded: int, plan: TreeAttentionPlan | None, block_table: torch.Tensor
+    ) -> GraphTreePlan:
+        """The plan of a forward of uniform batch vLLM runs under a full graph,
+        padded to ``num_tokens_padded`` tokens: that size's buffers with ``plan``
+        written in (every request of the batch, ``uniform_batch_plan``), or cleared
+        (None: a dummy forward). block_table: the forward's [B, blocks] table."""
+        graph_plan = self.plans.get(num_tokens_padded)
+        if graph_plan is None:
+            max_reqs = -(-num_tokens_padded // self.num_tree_tokens)
+            buffers = TreePlanBuffers(
+                max_reqs,
+                self.num_tree_tokens,
+                self.num_tree_tokens,
+                block_table.shape[1],
+                self.max_model_len,
+                block_table.device,
+            )
+            graph_plan = self.plans[num_tokens_padded] = GraphTreePlan(buffers)
+        if plan is None:
+            graph_plan.buffers.clear()
+        else:
+            graph_plan.buffers.write(plan, block_table)
+        return graph_plan
+
+
+def uniform_batch_plan(
+    tree_plan: TreeAttentionPlan | None, context_lens: torch.Tensor, max_context_len: int, num_tree_tokens: int
+) -> TreeAttentionPlan:
+    """Every request of a uniform batch (each with T = N + 1 query tokens, in batch
+    order) as a plan row: the trees' rows from ``tree_plan`` (their ancestor masks),
+    every other request (a prompt chunk of exactly T tokens, which vLLM's
+    dispatcher counts as uniform too) causal: token t sees the chunk's tokens up to t.
+
+    context_lens: [B] cached tokens of every request, on the device; max_context_len:
+    their largest (a Python int)."""
+    batch, t = context_lens.shape[0], num_tree_tokens
+    device = context_lens.device
+    mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(batch, t, t).clone()
+    if tree_plan is not None:
+        mask[tree_plan.request_index] = tree_plan.mask.to(torch.bool).expand(len(tree_plan.request_index), t, t)
+    return TreeAttentionPlan(
+        query_rows=torch.arange(batch * t, device=device).view(batch, t),
+        row_valid=None,
+        request_index=torch.arange(batch, device=device),
+        context_lens=context_lens,
+        mask=mask,
+        covers_all_rows=True,
+        max_context_len=max_context_len,
+    )
