@@ -23,14 +23,8 @@ from vllm_univer.integration.attention.persistent_tree_attention import (  # noq
 )
 from vllm_univer.integration.attention.tree_attention_plan import TreeAttentionPlan  # noqa: E402
 
-CHECK = textwrap.dedent("""
-    import torch
-    from vllm_univer.core.tree_batch import TreeBatch
-    from vllm_univer.integration.attention.persistent_tree_attention import PersistentTreeAttention, TreePlanBuffers
-    from vllm_univer.integration.attention.tree_attention_plan import TreeAttentionPlan
-    from vllm_univer.integration.attention.triton_paged_tree_attention import paged_tree_attention_triton
-    from vllm_univer.tools.graph_discipline import GraphDiscipline
-
+# Both scripts: the tree-attention launches of a block recorded (name, grid, arguments), not run.
+RECORDER = textwrap.dedent("""
     import contextlib
     import vllm_univer.integration.attention.triton_paged_tree_attention as kernels
 
@@ -52,6 +46,15 @@ CHECK = textwrap.dedent("""
         finally:
             for name in names:
                 setattr(kernels, name, real[name])
+""")
+
+CHECK = RECORDER + textwrap.dedent("""
+    import torch
+    from vllm_univer.core.tree_batch import TreeBatch
+    from vllm_univer.integration.attention.persistent_tree_attention import PersistentTreeAttention, TreePlanBuffers
+    from vllm_univer.integration.attention.tree_attention_plan import TreeAttentionPlan
+    from vllm_univer.integration.attention.triton_paged_tree_attention import paged_tree_attention_triton
+    from vllm_univer.tools.graph_discipline import GraphDiscipline
 
     gen = torch.Generator().manual_seed(0)
     BLOCK, BLOCKS, MAX_LEN, N1, R = 16, 64, 128, 6, 4
@@ -162,11 +165,9 @@ def test_sizes_that_cannot_hold_a_context_fail_clearly():
 # holding new data. Every request of the batch is a plan row: trees (their own
 # masks) and a prompt chunk of exactly N + 1 tokens (causal). The replayed rows
 # equal the eager launch of the batch bit for bit, and the reference to 2e-5.
-GRAPH_REPLAY = textwrap.dedent("""
-    import contextlib
+GRAPH_REPLAY = RECORDER + textwrap.dedent("""
     from types import SimpleNamespace
     import torch
-    import vllm_univer.integration.attention.triton_paged_tree_attention as kernels
     from vllm_univer.core.tree_batch import TreeBatch
     from vllm_univer.integration.attention.cuda_tree_attention import forward_tree_rows
     from vllm_univer.integration.attention.tree_attention import gather_paged, tree_attention
@@ -182,24 +183,12 @@ GRAPH_REPLAY = textwrap.dedent("""
     output = torch.zeros_like(query)
     graphs = TreeGraphPlans(N1, MAX_LEN)
 
-    launches = []
-    names = ("_paged_tree_attention_kernel", "_merge_splits_kernel")
-    real = {name: getattr(kernels, name) for name in names}
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-        def __getitem__(self, grid):
-            return lambda **args: launches.append((self.name, grid, args))
-
     table = torch.randperm(64, generator=gen)[:48].view(6, 8).int()
     captured = graphs.for_forward(PADDED_REQS * N1, None, table)  # the dummy forward of capture
-    for name in names:
-        setattr(kernels, name, Recorder(name))
-    for kv in layers:
-        forward_tree_rows(impl, None, query, None, None, kv, SimpleNamespace(block_table=table), output, captured)
-    for name in names:
-        setattr(kernels, name, real[name])
+    with recorded_launches() as launches:
+        for kv in layers:
+            meta = SimpleNamespace(block_table=table)
+            forward_tree_rows(impl, None, query, None, None, kv, meta, output, captured)
     assert len(launches) == 2  # one per layer, one launch prepared for both
 
     def batch(parents, context):
