@@ -396,15 +396,27 @@ def test_greedy_identity_with_tree_auto_cuts(models):
     and of shapes (``WIDTH_SCHEDULE_ENV``: 2x3 and its chain 1x3): cuts change
     between steps and between the requests of one batch, with steps and requests
     that do not speculate (depth 0) and draft caches that then catch up. Greedy
-    output equals no speculation for univer, traversal and token."""
+    output equals no speculation for univer, traversal and token, and with
+    context-aware trees among the candidates (a budget given)."""
     target, draft = models
     job = call(prompts(6, seed=3), temperature=0.0, max_tokens=120, ignore_eos=True)
     cases = [("univer", "2x3"), ("traversal", "2x3"), ("token", "1x4")]
     engines = [reference(target, [job])] + [
         {**engine(target, [job], auto(draft, tree, method)), "sizer": True} for method, tree in cases
     ]
-    results = run_engines(engines, env=AUTO_SCHEDULE)
+    # With a budget, context-aware trees are a candidate too (width 0 in the schedule: "dyn").
+    with_dynamic = {**auto(draft, "2x3"), "max_nodes": 10, "expand": 2}
+    engines.append({**engine(target, [job], with_dynamic), "sizer": True})
+    results = run_engines(engines[:-1], env=AUTO_SCHEDULE) + run_engines(
+        engines[-1:], env={**AUTO_SCHEDULE, "VLLM_UNIVER_AUTO_WIDTHS": "0,2,1,0"}
+    )
     ref = results[0]["calls"][0]
+    dynamic = results.pop()
+    assert "error" not in dynamic, dynamic.get("error")
+    assert_greedy_identical(dynamic["calls"][0]["outputs"], ref, "auto with dynamic trees")
+    assert set(dynamic["sizer"]["requests_at_width"]) == {"1", "2", "dyn"}, dynamic["sizer"]
+    assert set(dynamic["sizer"]["requests_at_depth"]) == {"0", "1", "2", "3"}, dynamic["sizer"]
+    assert dynamic["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
     for case, result in zip(cases, results[1:]):
         assert "error" not in result, (case, result.get("error"))
         assert_greedy_identical(result["calls"][0]["outputs"], ref, case)

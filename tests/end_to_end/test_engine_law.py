@@ -287,17 +287,18 @@ def test_compiled_univer_wor_law_equals_target_law(small_models, tmp_path):
 def test_tree_auto_cuts_law_equals_target_law(small_models):
     """tree "auto" with depth cuts that change between steps and between requests
     (``tree_sizer.SCHEDULE_ENV``, depths 2, 0, 1) and shapes that change between
-    steps (``WIDTH_SCHEDULE_ENV``: 2x2 and its chain 1x2), at T = 1: the law of
-    the first three tokens and of (t3, t4) is the target's."""
+    steps (``WIDTH_SCHEDULE_ENV``: 2x2, its chain 1x2 and, a budget given, the
+    context-aware trees "dyn" on levels 1, 2, 2), at T = 1: the law of the first
+    three tokens and of (t3, t4) is the target's."""
     target, draft = small_models
     prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
     sampling = {"temperature": 1.0, "max_tokens": 4, "ignore_eos": True}
-    spec = {"method": "univer", "model": draft, "tree": "auto", "max_tree": "2x2"}
+    spec = {"method": "univer", "model": draft, "tree": "auto", "max_tree": "2x2", "expand": 1, "max_children": 2}
     job = {**law_engine(target, spec, prompts, sampling), "sizer": True}
-    (result,) = run_engines([job], env={"VLLM_UNIVER_AUTO_DEPTHS": "2,0,1", "VLLM_UNIVER_AUTO_WIDTHS": "1,1,2,2"})
+    (result,) = run_engines([job], env={"VLLM_UNIVER_AUTO_DEPTHS": "2,0,1", "VLLM_UNIVER_AUTO_WIDTHS": "1,0,2,0,2"})
     assert "error" not in result, result.get("error")
     assert set(result["sizer"]["requests_at_depth"]) == {"0", "1", "2"}
-    assert set(result["sizer"]["requests_at_width"]) == {"1", "2"}
+    assert set(result["sizer"]["requests_at_width"]) == {"1", "2", "dyn"}
     assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
     assert_follows_target_law(result["calls"][0]["outputs"], target, {"temperature": 1.0}, "auto")
 

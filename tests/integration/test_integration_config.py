@@ -50,6 +50,9 @@ def test_tree_auto_schedules_the_largest_tree():
         ({"model": "d", "tree": "dynamic", "expand": 0}, "expand must be >= 1"),
         ({"model": "d", "tree": "dynamic", "max_nodes": 500}, "max_nodes 500"),
         ({"model": "d", "tree": "dynamic", "max_nodes": 8, "num_speculative_tokens": 9}, "disagrees with tree"),
+        ({"model": "d", "tree": "auto", "max_tree": "1x3", "max_nodes": 8}, "must fit in max_tree"),
+        ({"model": "d", "tree": "auto", "max_nodes": 8, "verifier": "traversal"}, "does not run on context-aware"),
+        ({"model": "d", "tree": "auto", "cuda_graphs": "whole"}, "cuda_graphs"),
     ],
 )
 def test_bad_configs(spec, match):
@@ -77,3 +80,19 @@ def test_tree_dynamic_lays_out_its_budget():
     assert ours.drafted_tree.level_sizes == (1, 2, 2, 2, 2) and theirs["num_speculative_tokens"] == 8
     with pytest.raises(ValueError, match="no single shape"):
         ours.tree_spec  # noqa: B018
+
+
+def test_tree_auto_with_a_budget_adds_dynamic_trees():
+    """Budget fields with tree "auto": the levels of context-aware trees join the
+    candidates before max_tree (the sizer's fallback, still what vLLM schedules);
+    max_nodes and max_depth default to max_tree's where the dynamic defaults are larger."""
+    from vllm_univer.core.tree_batch import LevelLayout
+
+    ours, theirs = split_user_config({"model": "d", "tree": "auto", "max_tree": "2x3", "expand": 2})
+    chain, layout, full = ours.tree_shapes
+    assert ours.auto_dynamic and not ours.dynamic and chain.is_chain and full == ours.tree_spec
+    assert isinstance(layout, LevelLayout) and layout.max_depth == 3 and layout.num_nodes <= full.num_nodes
+    assert ours.dynamic_budget.max_nodes == 14 and ours.dynamic_budget.max_depth == 3
+    assert theirs["num_speculative_tokens"] == full.num_nodes
+    plain, _ = split_user_config({"model": "d", "tree": "auto", "max_tree": "2x3"})
+    assert not plain.auto_dynamic and len(plain.tree_shapes) == 2

@@ -641,6 +641,35 @@ def test_fixed_hazards_hook_sets_the_acceptance_and_freezes_it(monkeypatch):
     assert learning.acceptance[1].hazards()[2, 0] < prior_hazards(shapes[1].nodes_per_depth)[0]
 
 
+def test_dynamic_trees_are_a_candidate_of_their_own(monkeypatch):
+    """With a budget, tree "auto"'s candidates include the levels of context-aware
+    trees: named "dyn" in the hooks (fixed hazards, the width schedule: 0) and in the
+    summaries, learnt like any shape, never a source of the chain's estimate."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm_univer.core.tree_batch import LevelLayout
+    from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV, TreeSizer, shape_label
+
+    runner = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    chain, full = TreeSpec.parse("2x3").width_cuts()
+    layout = LevelLayout((1, 2, 4, 4), 2)
+    shapes = [chain, layout, full]
+    assert [shape_label(s) for s in shapes] == [1, "dyn", 2]
+    monkeypatch.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": [0.7] * 3, "2": [0.9] * 3, "dyn": [0.5, 0.5, 0.0]}))
+    sizer = TreeSizer(runner, shapes, drafter=None)
+    assert sizer.acceptance[1].expected_tokens([2])[0] == pytest.approx([1, 1.5, 1.75, 1.75])
+    monkeypatch.delenv(FIXED_HAZARDS_ENV)
+    learning = TreeSizer(runner, shapes, drafter=None)
+    assert learning.estimates_chain(full) and not learning.estimates_chain(layout)
+    before = learning.acceptance[1].hazards()[2, 0]
+    learning.observe_acceptance(layout, np.array([1.0]), [3], [0])
+    assert learning.acceptance[1].hazards()[2, 0] < before
+    learning.set_schedule(None, "0,2")
+    with pytest.raises(ValueError, match="must lie in 1"):
+        TreeSizer(runner, [chain, full], drafter=None).set_schedule(None, "0,2")
+
+
 def sizer_on_a_fake_runner(temperatures) -> tuple:
     """(``TreeSizer`` of 2x3 and its chain on a fake runner whose batch has one request
     per temperature, forwards that cost 1 + 0.02 s per target row and 0.1 s per draft

@@ -3,12 +3,18 @@
     {"method": "univer", "model": DRAFT, "tree": "2x5", "verifier": "univer"}
     {"method": "univer", "model": DRAFT, "tree": "auto", "max_tree": "2x5"}
     {"method": "univer", "model": DRAFT, "tree": "dynamic", "max_nodes": 32}
+    {"method": "univer", "model": DRAFT, "tree": "auto", "max_nodes": 16}
     {"method": "univer", "model": DRAFT, "tree": "2x3", "cuda_graphs": "full"}
 
 ``"tree": "auto"`` drafts, each step, the cut of ``max_tree`` (default
 ``DEFAULT_TREE``): one of its width cuts (``1x5`` or ``2x5`` for ``2x5``) to
 a depth (0 = no speculation), the one the measured cost and acceptance models
 expect to give the most tokens per second (``vllm_univer.sizing``).
+
+With ``"tree": "auto"``, budget fields (any of them) add context-aware trees of
+that budget to the candidates (cut to any depth like the others; max_nodes and
+max_depth default to ``max_tree``'s where the dynamic defaults are larger, and
+must fit in it).
 
 ``"tree": "dynamic"`` grows each request's tree per step where the draft is
 confident (``core.dynamic_tree``, ``docs/dynamic-trees.md``) under a budget:
@@ -83,16 +89,26 @@ class UniverConfig(BaseModel):
         if self.max_tree is not None and not self.auto:
             raise ValueError(f"max_tree applies to tree 'auto' (got tree {self.tree!r}); drop one of them")
         given = [key for key in BUDGET_KEYS if getattr(self, key) is not None]
-        if given and not self.dynamic:
-            raise ValueError(f"{', '.join(given)} apply to tree 'dynamic' (got tree {self.tree!r}); drop them")
+        if given and not (self.dynamic or self.auto):
+            raise ValueError(
+                f"{', '.join(given)} apply to tree 'dynamic' or 'auto' (got tree {self.tree!r}); drop them"
+            )
         verifier = get_verifier(self.verifier)
-        if self.dynamic:
+        if self.dynamic or self.auto_dynamic:
             if self.verifier not in TREE_BATCH_METHODS:
                 raise ValueError(
-                    f"verifier {self.verifier!r} does not run on context-aware trees (tree 'dynamic'); "
+                    f"verifier {self.verifier!r} does not run on context-aware trees (tree 'dynamic', or "
+                    f"'auto' with a budget); "
                     f"use one of {', '.join(TREE_BATCH_METHODS)}"
                 )
-            self.dynamic_budget  # noqa: B018 -- ValueError naming a bad budget field
+            layout = self.dynamic_layout  # ValueError naming a bad budget field
+            largest = self.tree_spec if self.auto else layout
+            if layout.num_nodes > largest.num_nodes or layout.max_depth > largest.max_depth:
+                raise ValueError(
+                    f"tree 'auto': the dynamic trees ({layout.num_nodes} nodes, depth {layout.max_depth}) must "
+                    f"fit in max_tree ({largest.num_nodes} nodes, depth {largest.max_depth}): what one target "
+                    "forward is scheduled for"
+                )
             return self
         if verifier.chain_only and not self.tree_spec.is_chain:
             raise ValueError(
@@ -110,17 +126,33 @@ class UniverConfig(BaseModel):
         return self.tree == DYNAMIC_TREE
 
     @property
+    def auto_dynamic(self) -> bool:
+        """``tree: auto`` with a budget: dynamic trees are one more candidate."""
+        return self.auto and any(getattr(self, key) is not None for key in BUDGET_KEYS)
+
+    @property
     def dynamic_budget(self) -> DynamicTreeBudget:
-        """The budget of ``tree: dynamic`` (the fields given, else the defaults)."""
-        return DynamicTreeBudget(**{key: getattr(self, key) for key in BUDGET_KEYS if getattr(self, key) is not None})
+        """The budget of ``tree: dynamic`` (the fields given, else the defaults); with
+        ``tree: auto``, max_nodes and max_depth default to ``max_tree``'s when larger."""
+        given = {key: getattr(self, key) for key in BUDGET_KEYS if getattr(self, key) is not None}
+        if self.auto:
+            largest, default = self.tree_spec, DynamicTreeBudget()
+            given.setdefault("max_nodes", min(default.max_nodes, largest.num_nodes))
+            given.setdefault("max_depth", min(default.max_depth, largest.max_depth))
+        return DynamicTreeBudget(**given)
+
+    @property
+    def dynamic_layout(self) -> LevelLayout:
+        """The levels dynamic trees are laid on (``tree: dynamic``, or a candidate of ``auto``)."""
+        budget = self.dynamic_budget
+        return LevelLayout(level_sizes(budget), budget.max_children)
 
     @property
     def drafted_tree(self) -> TreeSpec | LevelLayout:
         """What a step drafts: the tree (``auto``: the largest), or for ``dynamic``
         the levels every request's own tree is laid on."""
         if self.dynamic:
-            budget = self.dynamic_budget
-            return LevelLayout(level_sizes(budget), budget.max_children)
+            return self.dynamic_layout
         return self.tree_spec
 
     @property
@@ -133,13 +165,18 @@ class UniverConfig(BaseModel):
         return TreeSpec.parse(self.tree)
 
     @property
-    def tree_shapes(self) -> list[TreeSpec]:
+    def tree_shapes(self) -> list[TreeSpec | LevelLayout]:
         """The trees a step may draft (each cut to any depth with ``auto``): with
         ``auto``, the width cuts of ``max_tree`` (for ``2x5``: the chain ``1x5``
-        and ``2x5``), narrowest first; else the tree alone."""
+        and ``2x5``), narrowest first, and with a budget the dynamic trees' levels
+        before the last; else the tree alone."""
         if self.dynamic:
             return [self.drafted_tree]
-        return self.tree_spec.width_cuts() if self.auto else [self.tree_spec]
+        if not self.auto:
+            return [self.tree_spec]
+        cuts = self.tree_spec.width_cuts()
+        # A budget adds dynamic trees, before max_tree (the last shape: the full tree the sizer falls back on).
+        return cuts[:-1] + [self.dynamic_layout] + cuts[-1:] if self.auto_dynamic else cuts
 
     @property
     def scheme(self) -> str:

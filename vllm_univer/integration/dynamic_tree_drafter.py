@@ -21,6 +21,7 @@ import torch
 
 from ..core.drafting import top_tokens
 from ..core.dynamic_tree import DynamicTreeBudget, draw_children, level_sizes, place_children, plan_children
+from ..core.tree import TreeSpec
 from ..core.tree_batch import LevelLayout
 from .attention.tree_attention_plan import TreeAttentionPlan
 from .draft_inputs import build_draft_step_inputs
@@ -29,12 +30,20 @@ from .tree_drafter import TreeDrafter, level_spans
 
 
 class DynamicTreeDrafter(TreeDrafter):
-    def __init__(self, runner, proposer, budget: DynamicTreeBudget, state, timers):
-        self.budget = budget
-        layout = LevelLayout(level_sizes(budget), budget.max_children)
-        super().__init__(runner, proposer, layout, "topk1", state, timers)
+    """Context-aware trees on ``budget``'s levels; with ``tree: auto`` also the static
+    shapes the sizer chooses among (``propose(..., tree=...)``), drafted as ``TreeDrafter``
+    drafts them (every verifier that runs on context-aware trees drafts ``topk1``)."""
 
-    def _use(self, tree: LevelLayout) -> None:
+    def __init__(self, runner, proposer, budget: DynamicTreeBudget, state, timers, tree=None):
+        self.budget = budget
+        self.layout = LevelLayout(level_sizes(budget), budget.max_children)
+        super().__init__(runner, proposer, self.layout if tree is None else tree, "topk1", state, timers)
+
+    def _use(self, tree: LevelLayout | TreeSpec) -> None:
+        if not isinstance(tree, LevelLayout):
+            return super()._use(tree)
+        if tree != self.layout:
+            raise ValueError(f"the dynamic drafter lays its trees on {self.layout}, not on {tree}")
         self.tree = tree
         self.level_span = level_spans(tree)
         self.last_run_node = self.level_span[tree.max_depth - 1][1]  # the deepest level is never run
@@ -43,11 +52,18 @@ class DynamicTreeDrafter(TreeDrafter):
     def _draft_levels(
         self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned, cut
     ):
-        """Every active request's tree on the shared levels (``cut`` is the full depth
-        here). Returns (tokens [R, N+1], q [R, N+1, V], parents [R, N+1])."""
+        """Every active request's tree on the shared levels, down to the deepest ``cut``
+        (int64 [R], deepest first; a request cut shallower is sent its prefix: the
+        nodes below it are drawn but never verified). Returns (tokens [R, N+1],
+        q [R, N+1, V], parents [R, N+1]); a static shape (``tree: auto``) as
+        ``TreeDrafter`` drafts it."""
+        if not isinstance(self.tree, LevelLayout):
+            return super()._draft_levels(
+                active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned, cut
+            )
         layout, runner = self.tree, self.runner
         device = runner.device
-        reqs, n1, depth = len(active), layout.num_nodes + 1, layout.max_depth
+        reqs, n1, depth = len(active), layout.num_nodes + 1, int(cut[0])
         sizes, m = layout.level_sizes, layout.max_children
         step = build_draft_step_inputs(
             level0, start, root_pos, self.level_span, depth, block_rows, block_size, device, [reqs] * depth

@@ -149,10 +149,11 @@ class TreeVerificationSampler:
         """``shape`` cut to ``depth`` (a breadth-first prefix: node ids unchanged)."""
         if depth >= shape.max_depth:
             return shape
-        if isinstance(shape, LevelLayout):
-            return shape.cut(depth)
-        if (shape, depth) not in self._cut_trees:
-            self._cut_trees[shape, depth] = TreeSpec(shape.paths[: int(self._nodes_through_depth(shape)[depth])])
+        if (shape, depth) not in self._cut_trees:  # built once per shape and depth (their tables too)
+            if isinstance(shape, LevelLayout):
+                self._cut_trees[shape, depth] = shape.cut(depth)
+            else:
+                self._cut_trees[shape, depth] = TreeSpec(shape.paths[: int(self._nodes_through_depth(shape)[depth])])
         return self._cut_trees[shape, depth]
 
     def _step_trees(self, tree, shape, req_ids: list[str], device) -> TreeSpec | TreeBatch:

@@ -39,6 +39,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..core.tree import TreeSpec
+from ..core.tree_batch import LevelLayout
 from ..sizing import (
     NUM_BANDS,
     AcceptanceModel,
@@ -60,6 +61,7 @@ logger = init_logger(__name__)
 # in place of the choice; the measurements still run.
 SCHEDULE_ENV = "VLLM_UNIVER_AUTO_DEPTHS"
 # Test hook: a fixed cycle of width cuts, "1,2" -> decision k drafts max_tree.width_cut(widths[k % 2])
+# (0: the dynamic trees, where a budget makes them a candidate)
 # (shapes that change between steps; depths beyond a shape's own are cut to it).
 WIDTH_SCHEDULE_ENV = "VLLM_UNIVER_AUTO_WIDTHS"
 # Benchmark and test hook: fixed acceptance hazards per shape width, JSON {"1": [h_1 .. h_D], "2": [...]}
@@ -98,6 +100,12 @@ def _schedule(name: str, value: str | None, low: int, high: int) -> list[int] | 
     return cycle
 
 
+def shape_label(shape: TreeSpec | LevelLayout) -> int | str:
+    """What names a candidate shape in hooks and summaries: its width (a width cut
+    of max_tree), or "dyn" for the levels of context-aware trees."""
+    return "dyn" if isinstance(shape, LevelLayout) else shape.max_children
+
+
 def _fixed_hazards(value: str | None, shapes: list[TreeSpec]) -> list[np.ndarray] | None:
     """``FIXED_HAZARDS_ENV``: per shape, [D] hazards for every temperature band or
     [band, D] (a width given as {"0": [...], ..., "3": [...]}, one list per band);
@@ -113,10 +121,10 @@ def _fixed_hazards(value: str | None, shapes: list[TreeSpec]) -> list[np.ndarray
             h = per_band
         return np.asarray(h, dtype=np.float64)
 
-    by_width = {int(w): hazards_of(h) for w, h in json.loads(value).items()}
+    by_width = {(w if w == "dyn" else int(w)): hazards_of(h) for w, h in json.loads(value).items()}
     out = []
     for shape in shapes:
-        hazards = by_width.get(shape.max_children)
+        hazards = by_width.get(shape_label(shape))
         if (
             hazards is None
             or hazards.shape not in ((shape.max_depth,), (NUM_BANDS, shape.max_depth))
@@ -124,7 +132,7 @@ def _fixed_hazards(value: str | None, shapes: list[TreeSpec]) -> list[np.ndarray
         ):
             raise ValueError(
                 f"{FIXED_HAZARDS_ENV}={value!r}: needs {shape.max_depth} hazards in [0, 1] "
-                f"for width {shape.max_children} (or such a list for each temperature band 0..{NUM_BANDS - 1})"
+                f"for width {shape_label(shape)} (or such a list for each temperature band 0..{NUM_BANDS - 1})"
             )
         out.append(hazards)
     return out
@@ -136,6 +144,7 @@ class TreeSizer:
         self.runner = runner
         self.shapes = shapes
         self.tree = shapes[-1]
+        self._dynamic = next((s for s in shapes if isinstance(s, LevelLayout)), None)  # context-aware trees
         self._shape_index = {shape: i for i, shape in enumerate(shapes)}
         self.drafter = drafter  # its ``forward_tokens``: the draft forwards of the last drafting
         self._fixed_hazards = _fixed_hazards(os.environ.get(FIXED_HAZARDS_ENV), shapes)
@@ -166,7 +175,8 @@ class TreeSizer:
         cycles of depth and width cuts in place of the choice ("2,0,3"; None: choose);
         the measurements still run. ``benchmarks/auto_ab.py`` switches them between runs."""
         self._schedule = _schedule(SCHEDULE_ENV, depths, 0, self.tree.max_depth)
-        self._width_schedule = _schedule(WIDTH_SCHEDULE_ENV, widths, 1, 1 << 30)  # wider than the tree: the tree
+        # 0: the dynamic trees (a candidate with a budget); wider than the tree: the tree
+        self._width_schedule = _schedule(WIDTH_SCHEDULE_ENV, widths, 0 if self._dynamic else 1, 1 << 30)
 
     # -------------------------------------------------------------- start-up
     def calibrate(self) -> None:
@@ -280,7 +290,8 @@ class TreeSizer:
         depth = cut.depth
         if self._width_schedule is not None:
             width = self._width_schedule[self._decisions % len(self._width_schedule)]
-            cut = Cut(self._shape_index[self.tree.width_cut(width)] if allowed is None else cut.shape, cut.depth)
+            scheduled = self._dynamic if width == 0 else self.tree.width_cut(width)
+            cut = Cut(self._shape_index[scheduled] if allowed is None else cut.shape, cut.depth)
         elif self._own_depths and self.chooser.request_depths is not None:  # requests of their own depths
             depth = self.chooser.request_depths
         if self._schedule is not None:
@@ -290,7 +301,7 @@ class TreeSizer:
             cut, depth = self._tp_group.broadcast_object((cut, depth), src=0)
         shape = self.shapes[cut.shape]
         depths = np.minimum(np.broadcast_to(depth, (batch,)), shape.max_depth)
-        self.requests_at_cut.update((shape.max_children, d) for d in depths.tolist())
+        self.requests_at_cut.update((shape_label(shape), d) for d in depths.tolist())
         self._last = (now, Cut(cut.shape, int(depths.max(initial=0))))
         return shape, depth
 
@@ -329,7 +340,8 @@ class TreeSizer:
         """Whether the chain's acceptance is to be estimated from verified trees of
         ``shape`` (a wider shape of this sizer, hazards learnt): ``observe_chain``."""
         index = self._shape_index.get(shape)
-        return self._chain is not None and index not in (None, self._chain)
+        # Context-aware trees: each request's own shape, which the chain estimate does not read.
+        return self._chain is not None and index not in (None, self._chain) and not isinstance(shape, LevelLayout)
 
     def observe_chain(self, temperature, cut_depths, survival) -> None:
         """What the chain would have accepted on trees of a wider shape
@@ -367,7 +379,8 @@ class TreeSizer:
         return out
 
     def _cut_names(self) -> dict[str, int]:
-        """``requests_at_cut`` as "WxD" -> request-steps; no speculation is "0x0" whatever the shape."""
+        """``requests_at_cut`` as "WxD" (W: the width, or "dyn" for context-aware trees) ->
+        request-steps; no speculation is "0x0" whatever the shape."""
         out = Counter()
         for (width, depth), n in self.requests_at_cut.items():
             out[f"{width if depth else 0}x{depth}"] += n
@@ -381,7 +394,7 @@ class TreeSizer:
         self.learn_deferred()
         return {
             "requests_at_depth": {int(d): n for d, n in sorted(self.requests_at_depth.items())},
-            "requests_at_width": {int(w): n for w, n in sorted(self.requests_at_width.items())},
+            "requests_at_width": dict(sorted(self.requests_at_width.items(), key=lambda item: str(item[0]))),
             "requests_at_cut": self._cut_names(),
             "decisions": self._decisions,
             "decisions_ahead": self.decisions_ahead,

@@ -39,8 +39,10 @@ class TreeSpeculation:
         self.tree = config.drafted_tree  # a TreeSpec, or (tree: dynamic) the LevelLayout of per-request trees
         self.state = TreeState(latest_tree=self.tree)
         self.timers = StepTimers(runner.device)
-        if config.dynamic:
-            self.drafter = DynamicTreeDrafter(runner, runner.drafter, config.dynamic_budget, self.state, self.timers)
+        if config.dynamic or config.auto_dynamic:  # tree auto's candidates: dynamic trees and static cuts
+            self.drafter = DynamicTreeDrafter(
+                runner, runner.drafter, config.dynamic_budget, self.state, self.timers, tree=self.tree
+            )
         else:
             self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
         self.sizer = None
