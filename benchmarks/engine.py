@@ -90,6 +90,13 @@ def engine_configs(quick: bool) -> list[dict]:
         ),
         # Only for ``engine_ab.py`` (no cells here): context-aware trees at their default budget.
         {"name": "univer dynamic", "spec": {"method": "univer", "tree": "dynamic", "verifier": "univer"}, "cells": []},
+        # Only for ``engine_ab.py``: tree auto with context-aware trees among its candidates (a budget
+        # given: max_tree 2x5's depth, 32 nodes, laid on levels 1, 2, 4, 6, 6, 6), cut like the others.
+        {
+            "name": "univer auto dynamic",
+            "spec": {"method": "univer", "tree": "auto", "verifier": "univer", "max_nodes": 32},
+            "cells": [],
+        },
         # Only for ``engine_ab.py`` (no cells here): tree auto as before its depth per temperature band.
         {
             "name": "univer auto one depth",
