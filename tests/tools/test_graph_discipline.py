@@ -57,3 +57,13 @@ def test_a_capturable_region_passes_and_names_its_persistent_inputs():
             torch.mul(X.index_select(0, index), 2.0, out=out)
         seen.append(checked.inputs)
     assert seen[0] != seen[1]
+
+
+def test_writing_boolean_values_by_integer_index_is_no_sync():
+    target = torch.zeros(3, 2, dtype=torch.bool)
+    with GraphDiscipline() as checked:
+        target[torch.tensor([0, 2])] = torch.ones(2, 2, dtype=torch.bool)
+    assert not [v for v in checked.violations if "host" in v], checked.violations
+    with GraphDiscipline() as checked:
+        target[target[:, 0]] = False
+    assert any(v.startswith("aten.index_put") for v in checked.violations), checked.violations

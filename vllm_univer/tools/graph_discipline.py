@@ -79,7 +79,7 @@ class GraphDiscipline(TorchDispatchMode):
         name = _name(func.overloadpacket) if hasattr(func, "overloadpacket") else _name(func)
         self.ops[name] += 1
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if name in HOST_SYNC_OPS or (name in BOOL_INDEX_OPS and any(t.dtype == torch.bool for t in inputs[1:])):
+        if name in HOST_SYNC_OPS or (name in BOOL_INDEX_OPS and _bool_index(args)):
             self.violations.append(f"{name}: reads a device value on the host")
         if name in FACTORY_OPS:
             self.violations.append(f"{name}: creates a tensor inside the region")
@@ -102,6 +102,12 @@ class GraphDiscipline(TorchDispatchMode):
     @property
     def inputs(self) -> list[tuple[int, int]]:
         return sorted((ptr, n) for ptr, n in self._read.items() if ptr not in self._created)
+
+
+def _bool_index(args) -> bool:
+    """Whether an index op's indices (its second argument) hold a boolean mask."""
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in indices or ())
 
 
 def _to_device(kwargs) -> set:

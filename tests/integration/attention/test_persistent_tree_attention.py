@@ -235,3 +235,27 @@ GRAPH_REPLAY = RECORDER + textwrap.dedent("""
 
 def test_full_graph_replay_of_a_uniform_batch_is_exact():
     run_interpreted(GRAPH_REPLAY, "OK")
+
+
+def test_graph_plans_are_written_without_a_host_sync():
+    """What runs before a replay (``uniform_batch_plan`` and the copies into the
+    captured size's buffers) reads no device value on the host; each padded size
+    keeps one plan across steps, and a dummy forward leaves no row valid."""
+    from vllm_univer.integration.attention.tree_graph_plans import TreeGraphPlans, uniform_batch_plan
+    from vllm_univer.tools.graph_discipline import GraphDiscipline
+
+    graphs = TreeGraphPlans(6, 128)
+    table = torch.arange(48, dtype=torch.int32).view(6, 8)
+    tree_plan = _plan(2)
+    tree_plan.request_index = torch.tensor([0, 2])
+    with GraphDiscipline() as host:
+        plan = uniform_batch_plan(tree_plan, torch.tensor([10, 3, 10]), 10, 6)
+        graph_plan = graphs.for_forward(24, plan, table)
+    assert not [v for v in host.violations if "host" in v or "between devices" in v], host.violations
+    buffers = graph_plan.buffers
+    assert buffers.row_valid[:3].all() and not buffers.row_valid[3:].any()
+    assert torch.equal(buffers.mask[1].bool(), torch.ones(6, 6, dtype=torch.bool).tril())  # the prompt chunk
+    assert torch.equal(buffers.mask[2].bool(), tree_plan.mask[1])
+    assert torch.equal(buffers.query_rows[:3], torch.arange(18).view(3, 6))
+    assert graphs.for_forward(24, None, table) is graph_plan and not buffers.row_valid.any()
+    assert graphs.for_forward(12, None, table) is not graph_plan
