@@ -5,8 +5,9 @@ For each prompt, temperature and context (the contexts walk a target-distributed
 continuation exactly as ``benchmarks/acceptance.py`` does: one lossless UniVer
 step on the 2x5 ``topk1`` tree), the draft drafts:
 
-* the static ``topk1`` trees 2x5 and 3x3 (their depth cuts give 2x1..2x5 and
-  3x1..3x3 for free: 2, 6, 14, 30, 62 and 3, 12, 39 nodes), verified by univer;
+* the static ``topk1`` trees 2x5, 3x3 and the chain 1x8 (their depth cuts give
+  2x1..2x5, 3x1..3x3 and 1x1..1x8 for free: 2, 6, 14, 30, 62, 3, 12, 39 and
+  1..8 nodes), verified by univer (results before 2026-12-06 have no chains);
 * a context-aware tree per budget (node budget, depth, expand, children), grown
   level by level with ``plan_children`` / ``draw_children``, verified by univer
   and, as the anchor (SGLang's rule on the same trees), by target_only.
@@ -43,7 +44,8 @@ from vllm_univer.core.dynamic_tree import DynamicTreeBudget, grow_trees
 from vllm_univer.tools.real_models import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir, prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
-STATIC = {"2x5": TreeSpec.parse("2x5"), "3x3": TreeSpec.parse("3x3")}
+# The chain 1x8 (cuts 1x1..1x8): what ``tree: auto`` mostly drafts on this pair.
+STATIC = {"2x5": TreeSpec.parse("2x5"), "3x3": TreeSpec.parse("3x3"), "1x8": TreeSpec.parse("1x8")}
 # The node budgets (8, 16, 32, 64), two level widths each (positions per
 # depth: ``level_sizes``; depth as far as the budget lasts).
 BUDGETS = {
