@@ -102,13 +102,14 @@ class UniverConfig(BaseModel):
                     f"use one of {', '.join(TREE_BATCH_METHODS)}"
                 )
             layout = self.dynamic_layout  # ValueError naming a bad budget field
-            largest = self.tree_spec if self.auto else layout
-            if layout.num_nodes > largest.num_nodes or layout.max_depth > largest.max_depth:
-                raise ValueError(
-                    f"tree 'auto': the dynamic trees ({layout.num_nodes} nodes, depth {layout.max_depth}) must "
-                    f"fit in max_tree ({largest.num_nodes} nodes, depth {largest.max_depth}): what one target "
-                    "forward is scheduled for"
-                )
+            if self.auto:  # the dynamic candidate must fit in what vLLM schedules: max_tree
+                largest = self.tree_spec
+                if layout.num_nodes > largest.num_nodes or layout.max_depth > largest.max_depth:
+                    raise ValueError(
+                        f"tree 'auto': the dynamic trees ({layout.num_nodes} nodes, depth {layout.max_depth}) must "
+                        f"fit in max_tree ({largest.num_nodes} nodes, depth {largest.max_depth}): what one target "
+                        "forward is scheduled for"
+                    )
             return self
         if verifier.chain_only and not self.tree_spec.is_chain:
             raise ValueError(

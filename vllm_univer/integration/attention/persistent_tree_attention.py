@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .tree_attention_plan import TreeAttentionPlan
-from .triton_paged_tree_attention import PagedTreeAttention, _num_splits
+from .triton_paged_tree_attention import PagedTreeAttention
 
 
 class TreePlanBuffers:
@@ -101,11 +101,8 @@ class PersistentTreeAttention:
                 f"{buffers.block_table.shape[1]} blocks of {key_cache.shape[1]} do not hold "
                 f"max_model_len {buffers.max_model_len}"
             )
-        if num_splits is None:
-            kv_heads, groups = key_cache.shape[2], query.shape[1] // key_cache.shape[2]
-            rows = buffers.num_queries * groups
-            tiles = -(-rows // (32 if rows > 16 else 16))
-            num_splits = _num_splits(query.device, buffers.max_reqs * kv_heads * tiles, buffers.max_model_len)
+        # num_splits None: PagedTreeAttention chooses them for the buffers' R requests
+        # over max_model_len, the bound it is given for every context.
         self._attention = PagedTreeAttention(
             query,
             key_cache,
