@@ -7,13 +7,15 @@ after another.
 
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
 "params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool, "rank_decisions": bool,
-"draft_padding": int}]}. A prompt is a string or a list of token ids. Result (the last stdout line,
+"draft_padding": int, "blind_drafting": bool}]}. A prompt is a string or a list of token ids.
+Result (the last stdout line,
 after ``RESULT``): per engine {"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs":
 [[{token: logprob}]] per output, when asked for, "margins" and "top2" with ``margins``} | {"error": str,
 "traceback": str}], "spec": {counter: value}, "rank_decisions": [{"steps", "digest", "level0_tokens"}
 per worker] with ``"rank_decisions": true`` (level0_tokens: per step, the tokens the draft's level 0 ran
 and the requests drafted), "padded_forwards": int with ``draft_padding`` (every draft forward padded
-to a multiple of it, as for a CUDA-graph replay)}.
+to a multiple of it, as for a CUDA-graph replay), "blind_drafts": {"steps", "exempt_reads"} with ``blind_drafting``
+(steps that drafted trees while every host read of the sampled tokens raised, and the reads let through)}.
 
 An engine with ``"margins": true`` is a greedy reference: it samples from
 processed logprobs (``logprobs_mode="processed_logprobs"``: after penalties,
@@ -136,6 +138,54 @@ def _padded_forwards(worker) -> int:
     return worker.model_runner.tree_speculation.drafter.proposer.padded_forwards
 
 
+def _blind_drafting(worker) -> None:
+    """Make a host read of anything computed from a step's sampled tokens an error in
+    this worker's drafter until its forwards are launched (``launched``; a
+    ``HostReadGuard`` follows the tokens through every op, in-place writes included),
+    and so the verifier's deferred results (``settle``); count the steps that drafted
+    trees so guarded."""
+    import torch
+
+    from vllm_univer.tools.host_reads import HostReadGuard, TaintedHostRead
+
+    univer = worker.model_runner.tree_speculation
+    drafter, propose, settle = univer.drafter, univer.drafter.propose, univer.sampler.settle
+    univer.blind_drafts = univer.exempt_reads = 0
+    guard = None
+
+    def guarded_settle() -> None:
+        if guard is not None and guard.armed:
+            raise TaintedHostRead("the verifier's results were read before the draft forwards were launched")
+        settle()
+
+    def blind_propose(sampled_token_ids, sampling_metadata, depth=None, tree=None, launched=None):
+        nonlocal guard
+
+        def seen() -> None:
+            guard.disarm()
+            if launched is not None:
+                launched()
+
+        sources = [sampled_token_ids] if torch.is_tensor(sampled_token_ids) else []
+        try:
+            # top_tokens' check for ties across the k-th token (k >= 2) reads the device:
+            # the CPU path of TreeDrafter's draws (a Triton kernel on a GPU) and the dynamic drafter's.
+            with HostReadGuard(sources, exempt=("top_tokens",)) as guard:
+                drafts = propose(sampled_token_ids, sampling_metadata, depth, tree, seen)
+            univer.exempt_reads += guard.exempt_reads
+        finally:
+            guard = None
+        univer.blind_drafts += any(drafts)
+        return drafts
+
+    drafter.propose, univer.sampler.settle = blind_propose, guarded_settle
+
+
+def _blind_drafts(worker) -> dict:
+    univer = worker.model_runner.tree_speculation
+    return {"steps": univer.blind_drafts, "exempt_reads": univer.exempt_reads}
+
+
 def _decisions_digest(worker) -> dict:
     """How many drafting and verification steps this worker recorded, and a digest of them all."""
     import hashlib
@@ -174,6 +224,8 @@ def _run_engine(engine: dict) -> dict:
         llm.collective_rpc(_record_decisions)
     if engine.get("draft_padding"):
         llm.collective_rpc(_pad_draft_forwards, args=(engine["draft_padding"],))
+    if engine.get("blind_drafting"):
+        llm.collective_rpc(_blind_drafting)
     calls = []
     for call in engine["calls"]:
         try:
@@ -202,6 +254,8 @@ def _run_engine(engine: dict) -> dict:
         result["rank_decisions"] = llm.collective_rpc(_decisions_digest)
     if engine.get("draft_padding"):
         result["padded_forwards"] = llm.collective_rpc(_padded_forwards)[0]
+    if engine.get("blind_drafting"):
+        result["blind_drafts"] = llm.collective_rpc(_blind_drafts)[0]
     if engine.get("sizer"):  # tree "auto": the depths it chose and what it learnt
         result["sizer"] = llm.collective_rpc(_sizer_summary)[0]
     if os.environ.get("VLLM_UNIVER_OP_COUNTS") == "1":  # set by the test that wants them

@@ -24,7 +24,7 @@ pytest.importorskip("vllm")
 
 from engine_job import CUDA_GRAPHS, run_engines  # noqa: E402
 from greedy_identity import assert_greedy_identical  # noqa: E402
-from test_engine import call, engine, prompts, reference, univer  # noqa: E402
+from test_engine import AUTO_SCHEDULE, auto, call, engine, prompts, reference, univer  # noqa: E402
 
 CASES = [("univer", "2x3"), ("traversal", "3x2"), ("token", "1x4")]
 
@@ -50,6 +50,43 @@ def test_padded_draft_forwards_draft_the_same_trees(tiny_pair):
         level0 = plain["rank_decisions"][0]["level0_tokens"]
         assert level0[0][0] > 6 * 10, (label, level0[0])
         assert all(tokens <= 2 * requests for tokens, requests in level0[1:]), (label, level0)
+
+
+def test_drafting_waits_for_no_verified_token(tiny_pair):
+    """The drafter launches every draft forward before the host reads anything the
+    step's verification produced (on a GPU the host then prepares the drafts while
+    the device still verifies): with each host read of the sampled tokens, or of any
+    tensor computed from them, an error until the launch, the engines draft the
+    same trees and generate the same tokens. A chain, a tree, context-aware trees and
+    tree auto's cuts; greedy and sampled requests; prompts prefilled in chunks.
+    Let through: ``top_tokens``' tie check (k >= 2), on the CPU path only of the
+    static trees' draws (a Triton kernel on a GPU) but on every path of the dynamic drafter."""
+    target, draft = tiny_pair
+    texts = prompts(6, seed=4)
+    greedy = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
+    sampled = {"temperature": 1.0, "max_tokens": 40, "ignore_eos": True}
+    job = {"prompts": texts, "params": [greedy, sampled, greedy, sampled, greedy, greedy]}
+    kw = {"max_num_batched_tokens": 48, "enable_chunked_prefill": True, "max_num_seqs": 6}
+    configs = [
+        univer(draft, "1x4", "token"),
+        univer(draft, "2x3"),
+        {**univer(draft, "dynamic"), "max_nodes": 8, "max_depth": 4, "expand": 2, "max_children": 2},
+        {**auto(draft, "2x3"), "max_nodes": 10, "expand": 2},  # cuts of 2x3, its chains and dynamic trees
+    ]
+    engines = []
+    for config in configs:
+        plain = {**engine(target, [job], config, **kw), "rank_decisions": True}
+        engines += [plain, {**plain, "blind_drafting": True}]
+    # tree auto: a fixed cycle of depth cuts (0: no tree, the draft cache then catches up) and shapes.
+    results = run_engines(engines, env={**AUTO_SCHEDULE, "VLLM_UNIVER_AUTO_WIDTHS": "0,2,1,0"})
+    for config, plain, blind in zip(configs, results[::2], results[1::2]):
+        label = config["tree"]
+        assert "error" not in blind and "error" not in blind["calls"][0], (label, blind)
+        assert blind["blind_drafts"]["steps"] > 10, (label, blind["blind_drafts"])
+        assert plain["calls"][0]["outputs"] == blind["calls"][0]["outputs"], label
+        assert plain["rank_decisions"][0]["digest"] == blind["rank_decisions"][0]["digest"], label
+    # The chain's draws are argmax rows: no read at all (top_tokens reads only for k >= 2).
+    assert results[1]["blind_drafts"]["exempt_reads"] == 0, results[1]["blind_drafts"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (benchmarks/gpu_engine.sh graphs)")

@@ -13,24 +13,63 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("vllm")
 
 from vllm_univer.core.tree import TreeSpec  # noqa: E402
-from vllm_univer.integration.draft_inputs import build_draft_step_inputs  # noqa: E402
+from vllm_univer.integration.draft_inputs import DraftRoots, build_draft_step_inputs, new_token_counts  # noqa: E402
 from vllm_univer.integration.host_to_device import upload  # noqa: E402
 from vllm_univer.integration.tree_drafter import _Shape  # noqa: E402
 
 BLOCK_SIZE = 4
+WIDTH = 4  # the sampled rows' width (a tree of depth 3)
 
 
-def _step(tree: TreeSpec, depth: int, device="cpu", level_reqs=None):
+class _DeviceOnly(torch.Tensor):
+    """A tensor whose values the host must not read (a device tensor the step has
+    not finished): every tensor computed from it is one too."""
+
+    READS = {"tolist", "item", "numpy", "__bool__", "__int__", "__index__", "__float__", "__array__", "__repr__"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in cls.READS:
+            raise AssertionError(f"the host read a value of this step's sampled tokens ({func.__name__})")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _values(t: torch.Tensor) -> list:
+    return t.as_subclass(torch.Tensor).tolist()
+
+
+def _requests():
+    """Four requests: (history of committed tokens, start, this step's new tokens
+    (-1 padded), bound on them): a tree verified with two nodes accepted, one
+    verified with none, a whole prompt (no tree), a catch-up of two tokens."""
     rng = np.random.default_rng(0)
-    root_pos = np.array([5, 12, 3], dtype=np.int64)
-    start = np.array([5, 0, 1], dtype=np.int64)  # one root only, a whole prompt, a catch-up
-    level0 = [rng.integers(0, 1000, r - s + 1).tolist() for s, r in zip(start, root_pos)]
-    block_rows = torch.from_numpy(rng.permutation(100)[:60].reshape(3, 20).astype(np.int32))
+    history = [rng.integers(0, 1000, n).tolist() for n in (10, 7, 13, 3)]
+    start = [9, 6, 0, 1]
+    new = [[501, 502, 503, -1], [504, -1, -1, -1], [505, -1, -1, -1], [506, -1, -1, -1]]
+    max_new = [4, 3, 1, 1]
+    return history, start, new, max_new
+
+
+def _step(tree: TreeSpec, depth: int, device="cpu", level_reqs=None, poisoned=False):
+    history, start, new, max_new = _requests()
+    committed = np.array([len(h) for h in history], dtype=np.int64)
+    start = np.array(start, dtype=np.int64)
+    rng = np.random.default_rng(1)
+    block_rows = torch.from_numpy(rng.permutation(100)[:80].reshape(4, 20).astype(np.int32))
     spans = _Shape(tree, torch.device("cpu")).level_span
-    step = build_draft_step_inputs(
-        level0, start, root_pos, spans, depth, block_rows, BLOCK_SIZE, torch.device(device), level_reqs
+    new_tokens = torch.tensor(new, device=device)
+    if poisoned:
+        new_tokens = new_tokens.as_subclass(_DeviceOnly)
+    roots = DraftRoots(
+        start=start,
+        committed=committed,
+        max_new=np.array(max_new, dtype=np.int64),
+        committed_tokens=[h[s:] for h, s in zip(history, start.tolist())],
+        new_tokens=new_tokens,
+        new_counts=new_token_counts(new_tokens),
     )
-    return step, level0, start, root_pos, block_rows, spans
+    step = build_draft_step_inputs(roots, spans, depth, block_rows, BLOCK_SIZE, torch.device(device), level_reqs)
+    return step, roots, block_rows, spans
 
 
 def _slot(block_rows, r, pos):
@@ -44,42 +83,81 @@ def _slot(block_rows, r, pos):
         ("3x2", 2, None),
         ("2x3", 1, None),
         ("1x4", 4, None),
-        # Requests cut shallower drop out of the deeper levels (cuts 3, 3, 1 and 4, 2, 2, 1).
-        ("2x3", 3, [3, 2, 2]),
-        ("1x4", 4, [3, 3, 1, 1]),
+        # Requests cut shallower drop out of the deeper levels (cuts 3, 3, 2, 1 and 4, 2, 2, 1).
+        ("2x3", 3, [4, 3, 2]),
+        ("1x4", 4, [4, 3, 1, 1]),
     ],
 )
-def test_every_level_places_each_token_where_the_drafter_runs_it(shape, depth, level_reqs):
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_every_level_places_each_token_where_the_drafter_runs_it(shape, depth, level_reqs, poisoned):
+    """Against a per-token recomputation from each request's whole text (history +
+    new tokens): level 0 runs start + s .. root (s = new tokens - 1), every level's
+    tokens at their positions and slots; the host reads none of the step's tokens."""
     tree = TreeSpec.parse(shape)
-    step, level0, start, root_pos, block_rows, spans = _step(tree, depth, level_reqs=level_reqs)
+    step, roots, block_rows, spans = _step(tree, depth, level_reqs=level_reqs, poisoned=poisoned)
+    history, start, new, max_new = _requests()
+    text = [h + [t for t in row if t >= 0] for h, row in zip(history, new)]
+    shift = [len([t for t in row if t >= 0]) - 1 for row in new]
+    root_pos = [len(h) + s for h, s in zip(history, shift)]
+    assert shift == [2, 0, 0, 0] and root_pos == [12, 7, 13, 3]
     assert len(step.levels) == depth
-    assert step.context_lens.tolist() == root_pos.tolist()
-    assert step.root_tokens.tolist() == [chunk[-1] for chunk in level0]
+    for level in step.levels:  # what vLLM's attention metadata and the draft model take
+        assert (level.positions.dtype, level.slot_mapping.dtype) == (torch.int64, torch.int64)
+        assert (level.seq_lens.dtype, level.query_start_loc.dtype) == (torch.int32, torch.int32)
+    assert _values(step.context_lens) == root_pos
+    assert _values(step.root_tokens) == [t[-1] for t in text]
     assert torch.equal(step.block_table, block_rows)
 
     level = step.levels[0]  # every missing token, causally, up to the root
-    want = [
-        (r, pos, tok) for r, chunk in enumerate(level0) for pos, tok in zip(range(start[r], root_pos[r] + 1), chunk)
-    ]
-    assert level.token_ids.tolist() == [tok for _, _, tok in want]
-    assert level.positions.tolist() == [pos for _, pos, _ in want]
-    assert level.slot_mapping.tolist() == [_slot(block_rows, r, pos) for r, pos, _ in want]
-    assert level.query_start_loc.tolist() == [0, 1, 14, 17] == level.query_start_loc_cpu.tolist()
-    assert level.seq_lens.tolist() == (root_pos + 1).tolist() == level.seq_lens_cpu.tolist()
-    assert (level.max_query_len, level.max_seq_len) == (13, 13)
+    want = [(r, pos) for r in range(4) for pos in range(start[r] + shift[r], root_pos[r] + 1)]
+    assert _values(level.token_ids) == [text[r][pos] for r, pos in want]
+    assert _values(level.positions) == [pos for _, pos in want]
+    assert _values(level.slot_mapping) == [_slot(block_rows, r, pos) for r, pos in want]
+    assert _values(step.root_rows) == [2 - 1, 2 + 2 - 1, 4 + 14 - 1, 18 + 3 - 1]
+    assert level.query_start_loc.tolist() == [0, 2, 4, 18, 21] == level.query_start_loc_cpu.tolist()
+    assert _values(level.seq_lens) == [p + 1 for p in root_pos]
+    bound = [len(h) + m - 1 for h, m in zip(history, max_new)]  # roots' positions at most
+    assert level.seq_lens_cpu.tolist() == [b + 1 for b in bound]
+    assert (level.max_query_len, level.max_seq_len) == (14, 14)
 
     for d in range(1, depth):  # nodes of depth d at RoPE position root + d, slot root + node
         first, last = spans[d]
         nodes = range(first, last + 1)
-        n = 3 if level_reqs is None else level_reqs[d]  # the level's requests: the first n
+        n = 4 if level_reqs is None else level_reqs[d]  # the level's requests: the first n
         level = step.levels[d]
         assert level.token_ids is None
-        assert level.positions.tolist() == [int(root_pos[r]) + d for r in range(n) for _ in nodes]
-        slots = [_slot(block_rows, r, int(root_pos[r]) + j) for r in range(n) for j in nodes]
-        assert level.slot_mapping.tolist() == slots
+        assert _values(level.positions) == [root_pos[r] + d for r in range(n) for _ in nodes]
+        slots = [_slot(block_rows, r, root_pos[r] + j) for r in range(n) for j in nodes]
+        assert _values(level.slot_mapping) == slots
         assert level.query_start_loc.tolist() == [r * len(nodes) for r in range(n + 1)]
-        assert level.seq_lens.tolist() == (root_pos[:n] + last + 1).tolist() == level.seq_lens_cpu.tolist()
-        assert (level.max_query_len, level.max_seq_len) == (len(nodes), int(root_pos[:n].max()) + last + 1)
+        assert _values(level.seq_lens) == [p + last + 1 for p in root_pos[:n]]
+        assert level.seq_lens_cpu.tolist() == [b + last + 1 for b in bound[:n]]
+        assert (level.max_query_len, level.max_seq_len) == (len(nodes), max(bound[:n]) + last + 1)
+
+
+def test_a_shift_past_its_bound_is_clamped():
+    """A bound that did not hold roots the tree at the bound, inside the request's blocks."""
+    history, start, new, max_new = _requests()
+    committed = np.array([len(h) for h in history], dtype=np.int64)
+    new_tokens = torch.tensor(new)
+    roots = DraftRoots(
+        np.array(start),
+        committed,
+        np.ones(4, dtype=np.int64),
+        [h[s:] for h, s in zip(history, start)],
+        new_tokens,
+        new_token_counts(new_tokens),
+    )
+    block_rows = torch.arange(80, dtype=torch.int32).view(4, 20)
+    step = build_draft_step_inputs(
+        roots,
+        _Shape(TreeSpec.parse("2x2"), torch.device("cpu")).level_span,
+        2,
+        block_rows,
+        BLOCK_SIZE,
+        torch.device("cpu"),
+    )
+    assert step.context_lens.tolist() == committed.tolist()
 
 
 class _Transfers(TorchDispatchMode):

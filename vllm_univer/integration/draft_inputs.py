@@ -1,12 +1,24 @@
-"""The draft forwards' inputs of one step, built on the host at once and copied
-to the device in two transfers (one int64, one int32) for every level.
+"""The draft forwards' inputs of one step, built without reading this step's
+sampled tokens on the host.
 
-Everything a level forward needs besides its query tokens is known when the
-step starts: the root positions, the block tables and the tree's level spans.
-Built level by level, each forward made ~6 synchronous host-to-device copies
-(slot mapping, positions, query starts, sequence lengths, block table, ancestor
-mask), each a stream sync on CUDA: the GPU idled while the host prepared the
-next level. Now the level loop launches without waiting for the device.
+Where each request's tree is rooted depends on how many tokens the step's
+verification accepted, known on the device only. Reading it (or the sampled
+tokens) before drafting would make the host wait for the verification to finish,
+and the GPU idle while the host then built the drafter's inputs. Instead every
+input is laid out on the host as if nothing had been accepted, and moved on the
+device by each request's shift ``s`` (its new tokens but one):
+
+* level 0 runs positions ``start + s .. committed + s`` causally: the committed
+  tokens whose draft KV is missing, then the new root. A request whose tree was
+  verified this step runs its last two tokens (the node below the root, in case
+  the path ended on a leaf the drafter never ran, and the root): its draft KV
+  holds the context, the old root and every accepted node the drafter ran;
+* level d >= 1 runs the nodes of depth d at RoPE position root + d, slot root + node.
+
+The host knows a bound on each shift (the verified tree's depth), enough for the
+sizes vLLM's attention metadata reads on the host (``seq_lens_cpu`` is then an
+upper bound, as vLLM's own metadata is under async speculative decoding).
+Everything reaches the device in two copies (one int64, one int32).
 """
 
 from __future__ import annotations
@@ -19,16 +31,42 @@ import torch
 from .host_to_device import upload_packed
 
 
+class DraftRoots(NamedTuple):
+    """Where the active requests' trees are rooted, R requests.
+
+    start: int64 [R], the first position level 0 runs before the shift;
+    committed: int64 [R], tokens committed before this step's new ones (positions
+        < committed hold them on the host);
+    max_new: int64 [R] >= 1, a host bound on the step's new tokens;
+    committed_tokens: per request the tokens at positions start .. committed-1;
+    new_tokens: [R, W] the step's new tokens (accepted path and bonus, -1 padded),
+        on the device; new_counts: [R] how many (``new_token_counts``), on the device.
+    """
+
+    start: np.ndarray
+    committed: np.ndarray
+    max_new: np.ndarray
+    committed_tokens: list[list[int]]
+    new_tokens: torch.Tensor
+    new_counts: torch.Tensor
+
+    @property
+    def root_bound(self) -> np.ndarray:
+        """int64 [R]: a bound on each root's position (committed + new tokens - 1)."""
+        return self.committed + self.max_new - 1
+
+
 class LevelInputs(NamedTuple):
     """One draft forward's flat batch of T query tokens over R requests.
 
-    token_ids: IntTensor [T] on the device (level 0; None for deeper levels,
+    token_ids: LongTensor [T] on the device (level 0; None for deeper levels,
         whose tokens are the drafted nodes, already on the device).
     positions: LongTensor [T], RoPE positions; slot_mapping: LongTensor [T],
         the cache slot each token's key/value is written to.
     query_start_loc / query_start_loc_cpu: IntTensor [R+1] on the device / host.
-    seq_lens / seq_lens_cpu: IntTensor [R], keys each request's last query sees.
-    max_query_len, max_seq_len: Python ints.
+    seq_lens: IntTensor [R] on the device, keys each request's last query sees;
+    seq_lens_cpu: IntTensor [R], an upper bound on them on the host.
+    max_query_len, max_seq_len (an upper bound): Python ints.
     """
 
     token_ids: torch.Tensor | None
@@ -45,18 +83,23 @@ class LevelInputs(NamedTuple):
 class DraftStepInputs(NamedTuple):
     """levels[d]: inputs of the depth-d forward (d = 0 .. depth-1).
     root_tokens: LongTensor [R]; context_lens: LongTensor [R] (= root positions,
-    the cached tokens every tree node sees); block_table: IntTensor [R, blocks]."""
+    the cached tokens every tree node sees); block_table: IntTensor [R, blocks];
+    root_rows: LongTensor [R], each root's row in level 0's flat batch (all on the device)."""
 
     levels: list[LevelInputs]
     root_tokens: torch.Tensor
     context_lens: torch.Tensor
     block_table: torch.Tensor
+    root_rows: torch.Tensor
+
+
+def new_token_counts(new_tokens: torch.Tensor) -> torch.Tensor:
+    """int32 [R]: the new tokens of each row of ``new_tokens`` [R, W] (-1 padded), on its device."""
+    return (new_tokens >= 0).sum(1, dtype=torch.int32)
 
 
 def build_draft_step_inputs(
-    level0: list[list[int]],
-    start: np.ndarray,
-    root_pos: np.ndarray,
+    roots: DraftRoots,
     level_span: list[tuple[int, int]],
     depth: int,
     block_rows: torch.Tensor,
@@ -66,58 +109,101 @@ def build_draft_step_inputs(
 ) -> DraftStepInputs:
     """Inputs of the ``depth`` draft forwards of one step.
 
-    level0: per request, the tokens whose draft KV is missing, at positions
-        start[r] .. root_pos[r] (the last one is the root).
-    start, root_pos: int64 [R]. level_span[d]: (first, last) node of depth d.
-    block_rows: the requests' block-table rows, int32 [R, blocks], on the host.
-    Level d >= 1 runs nodes first..last of the first ``level_reqs[d]`` requests
-    (None: of every request; requests cut shallower come last and drop out) at
-    RoPE position root_pos + d, written to slot root_pos + node.
+    roots: the requests' level-0 facts (``DraftRoots``); level_span[d]: (first, last)
+    node of depth d; block_rows: the requests' block-table rows, int32 [R, blocks],
+    on the host. Level d >= 1 runs nodes first..last of the first ``level_reqs[d]``
+    requests (None: of every request; requests cut shallower come last and drop out).
+    The shift of a row is clamped to its bound ``max_new - 1`` (a bound that did
+    not hold would only root the tree elsewhere, never write past the request's blocks).
     """
-    reqs = len(root_pos)
+    reqs = len(roots.committed)
     level_reqs = level_reqs or [reqs] * depth
-    lens = root_pos - start + 1
+    start, committed = roots.start, roots.committed
+    root_bound = roots.root_bound
+    lens = committed - start + 1
     query_start0 = np.concatenate([[0], np.cumsum(lens)])
-    flat_pos = np.repeat(start, lens) + np.arange(query_start0[-1]) - np.repeat(query_start0[:-1], lens)
-    token_ids = np.fromiter((t for chunk in level0 for t in chunk), dtype=np.int64, count=int(query_start0[-1]))
-    table = block_rows.numpy().astype(np.int64)
+    num0 = int(query_start0[-1])
+    row0 = np.repeat(np.arange(reqs), lens)
+    pos0 = np.repeat(start, lens) + np.arange(num0) - np.repeat(query_start0[:-1], lens)
+    # Level 0's tokens before the shift: committed ones, the root's row a placeholder.
+    host_tokens = np.zeros(num0, dtype=np.int64)
+    for r, chunk in enumerate(roots.committed_tokens):
+        host_tokens[query_start0[r] : query_start0[r] + len(chunk)] = chunk
 
-    def slots(rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        return table[rows, pos // block_size] * block_size + pos % block_size
-
-    # (positions, slot mapping, query starts, sequence lengths) per level.
-    levels = [(flat_pos, slots(np.repeat(np.arange(reqs), lens), flat_pos), query_start0, root_pos + 1)]
+    # Per forward: (rows' requests, RoPE positions, slot positions, query starts,
+    # requests, keys seen before the shift, their bound), all before the shift.
+    forwards = [(row0, pos0, pos0, query_start0, np.arange(reqs), committed + 1, root_bound + 1)]
     for d in range(1, depth):
         first, last = level_span[d]
         width, n = last - first + 1, level_reqs[d]
-        slot_pos = (root_pos[:n, None] + np.arange(first, last + 1)[None]).ravel()
-        levels.append(
+        rows = np.repeat(np.arange(n), width)
+        forwards.append(
             (
-                np.repeat(root_pos[:n] + d, width),
-                slots(np.repeat(np.arange(n), width), slot_pos),
+                rows,
+                committed[rows] + d,
+                (committed[:n, None] + np.arange(first, last + 1)[None]).ravel(),
                 np.arange(n + 1) * width,
-                root_pos[:n] + last + 1,
+                np.arange(n),
+                committed[:n] + last + 1,
+                root_bound[:n] + last + 1,
             )
         )
-
-    wide = [root_pos, token_ids[query_start0[1:] - 1]] + [a for pos, slot, _, _ in levels for a in (pos, slot)]
-    narrow = [token_ids, table] + [a for _, _, qs, sl in levels for a in (qs, sl)]
+    width = roots.new_tokens.shape[1]
+    table = block_rows.numpy()
+    blocks = table.shape[1]
+    # Level 0's row of position p (before the shift) holds position p + s: a committed
+    # token while p + s < committed (s host rows on; the host tokens padded so that
+    # stays in range), else new token p + s - committed. Its flat index is >= -(W-1)
+    # (an index from the end, unused, in row 0) and 0 where no shift reaches the new tokens.
+    rel0 = pos0 - committed[row0]
+    host_tokens = np.concatenate([host_tokens, np.zeros(int(roots.max_new.max()), dtype=np.int64)])
+    new_index0 = np.where(rel0 + roots.max_new[row0] > 0, row0 * width + rel0, 0)
+    # Each of rows, positions, slot positions, keys' requests: every forward's, concatenated.
+    rows_all, pos_all, slot_pos_all, seq_rows_all = (np.concatenate([f[i] for f in forwards]) for i in (0, 1, 2, 4))
+    wide = [committed, host_tokens, np.arange(num0), -rel0, new_index0, query_start0[1:] - 1, table]
+    wide += [rows_all, rows_all * blocks, pos_all, slot_pos_all, seq_rows_all]
+    # int32: what vLLM's metadata reads as int32, and what is added to the int32 shift.
+    narrow = [table, roots.max_new - 1, np.concatenate([f[5] for f in forwards])] + [f[3] for f in forwards]
     wide_dev = upload_packed(wide, device, torch.int64)
     narrow_dev = upload_packed(narrow, device, torch.int32)
+    committed_dev, tokens_dev, index0, neg_rel0, new_index0, root_rows, table64 = wide_dev[:7]
+    rows_all, row_base, pos_all, slot_pos_all, seq_rows_all = wide_dev[7:]
+    table_dev, bound_dev, seq_all = narrow_dev[:3]
+
+    # The shift of each request, on the device: its new tokens but one (int32).
+    shift = torch.minimum(roots.new_counts - 1, bound_dev).clamp_(min=0)
+    # Every forward's rows at once: positions, slots and keys seen, moved by the shift.
+    row_shift = shift[rows_all]
+    pos_all = pos_all + row_shift
+    slot_pos_all = slot_pos_all + row_shift
+    slot_all = table64.view(-1)[row_base + slot_pos_all // block_size] * block_size
+    slot_all += slot_pos_all % block_size
+    seq_all = seq_all + shift[seq_rows_all]
+
+    s0 = row_shift[:num0]
+    new = roots.new_tokens.reshape(-1)[new_index0 + s0]
+    old = tokens_dev[index0 + s0]
+    token_ids = torch.where(s0 >= neg_rel0, new, old).clamp_(min=0)  # -1: a row without tokens
 
     inputs = []
-    for d, (_, _, qs, sl) in enumerate(levels):
+    row_counts = [len(f[0]) for f in forwards]
+    req_counts = [len(f[4]) for f in forwards]
+    pos_split = pos_all.split(row_counts)
+    slot_split = slot_all.split(row_counts)
+    seq_split = seq_all.split(req_counts)
+    for d, (_, _, _, qs, _, _, seq_bound) in enumerate(forwards):
         inputs.append(
             LevelInputs(
-                token_ids=narrow_dev[0] if d == 0 else None,
-                positions=wide_dev[2 + 2 * d],
-                slot_mapping=wide_dev[3 + 2 * d],
-                query_start_loc=narrow_dev[2 + 2 * d],
+                token_ids=token_ids if d == 0 else None,
+                positions=pos_split[d],
+                slot_mapping=slot_split[d],
+                query_start_loc=narrow_dev[3 + d],
                 query_start_loc_cpu=torch.from_numpy(qs.astype(np.int32)),
-                seq_lens=narrow_dev[3 + 2 * d],
-                seq_lens_cpu=torch.from_numpy(sl.astype(np.int32)),
+                seq_lens=seq_split[d],
+                seq_lens_cpu=torch.from_numpy(seq_bound.astype(np.int32)),
                 max_query_len=int(np.diff(qs).max()),
-                max_seq_len=int(sl.max()),
+                max_seq_len=int(seq_bound.max()),
             )
         )
-    return DraftStepInputs(inputs, wide_dev[1], wide_dev[0], narrow_dev[1])
+    root_tokens = token_ids[root_rows]
+    return DraftStepInputs(inputs, root_tokens, committed_dev + shift, table_dev, root_rows)

@@ -49,9 +49,7 @@ class DynamicTreeDrafter(TreeDrafter):
         self.last_run_node = self.level_span[tree.max_depth - 1][1]  # the deepest level is never run
         self.child_groups = None  # children are placed per request, not by a shared table
 
-    def _draft_levels(
-        self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned, cut
-    ):
+    def _draft_levels(self, active, roots, block_rows, block_size, temperature, greedy, generators, banned, cut):
         """Every active request's tree on the shared levels, down to the deepest ``cut``
         (int64 [R], deepest first; a request cut shallower is sent its prefix: the
         nodes below it are drawn but never verified). Returns (tokens [R, N+1],
@@ -59,18 +57,17 @@ class DynamicTreeDrafter(TreeDrafter):
         ``TreeDrafter`` drafts it."""
         if not isinstance(self.tree, LevelLayout):
             return super()._draft_levels(
-                active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned, cut
+                active, roots, block_rows, block_size, temperature, greedy, generators, banned, cut
             )
         layout, runner = self.tree, self.runner
         device = runner.device
         reqs, n1, depth = len(active), layout.num_nodes + 1, int(cut[0])
         sizes, m = layout.level_sizes, layout.max_children
-        step = build_draft_step_inputs(
-            level0, start, root_pos, self.level_span, depth, block_rows, block_size, device, [reqs] * depth
-        )
+        step = build_draft_step_inputs(roots, self.level_span, depth, block_rows, block_size, device, [reqs] * depth)
+        max_context_len = int(roots.root_bound.max())
         level = step.levels[0]
         hidden = self._forward(level.token_ids, level, step.block_table, plan=None)
-        logits = self._logits(hidden[level.query_start_loc[1:] - 1]).unsqueeze(1)  # [R, 1, V]: the roots
+        logits = self._logits(hidden[step.root_rows]).unsqueeze(1)  # [R, 1, V]: the roots
         vocab = logits.shape[-1]
 
         tokens = torch.full((reqs, n1), -1, dtype=torch.long, device=device)
@@ -125,7 +122,7 @@ class DynamicTreeDrafter(TreeDrafter):
                 context_lens=step.context_lens,
                 mask=mask[:, nxt_first : nxt_last + 1, : nxt_last + 1],
                 covers_all_rows=True,
-                max_context_len=int(root_pos.max()),
+                max_context_len=max_context_len,
             )
             node_ids = tokens[:, nxt_first : nxt_last + 1].clamp(min=0).flatten()
             hidden = self._forward(node_ids, step.levels[d + 1], step.block_table, plan=plan)

@@ -2,9 +2,12 @@
 
 For each request whose step produced a token (the new root, at position L):
 
-* level 0 runs, causally, every token whose draft KV is missing: normally just
-  the root; also the last accepted node when the path ended on a node the
-  drafter never ran (a leaf), and the whole prompt after prefill;
+* level 0 runs, causally, every token whose draft KV is missing: after a verified
+  tree its last two tokens (the node below the root, never run when the path
+  ended on a leaf, and the root), and the whole prompt after prefill. Where the
+  root lies is known on the device only: the inputs are laid out on the host and
+  moved there by the accepted count (``draft_inputs``), so nothing waits for
+  the verification until every draft forward is launched;
 * level d = 1 .. D-1 runs the tree nodes of depth d, at RoPE position L + d,
   written to slot L + node, each attending to the context and to its own
   ancestors only (``TreeAttentionPlan`` read from the draft layers' cache).
@@ -29,7 +32,7 @@ from ..core.fused_tree_pass import triton_reads
 from ..core.tree import TreeSpec
 from .attention.tree_attention_plan import TreeAttentionPlan
 from .draft_forward import draft_model_inputs, run_draft_model
-from .draft_inputs import LevelInputs, build_draft_step_inputs
+from .draft_inputs import DraftRoots, LevelInputs, build_draft_step_inputs, new_token_counts
 from .host_to_device import upload
 from .sampling.target_probs import softmax_, split_greedy
 from .step_buffer import StepBuffer
@@ -58,13 +61,16 @@ class TreeDrafter:
         self.level_span, self.last_run_node, self.child_groups = shape.level_span, shape.last_run_node, shape.groups
 
     # ------------------------------------------------------------------ step
-    def propose(self, sampled_token_ids, sampling_metadata, depth=None, tree: TreeSpec | None = None):
+    def propose(self, sampled_token_ids, sampling_metadata, depth=None, tree: TreeSpec | None = None, launched=None):
         """Draft a tree of shape ``tree`` (None: the last one), cut to ``depth``
         (None: the whole tree; 0: none; an int, or one per batch row), for
         every request that got tokens this step.
 
-        sampled_token_ids: the verifier's output [B, D+1] (-1 padded), before the
-        runner's bookkeeping has appended it to the batch's token lists.
+        sampled_token_ids: the verifier's output [B, D+1] (-1 padded) on the device,
+        before the runner's bookkeeping has appended it to the batch's token lists.
+        Nothing derived from it is read on the host until every draft forward is
+        launched (``draft_inputs``): then ``launched()`` runs (host work that waited
+        for the verification), and the drafts are read back.
         Returns vLLM's draft lists: the nodes of depth <= ``depth`` in
         breadth-first order per request (a node that does not exist is sent as
         token 0 and ignored by the verifier), [] for requests without a tree.
@@ -84,33 +90,41 @@ class TreeDrafter:
         block_table = input_batch.block_table[0]
         block_size = block_table.block_size
 
-        new_tokens = [[t for t in row if t >= 0] for row in _as_lists(sampled_token_ids)[:batch]]
-        discard = runner.discard_request_mask.np[:batch]
         committed = input_batch.num_tokens_no_spec[:batch].astype(np.int64)
-        got_token = np.array([len(t) > 0 for t in new_tokens], dtype=bool) & ~discard
-        root_pos = committed + np.array([len(t) for t in new_tokens], dtype=np.int64) - 1
+        max_new = self.state.take_max_new_tokens(req_ids)  # 1 unless a tree was verified
+        got_token = ~runner.discard_request_mask.np[:batch]
+        root_bound = committed + max_new - 1
         capacity = block_table.num_blocks_per_row[:batch].astype(np.int64) * block_size
-        fits = (root_pos + self.last_run_node < capacity) & (root_pos + tree.max_depth < runner.max_model_len)
+        fits = (root_bound + self.last_run_node < capacity) & (root_bound + tree.max_depth < runner.max_model_len)
+        # A verified request's draft KV holds its old root and the accepted nodes the
+        # drafter ran: level 0 runs its last two tokens. One that holds less (never
+        # seen) catches up in a step without a verified tree.
+        draft_kv = np.array([self.state.draft_kv_len.get(r, 0) for r in req_ids], dtype=np.int64)
+        verified = max_new > 1
+        start = np.minimum(draft_kv, committed - verified)
         # A request cut to depth 0 gets no tree; the draft cache catches up when a later step drafts.
-        active = np.nonzero(got_token & fits & (depths > 0))[0]
+        active = np.nonzero(got_token & fits & (depths > 0) & ~(verified & (draft_kv < committed - 1)))[0]
         drafts: list[list[int]] = [[] for _ in range(batch)]
         # The batch's other requests get no tree: an older one of theirs is never verified again.
         with_tree = set(active.tolist())
         self.state.forget([r for i, r in enumerate(req_ids) if i not in with_tree])
         if active.size == 0:
+            if launched is not None:
+                launched()
             return drafts
         # Deepest cuts first: the forward of level d runs the requests cut below d, a prefix.
         active = active[np.argsort(-depths[active], kind="stable")]
         cut = depths[active]
-
-        root_pos = root_pos[active]
         active_ids = [req_ids[i] for i in active]
-        start = np.minimum(np.array([self.state.draft_kv_len.get(r, 0) for r in active_ids], dtype=np.int64), root_pos)
-        # Level 0 tokens: committed ones from the batch's token table, then this step's.
-        level0 = [
-            input_batch.token_ids_cpu[i, s : committed[i]].tolist() + new_tokens[i][max(0, s - committed[i]) :]
-            for i, s in zip(active.tolist(), start.tolist())
-        ]
+        new_tokens = _on_device(sampled_token_ids, runner.device)[upload(active, runner.device)]
+        roots = DraftRoots(
+            start=start[active],
+            committed=committed[active],
+            max_new=max_new[active],
+            committed_tokens=[input_batch.token_ids_cpu[i, start[i] : committed[i]].tolist() for i in active.tolist()],
+            new_tokens=new_tokens,
+            new_counts=new_token_counts(new_tokens),
+        )
         block_rows = block_table.get_cpu_tensor()[torch.from_numpy(active)]
         temperature, greedy = self._draft_temperature(active)
 
@@ -118,23 +132,17 @@ class TreeDrafter:
         if banned is not None:  # draft inside the allowed set: other drafts would always be rejected
             banned = banned[upload(active, banned.device)]
         tokens, q, parents = self._draft_levels(
-            active,
-            root_pos,
-            start,
-            level0,
-            block_rows,
-            block_size,
-            temperature,
-            greedy,
-            sampling_metadata.generators,
-            banned,
-            cut,
+            active, roots, block_rows, block_size, temperature, greedy, sampling_metadata.generators, banned, cut
         )
         self._clear_q_below_cuts(q, cut)
-        for r, req_id in zip(root_pos.tolist(), active_ids):
-            self.state.draft_kv_len[req_id] = r + 1  # the context and the root
-        self.state.add(DraftedTrees(active_ids, tokens, q, tree, parents))
+        if launched is not None:
+            launched()
         node_tokens = tokens[:, 1:].clamp(min=0).tolist()
+        # The draft cache now holds the context and the root (its shift clamped as the inputs clamp it).
+        new_counts = np.clip(roots.new_counts.cpu().numpy(), 1, roots.max_new)
+        for req_id, kv_len in zip(active_ids, (roots.committed + new_counts).tolist()):
+            self.state.draft_kv_len[req_id] = kv_len
+        self.state.add(DraftedTrees(active_ids, tokens, q, tree, parents))
         for row, (i, d) in enumerate(zip(active.tolist(), cut.tolist())):
             drafts[i] = node_tokens[row][: self.level_span[d][1]]
         return drafts
@@ -153,9 +161,7 @@ class TreeDrafter:
         of the batch's temperatures (0 for greedy requests): no device read."""
         return split_greedy(torch.from_numpy(self.runner.input_batch.temperature_cpu[active].astype(np.float32)))
 
-    def _draft_levels(
-        self, active, root_pos, start, level0, block_rows, block_size, temperature, greedy, generators, banned, cut
-    ):
+    def _draft_levels(self, active, roots, block_rows, block_size, temperature, greedy, generators, banned, cut):
         """The levels of every active request's tree, each request to its ``cut``
         (int64 [R], deepest first): level d's forward runs the requests cut below d only.
         Returns (tokens [R, N+1], q [R, M, V] or None, parents [R, N+1] or None: the
@@ -169,12 +175,11 @@ class TreeDrafter:
 
         # Level 0: the tokens whose draft KV is missing, causally, up to the root.
         # Every level's inputs are built and sent to the device here, once per step.
-        step = build_draft_step_inputs(
-            level0, start, root_pos, self.level_span, depth, block_rows, block_size, device, level_reqs
-        )
+        step = build_draft_step_inputs(roots, self.level_span, depth, block_rows, block_size, device, level_reqs)
+        root_bound = roots.root_bound
         level = step.levels[0]
         hidden = self._forward(level.token_ids, level, step.block_table, plan=None)
-        root_logits = self._logits(hidden[level.query_start_loc[1:] - 1])
+        root_logits = self._logits(hidden[step.root_rows])
 
         vocab = root_logits.shape[-1]
         tokens = torch.full((reqs, n1), -1, dtype=torch.long, device=device)
@@ -217,7 +222,7 @@ class TreeDrafter:
                     context_lens=step.context_lens[:n],
                     mask=self._shapes[tree].level_masks[d],
                     covers_all_rows=True,
-                    max_context_len=int(root_pos[:n].max()),
+                    max_context_len=int(root_bound[:n].max()),
                 )
             hidden = self._forward(node_ids, step.levels[d], step.block_table[:n], plan=plan)
             logits = self._logits(hidden).view(n, width, vocab)
@@ -395,5 +400,13 @@ def _masked(logits: torch.Tensor, banned: torch.Tensor | None) -> torch.Tensor:
     return logits if banned is None else logits.masked_fill_(banned, float("-inf"))
 
 
-def _as_lists(sampled_token_ids) -> list[list[int]]:
-    return sampled_token_ids.tolist() if torch.is_tensor(sampled_token_ids) else sampled_token_ids
+def _on_device(sampled_token_ids, device: torch.device) -> torch.Tensor:
+    """The step's sampled tokens [B, W] (-1 padded) on ``device``: vLLM hands a device
+    tensor, or lists of each request's tokens (sent up, padded, without a host sync)."""
+    if torch.is_tensor(sampled_token_ids):
+        return sampled_token_ids
+    width = max(1, max((len(row) for row in sampled_token_ids), default=0))
+    rows = np.full((len(sampled_token_ids), width), -1, dtype=np.int64)
+    for i, row in enumerate(sampled_token_ids):
+        rows[i, : len(row)] = row
+    return upload(rows, device)

@@ -75,6 +75,7 @@ class TreeVerificationSampler:
             # a plain engine would (one row per request, [B, 1] out), unless a request
             # sets logit_bias or min_p, which that sampler drops under speculation.
             self._restart_prompt_chunks(req_ids, num_draft_list)
+            self.state.max_new_tokens = {}
             return self.runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
         scheduled = np.asarray(num_draft_list, dtype=np.int64)  # host arrays in numpy: microseconds each
         # The trees of this step share one shape: the configured tree or (``tree:
@@ -85,6 +86,9 @@ class TreeVerificationSampler:
         # (no rows, no probabilities below it).
         shape = self.state.latest_tree
         keep_depth = self._depth_of_prefix(shape, scheduled)
+        # What the drafter may assume before it reads this step's tokens: the path
+        # and the bonus token, at most 1 + the depth each tree is verified to.
+        self.state.max_new_tokens = dict(zip(req_ids, (1 + np.where(scheduled > 0, keep_depth, 0)).tolist()))
         tree = self._cut_tree(shape, max(1, int(keep_depth.max())))
         n1 = tree.num_nodes + 1
         num_draft = np.minimum(scheduled, tree.num_nodes)

@@ -212,17 +212,19 @@ class TreeSpeculation:
             self.sizer.choose_ahead()
 
     def propose(self, sampled_token_ids, sampling_metadata):
-        # The draft cache's lengths after this step's verification (read back from the
-        # device without stalling it mid-step): the sizer's backlog and the drafter read them.
-        self.sampler.settle()
         shape, depth = None, None
         if self.sizer is not None:
             shape, depth = self.sizer.choose(self.runner.input_batch.num_reqs)
         with self.timers.measure("draft"):
-            drafts = self.drafter.propose(sampled_token_ids, sampling_metadata, depth, shape)
-        if self.sizer is not None:  # the draft forwards are launched: learn from the trees verified
+            return self.drafter.propose(sampled_token_ids, sampling_metadata, depth, shape, self._after_draft_launch)
+
+    def _after_draft_launch(self) -> None:
+        """Every draft forward is launched (on a GPU queued behind the verification):
+        now the host may wait for what the verification left it, the draft cache's
+        lengths and what the sizer learns from the verified trees."""
+        self.sampler.settle()
+        if self.sizer is not None:
             self.sizer.learn_deferred()
-        return drafts
 
 
 def _refuse_custom_logits_processors(logitsprocs) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..core.tree import TreeSpec
@@ -46,6 +47,9 @@ class TreeState:
     trees: dict[str, tuple[DraftedTrees, int]] = field(default_factory=dict)
     # Leading positions of each request whose draft-model KV is in the cache.
     draft_kv_len: dict[str, int] = field(default_factory=dict)
+    # A bound on each request's new tokens this step (1 + the depth its tree was
+    # verified to), left by the verifier for the drafter (``take_max_new_tokens``).
+    max_new_tokens: dict[str, int] = field(default_factory=dict)
     # The shape of the trees drafted last: what the next step verifies (the runner
     # seeds it with the configured tree). All trees of one drafting share a shape;
     # a tree of another shape (its request was skipped for a step while the shape
@@ -144,6 +148,12 @@ class TreeState:
             parents = self.parents_of(req_ids, layout, device)
             self._step_batch = (key, TreeBatch(parents, layout.level_sizes, layout.max_children, validate=False))
         return self._step_batch[1]
+
+    def take_max_new_tokens(self, req_ids: list[str]) -> np.ndarray:
+        """int64 [B]: the bound on each request's new tokens this step (1 where no tree
+        was verified), taken once: a step that verifies no tree leaves none behind."""
+        bounds, self.max_new_tokens = self.max_new_tokens, {}
+        return np.array([bounds.get(r, 1) for r in req_ids], dtype=np.int64)
 
     def forget(self, req_ids) -> None:
         """Drop the trees of ``req_ids``: they got no tree this step, so theirs is never verified again."""
