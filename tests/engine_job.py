@@ -168,8 +168,8 @@ def _blind_drafting(worker) -> None:
 
         sources = [sampled_token_ids] if torch.is_tensor(sampled_token_ids) else []
         try:
-            # top_tokens' check for ties across the k-th token (k >= 2) reads the device:
-            # the CPU path of TreeDrafter's draws (a Triton kernel on a GPU) and the dynamic drafter's.
+            # top_tokens' check for ties across the k-th token (k >= 2) reads the tensor on a
+            # CPU only (free there); on a GPU, top_tokens and the drafters' draws are Triton kernels.
             with HostReadGuard(sources, exempt=("top_tokens",)) as guard:
                 drafts = propose(sampled_token_ids, sampling_metadata, depth, tree, seen)
             univer.exempt_reads += guard.exempt_reads

@@ -7,6 +7,7 @@ a subprocess (TRITON_INTERPRET must be set before Triton is imported):
   was given, of the scheme's exact law (q; q off the tokens drawn so far for
   wor; q off the top set for topk1's slot 0), -1 where nothing is left;
   float64, float32 and bfloat16 rows, zeros and ties, two vocabulary blocks;
+* ``top_tokens_fused`` (``top_tokens``' CUDA path) against ``top_tokens``;
 * its ``into`` write of the children into the token table (-1 under a node
   without a token, nothing else touched);
 * the engine drafter's level step (``TreeDrafter._draw_children``) on that path:
@@ -176,6 +177,19 @@ DRAFT_CHECK = textwrap.dedent("""
         TreeDrafter._draw_children(drafter, 1, tokens, logits, every, {}, np.arange(reqs))
         for parents, kids, m, in_level, _ in shape.groups[1]:
             assert torch.equal(tokens[:, kids], top_tokens(logits[:, in_level], m)), (scheme, "all greedy")
+
+    # top_tokens' CUDA path (one launch, no host read): the same tokens, ties across the
+    # k-th token included (bfloat16 rows, zeros, logits at -inf), any leading shape.
+    from vllm_univer.core.kernels.triton_draft_children import top_tokens_fused
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = rows(3, 4, 300, True, dtype)
+        x[1, 2] = 0
+        x[1, 2, [5, 9, 40]] = 0.25  # three tokens tie for first, the rest tie at zero
+        logits = torch.randn(3, 4, 300, generator=gen).to(dtype).masked_fill(x == 0, float("-inf"))
+        for k in (2, 3, 5):
+            for t in (x, logits, x[0], logits[:, 1:3].transpose(0, 1)):
+                assert torch.equal(top_tokens_fused(t, k), top_tokens(t, k)), (dtype, k, tuple(t.shape))
     print("DRAFTER OK")
 """)
 

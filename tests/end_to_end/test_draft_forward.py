@@ -59,8 +59,8 @@ def test_drafting_waits_for_no_verified_token(tiny_pair):
     tensor computed from them, an error until the launch, the engines draft the
     same trees and generate the same tokens. A chain, a tree, context-aware trees and
     tree auto's cuts; greedy and sampled requests; prompts prefilled in chunks.
-    Let through: ``top_tokens``' tie check (k >= 2), on the CPU path only of the
-    static trees' draws (a Triton kernel on a GPU) but on every path of the dynamic drafter."""
+    Let through: ``top_tokens``' tie check (k >= 2), made on a CPU only (on a GPU
+    it is a Triton kernel, ``top_tokens_fused``, tested in ``test_fused_drafting``)."""
     target, draft = tiny_pair
     texts = prompts(6, seed=4)
     greedy = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}

@@ -27,12 +27,17 @@ def top_tokens(probs: torch.Tensor, k: int) -> torch.Tensor:
         return probs.new_empty(probs.shape[:-1] + (0,), dtype=torch.long)
     if k == 1:
         return probs.argmax(-1, keepdim=True)  # argmax returns the first (lowest-id) maximum
+    vocab = probs.shape[-1]
+    if k < vocab and probs.is_cuda and _triton_importable():
+        # One launch and no host read: the check below would stall the device mid-step.
+        from .kernels.triton_draft_children import top_tokens_fused
+
+        return top_tokens_fused(probs, k)
     # topk does not promise an order among equal values. Take the k+1 largest: if
     # the k-th and (k+1)-th values differ, the chosen set is exact and only ties
     # inside it need ordering; rows with a tie across the boundary (common in
-    # bfloat16 logits) are resolved exactly over their whole row. One host sync,
-    # and only for k >= 2.
-    vocab = probs.shape[-1]
+    # bfloat16 logits) are resolved exactly over their whole row. One host sync
+    # (free where the tensors are host memory), and only for k >= 2.
     vals, idx = torch.topk(probs, min(k + 1, vocab), dim=-1)
     boundary_tie = vals[..., k - 1] == vals[..., k] if vocab > k else None
     vals, idx = vals[..., :k], idx[..., :k]
@@ -43,6 +48,14 @@ def top_tokens(probs: torch.Tensor, k: int) -> torch.Tensor:
     if boundary_tie is not None and bool(boundary_tie.any()):
         top[boundary_tie] = _top_tokens_exact(probs[boundary_tie], k)
     return top
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _top_tokens_exact(probs: torch.Tensor, k: int) -> torch.Tensor:

@@ -170,3 +170,15 @@ def draft_children_fused(
         BLOCK_V=block_size(vocab),
     )
     return out
+
+
+def top_tokens_fused(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """``drafting.top_tokens`` in one launch, without its host read: probs [..., V]
+    (probabilities or logits, -inf allowed) -> LongTensor [..., k], the k largest
+    by rank, ties to the lower id (each a pass over the row off the earlier winners)."""
+    vocab = probs.shape[-1]
+    rows = probs.reshape(-1, 1, vocab)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    first_row = torch.zeros(1, dtype=torch.long, device=probs.device)
+    return draft_children_fused("chain", rows, first_row, k, all_greedy=True).view(*probs.shape[:-1], k)
