@@ -7,15 +7,20 @@ after another.
 
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
 "params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool, "rank_decisions": bool,
-"draft_padding": int, "blind_drafting": bool}]}. A prompt is a string or a list of token ids.
-Result (the last stdout line,
-after ``RESULT``): per engine {"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs":
-[[{token: logprob}]] per output, when asked for, "margins" and "top2" with ``margins``} | {"error": str,
-"traceback": str}], "spec": {counter: value}, "rank_decisions": [{"steps", "digest", "level0_tokens"}
-per worker] with ``"rank_decisions": true`` (level0_tokens: per step, the tokens the draft's level 0 ran
-and the requests drafted), "padded_forwards": int with ``draft_padding`` (every draft forward padded
-to a multiple of it, as for a CUDA-graph replay), "blind_drafts": {"steps", "exempt_reads"} with ``blind_drafting``
-(steps that drafted trees while every host read of the sampled tokens raised, and the reads let through)}.
+"draft_padding": int, "blind_drafting": bool, "run_every_node": bool}]}. A prompt is a string or a
+list of token ids. Result (the last stdout line, after ``RESULT``): per engine {"error": str} or
+{"calls": [{"outputs": [[token ids], ...], "logprobs": [[{token: logprob}]] per output, when asked
+for, "margins" and "top2" with ``margins``} | {"error": str, "traceback": str}], "spec": {counter:
+value}, and with the options:
+
+- "rank_decisions": [{"steps", "digest", "level0_tokens", "draft_rows"}] per worker (level0_tokens:
+  per step, the tokens the draft's level 0 ran and the requests drafted; draft_rows: per step, the
+  tokens its deeper levels ran);
+- "padded_forwards": int with ``draft_padding`` (every draft forward padded to a multiple of it, as
+  for a CUDA-graph replay);
+- "blind_drafts": {"steps", "exempt_reads"} with ``blind_drafting`` (steps that drafted trees while
+  every host read of the sampled tokens raised, and the reads let through);
+- ``run_every_node``: the dynamic drafter runs every node of its levels (no result of its own)}.
 
 An engine with ``"margins": true`` is a greedy reference: it samples from
 processed logprobs (``logprobs_mode="processed_logprobs"``: after penalties,
@@ -100,12 +105,14 @@ def _record_decisions(worker) -> None:
     univer.decisions = decisions = []
     propose, verify = univer.drafter.propose, runner.rejection_sampler
     univer.level0_tokens = level0 = []
+    univer.draft_rows = rows = []
 
     def recorded_propose(*args, **kwargs):
         drafts = propose(*args, **kwargs)
         decisions.append(("draft", drafts))
         if univer.drafter.forward_tokens:  # (tokens the draft's level 0 ran, requests drafted)
             level0.append((univer.drafter.forward_tokens[0], sum(len(d) > 0 for d in drafts)))
+            rows.append(sum(univer.drafter.forward_tokens[1:]))  # the deeper levels' query tokens
         return drafts
 
     def recorded_verify(*args, **kwargs):
@@ -181,6 +188,11 @@ def _blind_drafting(worker) -> None:
     drafter.propose, univer.sampler.settle = blind_propose, guarded_settle
 
 
+def _run_every_node(worker) -> None:
+    """Make this worker's dynamic drafter run every node of each level, not only those it expands."""
+    worker.model_runner.tree_speculation.drafter._nodes_to_run = lambda scores: None
+
+
 def _blind_drafts(worker) -> dict:
     univer = worker.model_runner.tree_speculation
     return {"steps": univer.blind_drafts, "exempt_reads": univer.exempt_reads}
@@ -192,7 +204,12 @@ def _decisions_digest(worker) -> dict:
 
     univer = worker.model_runner.tree_speculation
     digest = hashlib.sha256(repr(univer.decisions).encode()).hexdigest()
-    return {"steps": len(univer.decisions), "digest": digest, "level0_tokens": univer.level0_tokens}
+    return {
+        "steps": len(univer.decisions),
+        "digest": digest,
+        "level0_tokens": univer.level0_tokens,
+        "draft_rows": univer.draft_rows,
+    }
 
 
 def _sampling_params(kwargs: dict):
@@ -226,6 +243,8 @@ def _run_engine(engine: dict) -> dict:
         llm.collective_rpc(_pad_draft_forwards, args=(engine["draft_padding"],))
     if engine.get("blind_drafting"):
         llm.collective_rpc(_blind_drafting)
+    if engine.get("run_every_node"):
+        llm.collective_rpc(_run_every_node)
     calls = []
     for call in engine["calls"]:
         try:

@@ -89,6 +89,29 @@ def test_drafting_waits_for_no_verified_token(tiny_pair):
     assert results[1]["blind_drafts"]["exempt_reads"] == 0, results[1]["blind_drafts"]
 
 
+def test_dynamic_levels_run_only_the_nodes_they_expand(tiny_pair):
+    """tree "dynamic": a level's forward runs only its ``expand`` best nodes (the only
+    ones that get children): the same trees, the same tokens as running every node
+    of the level (greedy and sampled requests, prompts in chunks), in fewer draft rows."""
+    target, draft = tiny_pair
+    texts = prompts(6, seed=8)
+    greedy = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
+    sampled = {"temperature": 1.0, "max_tokens": 40, "ignore_eos": True}
+    job = {"prompts": texts, "params": [greedy, sampled, greedy, sampled, greedy, greedy]}
+    kw = {"max_num_batched_tokens": 48, "enable_chunked_prefill": True, "max_num_seqs": 6}
+    config = {**univer(draft, "dynamic"), "max_nodes": 12, "max_depth": 4, "expand": 2, "max_children": 3}
+    plain = {**engine(target, [job], config, **kw), "rank_decisions": True}
+    kept, every = run_engines([plain, {**plain, "run_every_node": True}])
+    assert "error" not in kept and "error" not in every["calls"][0], (kept, every)
+    assert kept["calls"][0]["outputs"] == every["calls"][0]["outputs"]
+    assert kept["rank_decisions"][0]["digest"] == every["rank_decisions"][0]["digest"]
+    assert kept["rank_decisions"][0]["steps"] > 20
+    # Levels 2 and 3 hold 6 nodes per request (2 expanded x 3 children): 2 of them run.
+    rows_kept = sum(kept["rank_decisions"][0]["draft_rows"])
+    rows_every = sum(every["rank_decisions"][0]["draft_rows"])
+    assert rows_kept < 0.75 * rows_every, (rows_kept, rows_every)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (benchmarks/gpu_engine.sh graphs)")
 def test_trees_drafted_under_cuda_graphs(tiny_pair):
     """Target and draft replaying CUDA graphs: greedy tokens are the target's alone

@@ -17,6 +17,7 @@ Why this is lossless: ``docs/dynamic-trees.md``. Greedy requests (temperature
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..core.drafting import top_tokens
@@ -24,9 +25,9 @@ from ..core.dynamic_tree import DynamicTreeBudget, draw_children, level_sizes, p
 from ..core.tree import TreeSpec
 from ..core.tree_batch import LevelLayout
 from .attention.tree_attention_plan import TreeAttentionPlan
-from .draft_inputs import build_draft_step_inputs
+from .draft_inputs import LevelInputs, build_draft_step_inputs
 from .host_to_device import upload
-from .tree_drafter import TreeDrafter, level_spans
+from .tree_drafter import TreeDrafter, level_spans, softmax_into
 
 
 class DynamicTreeDrafter(TreeDrafter):
@@ -38,6 +39,7 @@ class DynamicTreeDrafter(TreeDrafter):
         self.budget = budget
         self.layout = LevelLayout(level_sizes(budget), budget.max_children)
         super().__init__(runner, proposer, self.layout if tree is None else tree, "topk1", state, timers)
+        self._query_starts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _use(self, tree: LevelLayout | TreeSpec) -> None:
         if not isinstance(tree, LevelLayout):
@@ -86,9 +88,13 @@ class DynamicTreeDrafter(TreeDrafter):
         row_of = {int(b): r for r, b in enumerate(active)} if generators else {}
         seeded = [(row_of[b], g) for b, g in generators.items() if b in row_of and not bool(greedy[row_of[b]])]
         scores = torch.ones(reqs, 1, dtype=q.dtype, device=device)
+        kept = None  # the level's nodes that ran its forward (None: all of them)
         for d in range(depth):
             first, last = self.level_span[d]
-            rows = self._level_rows(q, d, logits, temp, banned)  # [R, F, V], written into q
+            if kept is None:
+                rows = self._level_rows(q, d, logits, temp, banned)  # [R, F, V], written into q
+            else:
+                rows = self._kept_rows(q, d, logits, kept, temp, banned)
             slots = torch.full((reqs,), sizes[d + 1], dtype=torch.long, device=device)
             k = plan_children(scores, rows, self.budget, slots)
             kids = draw_children(rows, k, m)
@@ -115,16 +121,58 @@ class DynamicTreeDrafter(TreeDrafter):
             if d + 1 == depth:
                 break
             width = nxt_last - nxt_first + 1
+            level = step.levels[d + 1]
+            node_ids = tokens[:, nxt_first : nxt_last + 1].clamp(min=0)
+            level_mask = mask[:, nxt_first : nxt_last + 1, : nxt_last + 1]
+            kept = self._nodes_to_run(scores)
+            run = width if kept is None else kept.shape[1]
+            if kept is not None:
+                node_ids = node_ids.gather(1, kept)
+                level_mask = level_mask.gather(1, kept.unsqueeze(-1).expand(-1, -1, nxt_last + 1))
+                level = self._kept_inputs(level, kept, width)
             plan = TreeAttentionPlan(
-                query_rows=self._range(reqs * width).view(reqs, width),
+                query_rows=self._range(reqs * run).view(reqs, run),
                 row_valid=None,
                 request_index=self._range(reqs),
                 context_lens=step.context_lens,
-                mask=mask[:, nxt_first : nxt_last + 1, : nxt_last + 1],
+                mask=level_mask,
                 covers_all_rows=True,
                 max_context_len=max_context_len,
             )
-            node_ids = tokens[:, nxt_first : nxt_last + 1].clamp(min=0).flatten()
-            hidden = self._forward(node_ids, step.levels[d + 1], step.block_table, plan=plan)
-            logits = self._logits(hidden).view(reqs, width, vocab)
+            hidden = self._forward(node_ids.flatten(), level, step.block_table, plan=plan)
+            logits = self._logits(hidden).view(reqs, run, vocab)
         return tokens, q, parents
+
+    def _nodes_to_run(self, scores: torch.Tensor) -> torch.Tensor | None:
+        """Which nodes of a level run its draft forward, [R, expand] (None: all):
+        only the ``expand`` best get children (``plan_children`` ranks them by their
+        path probability ``scores`` [R, width], known now, ties to the lower index),
+        so only their rows are ever drawn from. The others stay leaves, their draft KV unwritten."""
+        if self.budget.expand >= scores.shape[1]:
+            return None
+        return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : self.budget.expand]
+
+    def _kept_inputs(self, level: LevelInputs, kept: torch.Tensor, width: int) -> LevelInputs:
+        """``level`` (every node of a level of ``width`` per request) cut to the nodes
+        ``kept`` [R, run] of each request: their cache slots, one position for all."""
+        reqs, run = kept.shape
+        if (reqs, run) not in self._query_starts:
+            starts = np.arange(reqs + 1, dtype=np.int32) * run
+            self._query_starts[reqs, run] = (upload(starts, self.runner.device), torch.from_numpy(starts))
+        starts, starts_cpu = self._query_starts[reqs, run]
+        return level._replace(
+            positions=level.positions.view(reqs, width)[:, :run].reshape(-1),
+            slot_mapping=level.slot_mapping.view(reqs, width).gather(1, kept).view(-1),
+            query_start_loc=starts,
+            query_start_loc_cpu=starts_cpu,
+            max_query_len=run,
+        )
+
+    def _kept_rows(self, q, depth: int, logits: torch.Tensor, kept: torch.Tensor, temp, banned) -> torch.Tensor:
+        """The depth-``depth`` level's q rows [R, F, V] from the logits [R, run, V] of
+        its nodes ``kept`` [R, run] (written into ``q``); the other nodes' rows zero."""
+        first, last = self.level_span[depth]
+        rows = q[:, first : last + 1]
+        run_rows = softmax_into(torch.empty(logits.shape, dtype=q.dtype, device=q.device), logits, temp, banned)
+        rows.zero_()
+        return rows.scatter_(1, kept.unsqueeze(-1).expand(-1, -1, logits.shape[-1]), run_rows)

@@ -247,13 +247,7 @@ class TreeDrafter:
         if q is None:
             return _masked(logits, None if banned is None else banned.unsqueeze(1))
         first, last = self.level_span[depth]
-        rows = q[:, first : last + 1]
-        if triton_reads(rows, logits):  # CUDA: one launch, three passes over the rows
-            from ..core.kernels.triton_temperature_softmax import temperature_softmax
-
-            return temperature_softmax(logits, temp.view(-1), banned, rows)
-        banned = None if banned is None else banned.unsqueeze(1)
-        return softmax_(_masked(rows.copy_(logits).div_(temp), banned))
+        return softmax_into(q[:, first : last + 1], logits, temp, banned)
 
     def _q_buffer(self, shape: tuple[int, int, int], replaced: set[str]) -> torch.Tensor:
         """This step's q rows, in the buffer kept across steps unless a tree that
@@ -392,6 +386,17 @@ class GreedyRows(NamedTuple):
             return self
         host = self.host[:n]
         return GreedyRows(self.rows[:n], host, bool(host.any()), bool(host.all()))
+
+
+def softmax_into(rows: torch.Tensor, logits: torch.Tensor, temp: torch.Tensor, banned) -> torch.Tensor:
+    """rows [R, W, V] float32 <- softmax(logits [R, W, V] / T) over each request's
+    allowed tokens (temp [R, 1, 1]; banned [R, V] bool or None), returned."""
+    if triton_reads(rows, logits):  # CUDA: one launch, three passes over the rows
+        from ..core.kernels.triton_temperature_softmax import temperature_softmax
+
+        return temperature_softmax(logits, temp.view(-1), banned, rows)
+    banned = None if banned is None else banned.unsqueeze(1)
+    return softmax_(_masked(rows.copy_(logits).div_(temp), banned))
 
 
 def _masked(logits: torch.Tensor, banned: torch.Tensor | None) -> torch.Tensor:

@@ -297,7 +297,8 @@ class TreeVerificationSampler:
         self, req_ids, num_draft, keep_depth: np.ndarray, accepted: torch.Tensor, shape: TreeSpec, chain=None
     ) -> None:
         """The draft cache now holds the context, the root and the accepted nodes
-        the drafter ran (every node above the deepest level of the tree as cut).
+        above the path's end node (each had a child, so the drafter ran it; the end
+        node itself it may not have: a leaf, or a context-aware tree's node not expanded).
         ``accepted``: [B] depth of each end node, on the device; ``chain``: [B, D]
         the chain's estimated acceptance, or None (``_chain_survival``).
 
@@ -314,9 +315,9 @@ class TreeVerificationSampler:
             chain_host = None if chain is None else host[:, 1:]
             if self.sizer is not None and len(req_ids) == len(num_draft):  # not vLLM's profile run (no requests)
                 self._defer_learning(req_ids, num_draft, keep_depth, accepted, shape, chain_host)
-            for i, (req_id, n, k, cut) in enumerate(zip(req_ids, num_draft, accepted.tolist(), keep_depth.tolist())):
+            for i, (req_id, n, k) in enumerate(zip(req_ids, num_draft, accepted.tolist())):
                 if n > 0:
-                    self.state.draft_kv_len[req_id] = int(computed[i]) + 1 + min(k, max(cut - 1, 0))
+                    self.state.draft_kv_len[req_id] = int(computed[i]) + max(k, 1)
 
         self._pending = update
 
