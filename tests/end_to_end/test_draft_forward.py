@@ -52,6 +52,15 @@ def test_padded_draft_forwards_draft_the_same_trees(tiny_pair):
         assert all(tokens <= 2 * requests for tokens, requests in level0[1:]), (label, level0)
 
 
+def _chunked_mixed_job(seed: int) -> tuple[dict, dict]:
+    """Six prompts, greedy and sampled requests of 40 tokens, and engine options that
+    prefill them in chunks beside decoding trees: (job, engine kwargs)."""
+    greedy = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
+    sampled = {"temperature": 1.0, "max_tokens": 40, "ignore_eos": True}
+    job = {"prompts": prompts(6, seed=seed), "params": [greedy, sampled, greedy, sampled, greedy, greedy]}
+    return job, {"max_num_batched_tokens": 48, "enable_chunked_prefill": True, "max_num_seqs": 6}
+
+
 def test_drafting_waits_for_no_verified_token(tiny_pair):
     """The drafter launches every draft forward before the host reads anything the
     step's verification produced (on a GPU the host then prepares the drafts while
@@ -62,11 +71,7 @@ def test_drafting_waits_for_no_verified_token(tiny_pair):
     Let through: ``top_tokens``' tie check (k >= 2), made on a CPU only (on a GPU
     it is a Triton kernel, ``top_tokens_fused``, tested in ``test_fused_drafting``)."""
     target, draft = tiny_pair
-    texts = prompts(6, seed=4)
-    greedy = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
-    sampled = {"temperature": 1.0, "max_tokens": 40, "ignore_eos": True}
-    job = {"prompts": texts, "params": [greedy, sampled, greedy, sampled, greedy, greedy]}
-    kw = {"max_num_batched_tokens": 48, "enable_chunked_prefill": True, "max_num_seqs": 6}
+    job, kw = _chunked_mixed_job(seed=4)
     configs = [
         univer(draft, "1x4", "token"),
         univer(draft, "2x3"),
@@ -94,11 +99,7 @@ def test_dynamic_levels_run_only_the_nodes_they_expand(tiny_pair):
     ones that get children): the same trees, the same tokens as running every node
     of the level (greedy and sampled requests, prompts in chunks), in fewer draft rows."""
     target, draft = tiny_pair
-    texts = prompts(6, seed=8)
-    greedy = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
-    sampled = {"temperature": 1.0, "max_tokens": 40, "ignore_eos": True}
-    job = {"prompts": texts, "params": [greedy, sampled, greedy, sampled, greedy, greedy]}
-    kw = {"max_num_batched_tokens": 48, "enable_chunked_prefill": True, "max_num_seqs": 6}
+    job, kw = _chunked_mixed_job(seed=8)
     config = {**univer(draft, "dynamic"), "max_nodes": 12, "max_depth": 4, "expand": 2, "max_children": 3}
     plain = {**engine(target, [job], config, **kw), "rank_decisions": True}
     kept, every = run_engines([plain, {**plain, "run_every_node": True}])
