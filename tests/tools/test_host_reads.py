@@ -18,6 +18,7 @@ from vllm_univer.tools.host_reads import HostReadGuard, TaintedHostRead
         lambda t: t.sum().item(),
         lambda t: bool(t[0] > 0),
         lambda t: int(t[1]),
+        lambda t: torch.arange(3)[t > 0],  # indexing by a mask: the result's size is read
     ],
 )
 def test_a_read_of_a_derived_value_raises(read):

@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .graph_discipline import BOOL_INDEX_OPS, _bool_index
 from .op_counter import HOST_SYNC_OPS, _name
 
 
@@ -95,8 +96,12 @@ class HostReadGuard(TorchDispatchMode):
         kwargs = kwargs or {}
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         tainted = any(self.is_tainted(t) for t in inputs)
-        if tainted and (_name(func) in HOST_SYNC_OPS or _crosses_to_host(func, args, kwargs)):
-            self._read(_name(func), next(t for t in inputs if self.is_tainted(t)))
+        name = _name(func)
+        if tainted and (name in HOST_SYNC_OPS or _crosses_to_host(func, args, kwargs)):
+            self._read(name, next(t for t in inputs if self.is_tainted(t)))
+        elif name in BOOL_INDEX_OPS and _bool_index(args) and _tainted_mask(self, args):
+            # The result's size is the mask's count: read on the host (a sync on CUDA).
+            self._read(f"{name} by a boolean mask", next(t for t in args[1] if isinstance(t, torch.Tensor)))
         out = func(*args, **kwargs)
         if tainted:
             for t in tree_flatten(out)[0]:
@@ -105,6 +110,10 @@ class HostReadGuard(TorchDispatchMode):
             for written in _written_arguments(func, args, kwargs):
                 self._taint(written)
         return out
+
+
+def _tainted_mask(guard: HostReadGuard, args) -> bool:
+    return any(isinstance(t, torch.Tensor) and guard.is_tainted(t) for t in args[1] or ())
 
 
 def _called_from(names: frozenset[str]) -> bool:
