@@ -288,7 +288,8 @@ class TreeVerificationSampler:
 
     def settle(self) -> None:
         """Apply what the last verification left to the host (``_defer_draft_kv_len``):
-        the drafter calls this before it reads the draft cache's lengths."""
+        called once the drafter has launched its forwards (it waits for the device),
+        before the drafter records the draft cache's new lengths."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending()
