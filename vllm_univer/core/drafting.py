@@ -28,7 +28,9 @@ def top_tokens(probs: torch.Tensor, k: int) -> torch.Tensor:
     if k == 1:
         return probs.argmax(-1, keepdim=True)  # argmax returns the first (lowest-id) maximum
     vocab = probs.shape[-1]
-    if k < vocab and probs.is_cuda and _triton_importable():
+    from .fused_tree_pass import triton_reads  # here: fused_tree_pass imports the verifiers, which import this
+
+    if k < vocab and triton_reads(probs):
         # One launch and no host read: the check below would stall the device mid-step.
         from .kernels.triton_draft_children import top_tokens_fused
 
@@ -48,14 +50,6 @@ def top_tokens(probs: torch.Tensor, k: int) -> torch.Tensor:
     if boundary_tie is not None and bool(boundary_tie.any()):
         top[boundary_tie] = _top_tokens_exact(probs[boundary_tie], k)
     return top
-
-
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _top_tokens_exact(probs: torch.Tensor, k: int) -> torch.Tensor:
