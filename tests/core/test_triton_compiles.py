@@ -72,6 +72,8 @@ CHECK = textwrap.dedent("""
     from vllm_univer.integration.attention.triton_kv_moves import move_accepted_kv
     from vllm_univer.integration.attention.triton_paged_tree_attention import paged_tree_attention_triton
     from vllm_univer.core.kernels.triton_temperature_softmax import temperature_softmax
+    from vllm_univer.integration import triton_draft_inputs
+    from vllm_univer.integration.draft_inputs import HostLayout
     from benchmarks.verifier_overhead import make_inputs
 
     def attempt(what, fn):
@@ -126,6 +128,12 @@ CHECK = textwrap.dedent("""
         into = (torch.zeros(batch, 7, dtype=torch.long), torch.tensor([1, 2]), torch.arange(3, 3 + 2 * m).view(2, m))
         attempt(f"draft {scheme} into", lambda: draft_children_fused(scheme, rows, torch.tensor([2, 0]), m, into=into))
 
+    wide = [torch.zeros(6, dtype=torch.long) for _ in HostLayout._fields]
+    layout = HostLayout(*wide[:6], torch.zeros(6, dtype=torch.int32), *wide[7:13], torch.ones(3, dtype=torch.int32))
+    attempt("draft inputs", lambda: triton_draft_inputs.place_draft_inputs_fused(
+        layout, torch.zeros(3, 4, dtype=torch.long), torch.ones(3, dtype=torch.int32), 16
+    ))
+
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.randn(batch, 2, vocab).to(dtype)
         for banned in (None, torch.rand(batch, vocab, generator=gen) < 0.3):
@@ -161,7 +169,7 @@ CHECK = textwrap.dedent("""
         importlib.import_module(f"{package.__name__}.{info.name}")
         for package in (core_kernels, attention)
         for info in pkgutil.iter_modules(package.__path__)
-    ]
+    ] + [triton_draft_inputs]
     for module in modules:
         source = open(module.__file__).read()
         for name, obj in vars(module).items():

@@ -31,19 +31,19 @@ pytest.importorskip("vllm")
 # 2026-12-06: 112 (draft 40 -> 71): the drafter places every level's positions, slots and level 0's
 # tokens on the device from the accepted count (``draft_inputs``, ~25 small ops, and the new-token
 # counts), so the host no longer waits for the verification before launching the draft forwards;
-# one Triton launch for that placement would take most of them back (not built yet).
-CUDA_STEP_BUDGET = 115
+# 2026-12-06 (later): 90 (draft 71 -> 48): that placement is one Triton launch (``triton_draft_inputs``).
+CUDA_STEP_BUDGET = 93
 # univer_wor (its kernels: one launch per level and one for the draw), 2026-12-05: 139, then 121 with
 # the children written by the drafting kernel (verify 47, draft 44, target_probs 3, verifier 20: the
 # decision, greedy rows and output rows; Triton 6.5); 111 with univer's cuts above.
-# 2026-12-06: 127, the drafter's placement on the device as above.
-CUDA_STEP_BUDGET_WOR = 130
+# 2026-12-06: 127, the drafter's placement on the device as above; then 105, that placement in one launch.
+CUDA_STEP_BUDGET_WOR = 108
 
 SCRIPT = textwrap.dedent("""
     import sys
     from vllm import LLM, SamplingParams
     from vllm_univer.core import api, fused_tree_pass
-    from vllm_univer.integration import tree_drafter
+    from vllm_univer.integration import draft_inputs, tree_drafter
     from vllm_univer.core.kernels import triton_draft_children
 
     target, draft, CUDA_STEP_BUDGET, verifier = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
@@ -94,7 +94,7 @@ SCRIPT = textwrap.dedent("""
 
     llm.collective_rpc(op_counts)
     fused_tree_pass.triton_reads = lambda *rows: all(r.stride(-1) == 1 for r in rows)
-    tree_drafter.triton_reads = fused_tree_pass.triton_reads
+    tree_drafter.triton_reads = draft_inputs.triton_reads = fused_tree_pass.triton_reads
     triton_draft_children.draft_children_fused = counting("draft", draft_fused)
     setattr(api, verify_entry, counting("verify", original))
     fused_paths = run()

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..core.fused_tree_pass import triton_reads
 from .host_to_device import upload_packed
 
 
@@ -91,6 +92,52 @@ class DraftStepInputs(NamedTuple):
     context_lens: torch.Tensor
     block_table: torch.Tensor
     root_rows: torch.Tensor
+
+
+class HostLayout(NamedTuple):
+    """Every draft forward's inputs before the shift (as if nothing had been
+    accepted), on the device. T rows (every forward's, level 0's first), S keys
+    entries (one per request of each forward), num0 level-0 rows, R requests.
+
+    rows, row_base: int64 [T], each row's request and its offset in ``table``;
+    positions, slot_positions: int64 [T], RoPE and cache positions;
+    table: int64 [R * blocks], the flat block table;
+    seq_rows: int64 [S], each entry's request; seq_lens: int32 [S], keys it sees;
+    tokens: int64 [num0 + pad], level 0's committed tokens (padded past the end);
+    index: int64 [num0] (0 .. num0-1); neg_rel: int64 [num0], committed - position;
+    new_index: int64 [num0], where a row's position falls among the flat new tokens
+        (valid only where some shift reaches them);
+    root_rows: int64 [R], each root's level-0 row; committed: int64 [R];
+    bound: int32 [R], the host's bound on each shift (``max_new - 1``).
+    """
+
+    rows: torch.Tensor
+    row_base: torch.Tensor
+    positions: torch.Tensor
+    slot_positions: torch.Tensor
+    table: torch.Tensor
+    seq_rows: torch.Tensor
+    seq_lens: torch.Tensor
+    tokens: torch.Tensor
+    index: torch.Tensor
+    neg_rel: torch.Tensor
+    new_index: torch.Tensor
+    root_rows: torch.Tensor
+    committed: torch.Tensor
+    bound: torch.Tensor
+
+
+class PlacedInputs(NamedTuple):
+    """``HostLayout`` moved by the shifts: positions, slot_mapping int64 [T];
+    seq_lens int32 [S]; token_ids int64 [num0] (level 0's); root_tokens,
+    context_lens int64 [R] (context_lens: the root positions)."""
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    token_ids: torch.Tensor
+    root_tokens: torch.Tensor
+    context_lens: torch.Tensor
 
 
 def new_token_counts(new_tokens: torch.Tensor) -> torch.Tensor:
@@ -169,32 +216,22 @@ def build_draft_step_inputs(
     committed_dev, tokens_dev, index0, neg_rel0, new_index0, root_rows, table64 = wide_dev[:7]
     rows_all, row_base, pos_all, slot_pos_all, seq_rows_all = wide_dev[7:]
     table_dev, bound_dev, seq_all = narrow_dev[:3]
-
-    # The shift of each request, on the device: its new tokens but one (int32).
-    shift = torch.minimum(roots.new_counts - 1, bound_dev).clamp_(min=0)
-    # Every forward's rows at once: positions, slots and keys seen, moved by the shift.
-    row_shift = shift[rows_all]
-    pos_all = pos_all + row_shift
-    slot_pos_all = slot_pos_all + row_shift
-    slot_all = table64.view(-1)[row_base + slot_pos_all // block_size] * block_size
-    slot_all += slot_pos_all % block_size
-    seq_all = seq_all + shift[seq_rows_all]
-
-    s0 = row_shift[:num0]
-    new = roots.new_tokens.reshape(-1)[new_index0 + s0]
-    old = tokens_dev[index0 + s0]
-    token_ids = torch.where(s0 >= neg_rel0, new, old).clamp_(min=0)  # -1: a row without tokens
+    layout = HostLayout(
+        rows_all, row_base, pos_all, slot_pos_all, table64.reshape(-1), seq_rows_all, seq_all,
+        tokens_dev, index0, neg_rel0, new_index0, root_rows, committed_dev, bound_dev,
+    )  # fmt: skip
+    placed = place_draft_inputs(layout, roots.new_tokens, roots.new_counts, block_size)
 
     inputs = []
     row_counts = [len(f[0]) for f in forwards]
     req_counts = [len(f[4]) for f in forwards]
-    pos_split = pos_all.split(row_counts)
-    slot_split = slot_all.split(row_counts)
-    seq_split = seq_all.split(req_counts)
+    pos_split = placed.positions.split(row_counts)
+    slot_split = placed.slot_mapping.split(row_counts)
+    seq_split = placed.seq_lens.split(req_counts)
     for d, (_, _, _, qs, _, _, seq_bound) in enumerate(forwards):
         inputs.append(
             LevelInputs(
-                token_ids=token_ids if d == 0 else None,
+                token_ids=placed.token_ids if d == 0 else None,
                 positions=pos_split[d],
                 slot_mapping=slot_split[d],
                 query_start_loc=narrow_dev[3 + d],
@@ -205,5 +242,41 @@ def build_draft_step_inputs(
                 max_seq_len=int(seq_bound.max()),
             )
         )
-    root_tokens = token_ids[root_rows]
-    return DraftStepInputs(inputs, root_tokens, committed_dev + shift, table_dev, root_rows)
+    return DraftStepInputs(inputs, placed.root_tokens, placed.context_lens, table_dev, root_rows)
+
+
+def place_draft_inputs(
+    layout: HostLayout, new_tokens: torch.Tensor, new_counts: torch.Tensor, block_size: int
+) -> PlacedInputs:
+    """Move the step's host layout by each request's shift, on the device.
+
+    layout: ``HostLayout`` (uploaded); new_tokens: [R, W] int64 (-1 padded) and
+    new_counts: [R] int32, this step's sampled tokens (never read on the host).
+    Shift of request r: clamp(min(new_counts[r] - 1, bound[r]), 0). On CUDA one
+    Triton launch (``triton_draft_inputs``); here ~20 ATen ops.
+    """
+    if triton_reads(new_tokens):
+        from .triton_draft_inputs import place_draft_inputs_fused
+
+        return place_draft_inputs_fused(layout, new_tokens, new_counts, block_size)
+    shift = torch.minimum(new_counts - 1, layout.bound).clamp_(min=0)
+    # Every forward's rows at once: positions, slots and keys seen, moved by the shift.
+    row_shift = shift[layout.rows]
+    slot_pos = layout.slot_positions + row_shift
+    slots = layout.table[layout.row_base + slot_pos // block_size] * block_size
+    slots += slot_pos % block_size
+    seq_lens = layout.seq_lens + shift[layout.seq_rows]
+    # Level 0's rows come first. A row takes the new token at rel + s where that is
+    # >= 0 (-1 there: a request without one, read as 0), else the committed one s rows on.
+    s0 = row_shift[: layout.neg_rel.numel()]
+    new = new_tokens.reshape(-1)[layout.new_index + s0]
+    old = layout.tokens[layout.index + s0]
+    token_ids = torch.where(s0 >= layout.neg_rel, new, old).clamp_(min=0)
+    return PlacedInputs(
+        layout.positions + row_shift,
+        slots,
+        seq_lens,
+        token_ids,
+        token_ids[layout.root_rows],
+        layout.committed + shift,
+    )
