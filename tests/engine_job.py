@@ -7,7 +7,7 @@ after another.
 
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
 "params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool, "rank_decisions": bool,
-"draft_padding": int, "blind_drafting": bool, "run_every_node": bool}]}. A prompt is a string or a
+"draft_padding": int, "blind_drafting": bool, "run_every_node": bool, "tree_kinds": bool}]}. A prompt is a string or a
 list of token ids. Result (the last stdout line, after ``RESULT``): per engine {"error": str} or
 {"calls": [{"outputs": [[token ids], ...], "logprobs": [[{token: logprob}]] per output, when asked
 for, "margins" and "top2" with ``margins``} | {"error": str, "traceback": str}], "spec": {counter:
@@ -20,7 +20,9 @@ value}, and with the options:
   for a CUDA-graph replay);
 - "blind_drafts": {"steps", "exempt_reads"} with ``blind_drafting`` (steps that drafted trees while
   every host read of the sampled tokens raised, and the reads let through);
-- ``run_every_node``: the dynamic drafter runs every node of its levels (no result of its own)}.
+- ``run_every_node``: the dynamic drafter runs every node of its levels (no result of its own);
+- "tree_kinds" in each call's result with ``tree_kinds``: {"static": steps, "dynamic": steps}, the
+  call's steps that drafted one shape for the batch or per-request trees (``LevelLayout``)}.
 
 An engine with ``"margins": true`` is a greedy reference: it samples from
 processed logprobs (``logprobs_mode="processed_logprobs"``: after penalties,
@@ -193,6 +195,30 @@ def _run_every_node(worker) -> None:
     worker.model_runner.tree_speculation.drafter._nodes_to_run = lambda scores: None
 
 
+def _count_tree_kinds(worker) -> None:
+    """Count, on this worker, the steps that draft one static shape and those that draft per-request trees."""
+    from vllm_univer.core.tree_batch import LevelLayout
+
+    univer = worker.model_runner.tree_speculation
+    univer.tree_kinds = kinds = {"static": 0, "dynamic": 0}
+    propose = univer.drafter.propose
+
+    def counted_propose(*args, **kwargs):
+        drafts = propose(*args, **kwargs)
+        if any(drafts):
+            kinds["dynamic" if isinstance(univer.state.latest_tree, LevelLayout) else "static"] += 1
+        return drafts
+
+    univer.drafter.propose = counted_propose
+
+
+def _take_tree_kinds(worker) -> dict:
+    kinds = worker.model_runner.tree_speculation.tree_kinds
+    taken = dict(kinds)
+    kinds.update(static=0, dynamic=0)
+    return taken
+
+
 def _blind_drafts(worker) -> dict:
     univer = worker.model_runner.tree_speculation
     return {"steps": univer.blind_drafts, "exempt_reads": univer.exempt_reads}
@@ -245,6 +271,8 @@ def _run_engine(engine: dict) -> dict:
         llm.collective_rpc(_blind_drafting)
     if engine.get("run_every_node"):
         llm.collective_rpc(_run_every_node)
+    if engine.get("tree_kinds"):
+        llm.collective_rpc(_count_tree_kinds)
     calls = []
     for call in engine["calls"]:
         try:
@@ -265,6 +293,8 @@ def _run_engine(engine: dict) -> dict:
                 entry["margins"], entry["top2"] = [m for m, _ in tops], [t for _, t in tops]
             if any(a is not None for a in asked):
                 entry["logprobs"] = logprobs
+            if engine.get("tree_kinds"):
+                entry["tree_kinds"] = llm.collective_rpc(_take_tree_kinds)[0]
             calls.append(entry)
         except Exception as exc:  # noqa: BLE001 - the error and where it came from are the result
             calls.append({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})

@@ -240,3 +240,26 @@ def test_cut_and_take_keep_each_requests_tree():
     assert torch.equal(one.children, trees.children[2:3]) and torch.equal(one.postorder_rank, trees.postorder_rank[2:3])
     assert trees.layout.num_nodes == 12 and trees.layout.nodes_per_depth == [1, 3, 5, 4]
     assert trees.layout.depth.tolist() == trees.depth.tolist()
+
+
+@pytest.mark.parametrize("level_sizes,max_children", [((1, 2, 4, 6, 6, 6, 6, 2), 2), ((1, 3, 2, 1), 3), ((1, 1, 1), 1)])
+def test_static_tree_fills_the_levels(level_sizes, max_children):
+    """``LevelLayout.static_tree`` (the tree a ``tree: dynamic`` step with a structured
+    request drafts): node i at position i, each level's positions filled by the
+    previous level's first nodes, C children each in slot order; a request's
+    ``TreeBatch`` row of its parents is the same tree, node for node."""
+    layout = LevelLayout(level_sizes, max_children)
+    tree = layout.static_tree
+    assert tree.nodes_per_depth == list(level_sizes) and tree.num_nodes == layout.num_nodes
+    assert torch.equal(tree.depth, layout.depth)
+    for d in range(1, len(level_sizes)):
+        span, above = layout.spans[d], layout.spans[d - 1]
+        parents = tree.parent[span].tolist()
+        want = [above.start + i // max_children for i in range(level_sizes[d])]
+        assert parents == want, (d, parents, want)
+        assert tree.slot[span].tolist() == [i % max_children for i in range(level_sizes[d])]
+    TreeBatch(tree.parent[None], level_sizes, max_children)  # a valid tree on these levels (validated)
+    as_row, position_of = tree_of_row(tree.parent.tolist())
+    assert as_row.paths == tree.paths and all(position_of[i] == i for i in range(len(tree.paths)))
+    with pytest.raises(ValueError, match="positions below"):
+        _ = LevelLayout((1, 2, 5), 2).static_tree

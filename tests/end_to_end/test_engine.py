@@ -213,6 +213,57 @@ def test_greedy_identity_with_dynamic_trees(models):
     assert mixed_out[1] == seeds["calls"][1]["outputs"][0]  # a seeded request does not depend on its batch
 
 
+def test_structured_outputs_with_dynamic_trees(models):
+    """tree "dynamic" with structured outputs: vLLM's scheduler builds a request's
+    grammar rows from its draft tokens and one shape, so a step with such a request
+    drafts the static tree on the dynamic levels (``LevelLayout.static_tree``) and
+    the other steps each request's own tree. Greedy requests (regex, JSON schema,
+    choice, beside an unconstrained one) equal their non-speculative output, a
+    sampled one stays inside its grammar, and a batch without structured outputs
+    drafts context-aware trees again."""
+    import json
+
+    import regex
+    from transformers import AutoTokenizer
+
+    target, _ = models
+    texts = prompts(4, seed=12)
+    words = "([a-z]+ )*[a-z]+"
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    base = {"temperature": 0.0, "max_tokens": 40}
+    params = [
+        {**base, "structured_outputs": {"regex": "((tree|draft|token|accept) ){20}"}},
+        {**base, "structured_outputs": {"json": json.dumps(schema)}},
+        {**base, "structured_outputs": {"choice": ["tree draft", "token accept", "red blue green"]}},
+        {**base, "ignore_eos": True},
+    ]
+    constrained = {"prompts": texts, "params": params}
+    sampled = call(texts[:2], temperature=1.0, max_tokens=30, structured_outputs={"regex": words})
+    plain = call(texts[:3], temperature=0.0, max_tokens=40, ignore_eos=True)
+    # The target drafts for itself: drafts deep in the tree are accepted, so grammar rows
+    # built for another shape than the one drafted would show.
+    spec = {**univer(target, "dynamic"), **DYNAMIC_CASES[0][1]}
+    results = run_engines(
+        [
+            reference(target, [constrained, plain]),
+            {**engine(target, [constrained, sampled, plain], spec), "tree_kinds": True},
+        ]
+    )
+    for result in results:
+        assert "error" not in result, result.get("error")
+    ref, spec_result = results[0]["calls"], results[1]["calls"]
+    assert_greedy_identical(spec_result[0]["outputs"], ref[0], "dynamic, structured")
+    assert_greedy_identical(spec_result[2]["outputs"], ref[1], "dynamic, plain")
+    tok = AutoTokenizer.from_pretrained(target)
+    for out in spec_result[1]["outputs"]:
+        assert regex.fullmatch(words, tok.decode(out, skip_special_tokens=True)), tok.decode(out)
+    # Steps with a structured request drafted the static tree; the plain batch, per-request trees.
+    assert spec_result[0]["tree_kinds"]["static"] > 0 and spec_result[1]["tree_kinds"]["dynamic"] == 0
+    assert spec_result[2]["tree_kinds"] == {"static": 0, "dynamic": spec_result[2]["tree_kinds"]["dynamic"]}
+    assert spec_result[2]["tree_kinds"]["dynamic"] > 0
+    assert results[1]["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
 def test_path_dependent_options_equal_no_speculation(models):
     """allowed_token_ids, bad_words and min_tokens, applied per tree path, and
     logit_bias on every row: greedy requests equal their non-speculative output

@@ -425,3 +425,33 @@ def test_structured_output_law_equals_target_law(small_models):
     for axes in MARGINALS:
         assert marginal_pvalue(counts, law, axes) > 1e-3, axes
     assert marginal_pvalue(counts, wrong, (3,)) < 1e-6
+
+
+def test_structured_output_law_with_dynamic_trees(small_models):
+    """tree "dynamic" with structured outputs at temperature 1: steps with a
+    structured request draft the static tree on the dynamic levels, whose shape
+    vLLM's scheduler builds the grammar rows for. The regex pairs letters from the
+    same half of the alphabet, so a node's mask depends on its parent's token, not
+    only on its depth: rows built for another shape than the one drafted (the
+    dynamic drafter expands its most probable node, the static tree its first)
+    would change the law."""
+    from transformers import AutoTokenizer
+
+    target, draft = small_models
+    tok = AutoTokenizer.from_pretrained(target)
+    special = set(tok.all_special_ids)
+    token_texts = ["" if t in special else tok.decode([t]) for t in range(VOCAB)]
+    pattern = "([a-m][a-m]|[n-z][n-z])+"
+    exact = {"temperature": 1.0, "regex": pattern, "token_texts": token_texts, "stop_token_ids": [tok.eos_token_id]}
+    sampling = {"temperature": 1.0, "max_tokens": 4, "structured_outputs": {"regex": pattern}}
+    prompt = PROMPTS[1]
+    budget = {"max_nodes": 6, "max_depth": 3, "expand": 1, "max_children": 2}
+    spec = {"method": "univer", "model": draft, "tree": "dynamic", **budget}
+    result = run_engines([law_engine(target, spec, [prompt] * REQUESTS_PER_PROMPT, sampling)])[0]
+    assert "error" not in result, result.get("error")
+    counters = result["spec"]
+    assert counters["vllm:spec_decode_num_accepted_tokens"] > 0.2 * counters["vllm:spec_decode_num_drafts"]
+    counts = counts_of(result["calls"][0]["outputs"])
+    law = exact_law_of_tokens(target, prompt, exact)
+    for axes in MARGINALS:
+        assert marginal_pvalue(counts, law, axes) > 1e-3, axes

@@ -30,7 +30,7 @@ from functools import cached_property
 
 import torch
 
-from .tree import MAX_TREE_NODES
+from .tree import MAX_TREE_NODES, TreeSpec
 
 TREE_BATCH_METHODS = ("univer", "greedy", "target_only")
 
@@ -85,6 +85,23 @@ class LevelLayout:
     def cut(self, depth: int) -> LevelLayout:
         """The levels down to ``depth`` (a breadth-first prefix of the positions)."""
         return LevelLayout(self.level_sizes[: depth + 1], self.max_children)
+
+    @cached_property
+    def static_tree(self) -> TreeSpec:
+        """One fixed tree on these levels: each level's first nodes take C children
+        each, in order, as many as the next level has positions (the last of them
+        fewer where they do not divide). Its positions are the levels' (node i at
+        position i). What a step drafts when something outside the workers must know
+        the shape before the drafts exist: vLLM's scheduler builds a structured-output
+        request's grammar rows from its draft tokens and one shape
+        (``UniverConfig.grammar_tree``)."""
+        paths, level = [], [()]
+        for size in self.level_sizes[1:]:
+            if size > len(level) * self.max_children:
+                raise ValueError(f"tree levels {self.level_sizes}: {size} positions below {len(level)} nodes")
+            level = [(*level[i // self.max_children], i % self.max_children) for i in range(size)]
+            paths += level
+        return TreeSpec([(), *paths])
 
 
 class TreeBatch:

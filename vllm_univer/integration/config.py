@@ -166,6 +166,15 @@ class UniverConfig(BaseModel):
         return TreeSpec.parse(self.tree)
 
     @property
+    def grammar_tree(self) -> TreeSpec:
+        """The tree vLLM's scheduler fills a structured-output request's grammar rows
+        for, from its draft tokens alone (``tree_grammar``): the tree (``auto``:
+        max_tree, which a step with such a request drafts whole); for ``dynamic``,
+        the static tree on its levels (``LevelLayout.static_tree``), which such a
+        step drafts instead of per-request trees."""
+        return self.dynamic_layout.static_tree if self.dynamic else self.tree_spec
+
+    @property
     def tree_shapes(self) -> list[TreeSpec | LevelLayout]:
         """The trees a step may draft (each cut to any depth with ``auto``): with
         ``auto``, the width cuts of ``max_tree`` (for ``2x5``: the chain ``1x5``

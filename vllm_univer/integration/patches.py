@@ -204,8 +204,7 @@ def patch_input_processor_validate_params() -> None:
         def _validate_params(self, params, *args, **kwargs):
             result = original(self, params, *args, **kwargs)
             if is_univer(self.speculative_config) and isinstance(params, SamplingParams):
-                dynamic = self.speculative_config.univer.dynamic
-                problem = unsupported_option(params, self.structured_outputs_config, dynamic_trees=dynamic)
+                problem = unsupported_option(params, self.structured_outputs_config)
                 if problem is not None:
                     from vllm.exceptions import VLLMValidationError
 
@@ -252,10 +251,8 @@ def patch_structured_output_manager() -> None:
         spec = manager.vllm_config.speculative_config
         if not is_univer(spec):
             return None
-        if spec.univer.dynamic:  # refused per request (request_options): the trees live in the workers
-            raise NotImplementedError("structured outputs are not supported with tree 'dynamic'")
         if getattr(manager, "_univer_tree_bitmask", None) is None:
-            manager._univer_tree_bitmask = TreeGrammarBitmask(spec.univer.tree_spec)
+            manager._univer_tree_bitmask = TreeGrammarBitmask(spec.univer.grammar_tree)
         return manager._univer_tree_bitmask
 
     def make_grammar_bitmask(original):

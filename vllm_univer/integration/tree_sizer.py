@@ -53,6 +53,7 @@ from ..sizing import (
     prior_hazards,
     temperature_band,
 )
+from .sampling.request_options import has_structured_output
 
 logger = init_logger(__name__)
 
@@ -323,11 +324,7 @@ class TreeSizer:
         return backlog, float(np.median(left)) if left else np.inf
 
     def _has_structured_output(self, batch: int) -> bool:
-        requests = self.runner.requests
-        return any(
-            requests[r].sampling_params is not None and requests[r].sampling_params.structured_outputs is not None
-            for r in self.runner.input_batch.req_ids[:batch]
-        )
+        return has_structured_output(self.runner.requests, self.runner.input_batch.req_ids[:batch])
 
     def observe_acceptance(self, shape: TreeSpec, temperature, cut_depths, accepted, req_ids=None) -> None:
         """Verified trees of ``shape``: their requests' temperatures, cut depths and

@@ -11,12 +11,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..core.tree import TreeSpec
 from ..core.tree_batch import LevelLayout
 from .attention.kv_cache_views import check_cpu_isa, layer_kv_views
 from .attention.tree_attention_plan import TreeAttentionPlan, backend_kind, check_layer_supported
 from .attention.tree_graph_plans import TreeGraphPlans, uniform_batch_plan
 from .dynamic_tree_drafter import DynamicTreeDrafter
 from .host_to_device import upload, upload_packed
+from .sampling.request_options import has_structured_output
 from .timers import StepTimers
 from .tree_drafter import TreeDrafter
 from .tree_sampler import TreeVerificationSampler, tree_rows
@@ -45,6 +47,8 @@ class TreeSpeculation:
             )
         else:
             self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
+        # tree: dynamic drafts this static tree in steps with a structured-output request.
+        self._grammar_tree = config.grammar_tree if config.dynamic else None
         self.sizer = None
         if config.auto:
             self.sizer = TreeSizer(runner, config.tree_shapes, self.drafter)
@@ -215,8 +219,21 @@ class TreeSpeculation:
         shape, depth = None, None
         if self.sizer is not None:
             shape, depth = self.sizer.choose(self.runner.input_batch.num_reqs)
+        elif self._grammar_tree is not None:
+            shape = self._dynamic_or_grammar_tree()
         with self.timers.measure("draft"):
             return self.drafter.propose(sampled_token_ids, sampling_metadata, depth, shape, self._after_draft_launch)
+
+    def _dynamic_or_grammar_tree(self) -> TreeSpec | LevelLayout:
+        """``tree: dynamic``'s shape for this step: each request's own tree on the
+        levels, unless a request asks for structured outputs. vLLM's scheduler
+        builds that request's grammar rows from its draft tokens and one shape it
+        knows, so such a step drafts the static tree on the same levels (a choice
+        made before any draw: the step stays lossless)."""
+        batch = self.runner.input_batch
+        if has_structured_output(self.runner.requests, batch.req_ids[: batch.num_reqs]):
+            return self._grammar_tree
+        return self.tree
 
     def _after_draft_launch(self) -> None:
         """Every draft forward is launched (on a GPU queued behind the verification):

@@ -138,10 +138,6 @@ def test_options_that_depend_on_the_path_are_refused():
     assert unsupported_option(honoured, StructuredOutputsConfig(reasoning_parser="deepseek_r1")) is None
     parameter, message = unsupported_option(structured, StructuredOutputsConfig(reasoning_parser="deepseek_r1"))
     assert parameter == "structured_outputs" and "reasoning parser" in message
-    # Context-aware trees live in the workers; the scheduler's grammar cannot walk them.
-    parameter, message = unsupported_option(structured, StructuredOutputsConfig(), dynamic_trees=True)
-    assert parameter == "structured_outputs" and "tree 'dynamic'" in message
-    assert unsupported_option(honoured, StructuredOutputsConfig(), dynamic_trees=True) is None
     parameter, message = unsupported_option(SamplingParams(thinking_token_budget=16))
     assert parameter == "thinking_token_budget" and "differs between tree paths" in message
 

@@ -17,20 +17,12 @@ No vLLM import.
 from __future__ import annotations
 
 
-def unsupported_option(params, structured_outputs_config=None, dynamic_trees: bool = False) -> tuple[str, str] | None:
+def unsupported_option(params, structured_outputs_config=None) -> tuple[str, str] | None:
     """(parameter, message) for the first option of ``params`` (vLLM SamplingParams)
     that ``method: "univer"`` cannot honour exactly, else None.
 
     structured_outputs_config: the engine's (vLLM ``StructuredOutputsConfig``), or None.
-    dynamic_trees: the engine drafts context-aware trees (``tree: dynamic``), whose
-    shapes live in the workers: the scheduler's grammar cannot walk them.
     """
-    if dynamic_trees and getattr(params, "structured_outputs", None) is not None:
-        return "structured_outputs", (
-            "structured outputs are not supported with context-aware trees (tree 'dynamic'): each request's "
-            "tree shape is known only to the workers, the grammar runs in the scheduler; send the request "
-            "without structured outputs, or serve with a fixed tree such as '2x5' or 'auto'"
-        )
     grammar_after_reasoning = (
         getattr(params, "structured_outputs", None) is not None
         and structured_outputs_config is not None
@@ -51,3 +43,12 @@ def unsupported_option(params, structured_outputs_config=None, dynamic_trees: bo
             "--structured-outputs-config.enable_in_reasoning=true, or without --reasoning-parser"
         )
     return None
+
+
+def has_structured_output(requests: dict, req_ids) -> bool:
+    """Whether any of ``req_ids`` (keys of the runner's ``requests``) asks for
+    structured outputs: such a step drafts a tree the scheduler's grammar knows
+    (``UniverConfig.grammar_tree``)."""
+    return any(
+        (params := requests[r].sampling_params) is not None and params.structured_outputs is not None for r in req_ids
+    )
