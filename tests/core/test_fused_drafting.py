@@ -105,6 +105,46 @@ DRAFT_CHECK = textwrap.dedent("""
             check(scheme, m, 300, True, torch.bfloat16)
         check(scheme, ms[-1], 5000, False, torch.float32)  # two vocabulary blocks
 
+    # Per-node child counts (context-aware trees, ``dynamic_tree.draw_children``'s law):
+    # node v's slot 0 drawn off its own k_v - 1 top tokens, greedy rows its k_v top
+    # tokens, -1 from slot k_v on (k_v = 0: no children).
+    for m, vocab, dtype in ((2, 7, torch.float64), (3, 7, torch.float64), (3, 300, torch.bfloat16)):
+        batch = 6
+        q = rows(batch, 3, vocab, True, dtype)
+        row_index = torch.tensor([2, 0, 1])
+        k_v = torch.randint(0, m + 1, (batch, 3), generator=gen)
+        k_v[0] = torch.tensor([0, 1, m])
+        greedy = torch.arange(batch) % 3 == 1
+        seed = int(torch.randint(0, 2**30, (1,), generator=gen))
+        got = draft_children_fused(
+            "topk1", q, row_index, m, greedy, generator=torch.Generator().manual_seed(seed), node_children=k_v
+        )
+        u = torch.rand(batch, 3, m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        checked = 0
+        for r in range(batch):
+            for k, w in enumerate(row_index.tolist()):
+                row, kv, kids = q[r, w], int(k_v[r, k]), got[r, k].tolist()
+                assert kids[kv:] == [-1] * (m - kv), (m, r, k, kv, kids)
+                if greedy[r]:
+                    assert kids[:kv] == top_tokens(row, m).tolist()[:kv], (r, k, kids)
+                    continue
+                if kv == 0:
+                    continue
+                top = top_tokens(row, kv - 1).tolist() if kv > 1 else []
+                assert kids[1:kv] == top, (r, k, kids, top)
+                off = row.double().clone()
+                off[top] = 0
+                want = inverse_cdf(off, float(u[r, k, 0]))
+                if want is not None:
+                    assert kids[0] == want, (m, r, k, kv, kids, want)
+                    checked += 1
+        assert checked >= 4, checked
+    try:
+        draft_children_fused("wor", q, row_index, m, node_children=k_v)
+        raise AssertionError("per-node counts accepted for wor")
+    except ValueError as exc:
+        assert "topk1" in str(exc)
+
     # Every row greedy, on logits with banned tokens at -inf (no uniforms drawn).
     logits = torch.randn(4, 2, 50, generator=gen)
     logits[..., ::3] = float("-inf")

@@ -127,6 +127,11 @@ CHECK = textwrap.dedent("""
             attempt(f"draft {scheme}", lambda: draft_children_fused(scheme, rows, torch.tensor([2, 0]), m, greedy))
         into = (torch.zeros(batch, 7, dtype=torch.long), torch.tensor([1, 2]), torch.arange(3, 3 + 2 * m).view(2, m))
         attempt(f"draft {scheme} into", lambda: draft_children_fused(scheme, rows, torch.tensor([2, 0]), m, into=into))
+        if scheme == "topk1":  # context-aware trees: each node's own child count
+            per_node = torch.ones(batch, 2, dtype=torch.long)
+            attempt("draft topk1 per node", lambda: draft_children_fused(
+                scheme, rows, torch.tensor([2, 0]), m, torch.tensor([True, False, True]), node_children=per_node
+            ))
 
     wide = [torch.zeros(6, dtype=torch.long) for _ in HostLayout._fields]
     layout = HostLayout(*wide[:6], torch.zeros(6, dtype=torch.int32), *wide[7:13], torch.ones(3, dtype=torch.int32))

@@ -38,17 +38,25 @@ CUDA_STEP_BUDGET = 93
 # decision, greedy rows and output rows; Triton 6.5); 111 with univer's cuts above.
 # 2026-12-06: 127, the drafter's placement on the device as above; then 105, that placement in one launch.
 CUDA_STEP_BUDGET_WOR = 108
+# tree "dynamic" (8 nodes on levels 2 / 4 / 2, depth 3), 2026-12-06: 805 with the PyTorch draws
+# (draft 494), 555 with each level's draws and greedy rows in one launch (draft 245: the planning,
+# placement and masks, ~80 ops per level). The verifier's 270: the PyTorch rules on per-request
+# trees (the fused verify kernels read one shared tree table): the next to fuse.
+CUDA_STEP_BUDGET_DYNAMIC = 570
 
 SCRIPT = textwrap.dedent("""
+    import json
     import sys
     from vllm import LLM, SamplingParams
     from vllm_univer.core import api, fused_tree_pass
-    from vllm_univer.integration import draft_inputs, tree_drafter
+    from vllm_univer.integration import draft_inputs, dynamic_tree_drafter, tree_drafter
     from vllm_univer.core.kernels import triton_draft_children
 
     target, draft, CUDA_STEP_BUDGET, verifier = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+    tree = json.loads(sys.argv[5])  # the tree fields of the speculative config
+    dynamic = tree["tree"] == "dynamic"  # per-request trees: the PyTorch verify rules (no fused verify yet)
     llm = LLM(model=target, max_model_len=256, dtype="float32", enforce_eager=True, block_size=32, seed=0,
-              speculative_config={"method": "univer", "model": draft, "tree": "2x3", "verifier": verifier})
+              speculative_config={"method": "univer", "model": draft, "verifier": verifier, **tree})
     prompts = ["the tree draft token", "red blue green", "one two three four five", "a cat and a dog run"]
     temperatures = [0.0, 1.0, 0.0, 0.7]
     allowed = list(range(10, 300, 3))  # the last request drafts and samples inside this set
@@ -95,10 +103,11 @@ SCRIPT = textwrap.dedent("""
     llm.collective_rpc(op_counts)
     fused_tree_pass.triton_reads = lambda *rows: all(r.stride(-1) == 1 for r in rows)
     tree_drafter.triton_reads = draft_inputs.triton_reads = fused_tree_pass.triton_reads
+    dynamic_tree_drafter.triton_reads = fused_tree_pass.triton_reads
     triton_draft_children.draft_children_fused = counting("draft", draft_fused)
     setattr(api, verify_entry, counting("verify", original))
     fused_paths = run()
-    assert launches["draft"] > 0 and launches["verify"] > 0, launches
+    assert launches["draft"] > 0 and (launches["verify"] > 0 or dynamic), launches
     assert set(fused_paths[3]) <= set(allowed), fused_paths[3]
     for t, a, b in zip(temperatures, cpu_paths, fused_paths):
         assert len(b) == 12
@@ -117,17 +126,30 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("verifier", ["univer", "univer_wor"])
-def test_engine_on_the_fused_paths_keeps_greedy_outputs(tiny_pair, verifier):
+DYNAMIC = {"tree": "dynamic", "max_nodes": 8, "max_depth": 4, "expand": 2, "max_children": 2}
+
+
+@pytest.mark.parametrize(
+    "verifier,tree,budget",
+    [
+        ("univer", {"tree": "2x3"}, CUDA_STEP_BUDGET),
+        ("univer_wor", {"tree": "2x3"}, CUDA_STEP_BUDGET_WOR),
+        ("univer", DYNAMIC, CUDA_STEP_BUDGET_DYNAMIC),
+    ],
+    ids=["univer", "univer_wor", "dynamic"],
+)
+def test_engine_on_the_fused_paths_keeps_greedy_outputs(tiny_pair, verifier, tree, budget):
+    import json
+
     from engine_job import ENV
 
-    budget = CUDA_STEP_BUDGET_WOR if verifier == "univer_wor" else CUDA_STEP_BUDGET
     out = run_interpreted(
         SCRIPT,
         "FUSED ENGINE OK",
         *tiny_pair,
         str(budget),
         verifier,
+        json.dumps(tree),
         env={**ENV, "VLLM_UNIVER_OP_COUNTS": "1"},
         timeout=1500,
     )

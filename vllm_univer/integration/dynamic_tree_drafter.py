@@ -22,6 +22,7 @@ import torch
 
 from ..core.drafting import top_tokens
 from ..core.dynamic_tree import DynamicTreeBudget, draw_children, level_sizes, place_children, plan_children
+from ..core.fused_tree_pass import triton_reads
 from ..core.tree import TreeSpec
 from ..core.tree_batch import LevelLayout
 from .attention.tree_attention_plan import TreeAttentionPlan
@@ -97,10 +98,17 @@ class DynamicTreeDrafter(TreeDrafter):
                 rows = self._kept_rows(q, d, logits, kept, temp, banned)
             slots = torch.full((reqs,), sizes[d + 1], dtype=torch.long, device=device)
             k = plan_children(scores, rows, self.budget, slots)
-            kids = draw_children(rows, k, m)
+            fused = triton_reads(rows)
+            if fused:  # CUDA: every draw and the greedy rows' top tokens in one launch
+                from ..core.kernels.triton_draft_children import draft_children_fused
+
+                greedy_flags = None if greedy_rows is None else greedy_rows.view(-1)
+                kids = draft_children_fused("topk1", rows, self._range(rows.shape[1]), m, greedy_flags, node_children=k)
+            else:
+                kids = draw_children(rows, k, m)
             for row, generator in seeded:  # seeded requests draw from their own generator
                 kids[row] = draw_children(rows[row : row + 1], k[row : row + 1], m, generator)[0]
-            if greedy_rows is not None:
+            if greedy_rows is not None and not fused:
                 top = top_tokens(rows, m)
                 top = torch.where(torch.arange(m, device=device) < k.unsqueeze(-1), top, -1)
                 kids = torch.where(greedy_rows, top, kids)

@@ -54,6 +54,7 @@ def _draft_children_kernel(
     tokens_ptr,  # [R, N+1] int64 token table (written if WRITE_TOKENS)
     node_ptr,  # [K] int64: the nodes' ids in the table
     kid_ptr,  # [K, M] int64: their children's ids
+    node_children_ptr,  # [R, K] int64: each node's own k_v <= M (read if PER_NODE)
     stride_rr,
     stride_rw,
     stride_ur,
@@ -62,6 +63,7 @@ def _draft_children_kernel(
     stride_ok,
     stride_tr,
     stride_kk,
+    stride_nr,
     vocab,  # V
     SCHEME: tl.constexpr,
     M: tl.constexpr,  # children per node
@@ -69,6 +71,7 @@ def _draft_children_kernel(
     HAS_GREEDY: tl.constexpr,
     ALL_GREEDY: tl.constexpr,
     WRITE_TOKENS: tl.constexpr,
+    PER_NODE: tl.constexpr,  # topk1 / greedy rows at each node's own k_v
     BLOCK_V: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -86,6 +89,8 @@ def _draft_children_kernel(
     elif SCHEME == TOPK1:
         for j in tl.static_range(1, M):
             kids = tl.where(slot == j, top_token(row, kids, vocab, BLOCK_V), kids)
+        if PER_NODE:  # slot 0 is drawn off v's own k_v - 1 top tokens only
+            kids = tl.where(slot < tl.load(node_children_ptr + r * stride_nr + k), kids, -1)
         sampled = draw_excluding(row, kids, slot, tl.load(uniforms), vocab, BLOCK_V)
         kids = tl.where(slot == 0, sampled, kids)
     else:
@@ -96,6 +101,8 @@ def _draft_children_kernel(
             else:
                 drawn = draw_excluding(row, none, slot, tl.load(uniforms + j), vocab, BLOCK_V)
             kids = tl.where(slot == j, drawn, kids)
+    if PER_NODE:  # slots at or past k_v do not exist
+        kids = tl.where(slot < tl.load(node_children_ptr + r * stride_nr + k), kids, -1)
     tl.store(out_ptr + r * stride_or + k * stride_ok + slot, kids, mask=slot < M)
     if WRITE_TOKENS:
         # A node without a token (its parent had no child to draw) has no children either.
@@ -114,6 +121,7 @@ def draft_children_fused(
     all_greedy: bool = False,
     generator: torch.Generator | None = None,
     into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    node_children: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The children of K nodes of R requests, ``drafting.draft_children``'s law.
 
@@ -123,6 +131,9 @@ def draft_children_fused(
     ``top_tokens``), all_greedy: every row greedy (greedy then not read).
     into: (tokens [R, N+1] int64, nodes [K] int64, kids [K, m] int64): also
     ``tokens[:, kids] = children``, -1 under a node whose token is -1.
+    node_children [R, K] int64, k_v in 0..m (``topk1`` only, the law of
+    ``dynamic_tree.draw_children``): node v's slot 0 is drawn off its own k_v - 1
+    top tokens, greedy rows take k_v top tokens, slots at or past k_v are -1.
     Returns LongTensor [R, K, m], -1 where a child does not exist."""
     if rows.dim() != 3:
         raise ValueError(f"rows: expected shape [R, W, V], got {list(rows.shape)}")
@@ -132,6 +143,10 @@ def draft_children_fused(
     expect("greedy", greedy, (batch,), (torch.bool, torch.int8))
     m = int(num_children)
     nodes = row_index.numel()
+    if node_children is not None:
+        if scheme != "topk1":
+            raise ValueError(f"draft_children_fused: per-node child counts are for topk1, not {scheme!r}")
+        expect("node_children", node_children, (batch, nodes), torch.int64, last_contiguous=True, device=rows.device)
     out = torch.empty(batch, nodes, m, dtype=torch.long, device=rows.device)
     if all_greedy:  # no draws: the uniforms are not read (an allocation, no launch)
         uniforms = torch.empty(1, 1, 1, dtype=torch.float64, device=rows.device)
@@ -152,6 +167,7 @@ def draft_children_fused(
         tokens_ptr=tokens,  # [R, N+1] int64 token table (written if WRITE_TOKENS)
         node_ptr=node_ids,  # [K] int64: the nodes' ids in the table
         kid_ptr=kid_ids,  # [K, M] int64: their children's ids
+        node_children_ptr=node_children,  # [R, K] int64: each node's own k_v (read if PER_NODE)
         stride_rr=rows.stride(0),
         stride_rw=rows.stride(1),
         stride_ur=uniforms.stride(0),
@@ -160,6 +176,7 @@ def draft_children_fused(
         stride_ok=out.stride(1),
         stride_tr=tokens.stride(0) if into is not None else 0,
         stride_kk=kid_ids.stride(0) if into is not None else 0,
+        stride_nr=node_children.stride(0) if node_children is not None else 0,
         vocab=vocab,  # V
         SCHEME=SCHEMES[scheme],
         M=m,  # children per node
@@ -167,6 +184,7 @@ def draft_children_fused(
         HAS_GREEDY=greedy is not None,
         ALL_GREEDY=all_greedy,
         WRITE_TOKENS=into is not None,
+        PER_NODE=node_children is not None,
         BLOCK_V=block_size(vocab),
     )
     return out
