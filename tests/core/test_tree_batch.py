@@ -196,11 +196,88 @@ def test_other_verifiers_are_refused(method):
         verify(method, TreeBatch(parent, (1, 2, 2), 2), tokens, p, q)
 
 
-def test_fused_is_refused():
+def test_compiled_is_refused():
     parent = random_batch(2, (1, 2, 2), 2, seed=0)
     tokens, p, q = random_rows(parent, vocab=4, seed=0)
-    with pytest.raises(ValueError, match="PyTorch node rules"):
-        verify("univer", TreeBatch(parent, (1, 2, 2), 2), tokens, p, q, fused=True)
+    with pytest.raises(ValueError, match="no compiled node rule"):
+        verify("univer", TreeBatch(parent, (1, 2, 2), 2), tokens, p, q, compiled=True)
+
+
+FUSED_ROWS_CHECK = """
+import os, sys
+import torch
+sys.path.insert(0, os.path.join(os.getcwd(), "tests", "core"))
+from test_tree_batch import random_batch, random_rows
+from vllm_univer import verify
+from vllm_univer.core.fused_tree_pass import fused_node_weights
+from vllm_univer.core.kernels.triton_finish_step import finish_step
+from vllm_univer.core.tree_batch import TreeBatch
+from vllm_univer.core.verifiers import get_verifier
+from vllm_univer.tools.law_oracle import tree_of_row
+from vllm_univer.tools.op_counter import OpCounter
+
+gen = torch.Generator().manual_seed(0)
+compared = 0
+for case, (levels, c, vocab) in enumerate([((1, 2, 4, 3), 2, 7), ((1, 3, 2, 2), 3, 6), ((1, 2, 2, 2), 2, 300)]):
+    batch = 5
+    parent = random_batch(batch, levels, c, seed=case)
+    tokens, p, q = random_rows(parent, vocab, seed=case)
+    leaves = (tokens >= 0) & (torch.rand(tokens.shape, generator=gen) < 0.15)
+    leaves &= ~(parent.unsqueeze(-1) == torch.arange(parent.shape[1])).any(1)  # absent draws: leaves only
+    tokens = tokens.masked_fill(leaves, -1)
+    trees = TreeBatch(parent, levels, c)
+    for method in ("univer", "greedy", "target_only"):
+        verifier = get_verifier(method)
+        w, s, params = fused_node_weights(verifier, trees, tokens, p, q, torch.float64)
+        u = torch.rand(batch, parent.shape[1] + 1, generator=gen, dtype=torch.float64)
+        greedy = torch.arange(batch) % 3 == 2
+        out, accepted, end = finish_step(method, p, q, tokens, trees, w, s, params, u, greedy)
+        for b in range(batch):
+            # The same request as its own TreeSpec through the shared-table kernels (checked
+            # against the PyTorch rules and outcome_law in test_fused_verify.py): same numbers.
+            tree, node_of = tree_of_row(parent[b].tolist())
+            pos_of = torch.tensor([pos for pos, _ in sorted(node_of.items(), key=lambda kv: kv[1])])
+            row = lambda x: x[b : b + 1, pos_of]
+            tt = tree.on(torch.device("cpu"))
+            w1, s1, params1 = fused_node_weights(verifier, tt, row(tokens), row(p), row(q), torch.float64)
+            assert torch.equal(w[b, pos_of], w1[0]) and torch.equal(params[b, pos_of], params1[0]), (method, b)
+            internal = tt.is_internal
+            assert torch.equal(s[b, pos_of][internal], s1[0][internal]), (method, b)
+            u1 = torch.cat([u[b, pos_of], u[b, -1:]]).unsqueeze(0)
+            out1, acc1, end1 = finish_step(
+                method, row(p), row(q), row(tokens), tt, w1, s1, params1, u1, greedy[b : b + 1]
+            )
+            assert int(pos_of[end1[0]]) == int(end[b]) and int(acc1[0]) == int(accepted[b]), (method, b)
+            assert torch.equal(out1[0], out[b, : out1.shape[1]]) and (out[b, out1.shape[1]:] == -1).all(), (method, b)
+            compared += 1
+        # verify() takes the fused path for per-request shapes: well-formed rows, few ATen ops, no sync.
+        seeded = torch.Generator().manual_seed(1)
+        result = verify(method, trees, tokens, p, q, generator=seeded, greedy=greedy, fused=True)
+        plain = verify(method, trees, tokens, p, q, greedy=greedy, fused=False)
+        assert torch.equal(result.output_token_ids[greedy], plain.output_token_ids[greedy]), method
+        assert ((result.output_token_ids >= 0).sum(1) == result.num_accepted + 1).all(), method
+        with OpCounter() as ops:
+            verify(method, trees, tokens, p, q, greedy=greedy, validate=False, fused=True)
+        ops.by_name.subtract({k: ops.by_name[k] for k in ("aten.set_", "aten.copy_", "aten.new_empty")})
+        counts = OpCounter.summary(+ops.by_name)
+        print(method, levels, counts)
+print("compared", compared)
+print("FUSED ROWS OK")
+"""
+
+
+def test_fused_rules_equal_each_requests_own_tree_in_interpreter():
+    """On CUDA per-request shapes take the fused node rules (one launch per level, one
+    for the rest of the step: the kernels read each request's own children,
+    post-order, internal flags and ancestors). In Triton's interpreter each request's
+    weights, stop probabilities, residual factors, end node, accepted count and
+    output row equal those of the same request verified alone on its own TreeSpec
+    (the shared-table path), for the same uniforms; univer, greedy, target_only,
+    absent draws and greedy rows included."""
+    pytest.importorskip("triton")
+    from triton_interpreter import run_interpreted
+
+    print(run_interpreted(FUSED_ROWS_CHECK, "FUSED ROWS OK", timeout=1200)[-1500:])
 
 
 def test_a_token_where_no_node_is_refused():

@@ -107,6 +107,19 @@ CHECK = textwrap.dedent("""
                     method, tree, tokens, p, q, greedy=greedy, fused=True, validate=False
                 ))
 
+    # Per-request shapes (context-aware trees): the same kernels over each request's own tables.
+    from vllm_univer.core.tree_batch import TreeBatch
+    parent = torch.tensor([[-1, 0, 0, 1, 1, 2], [-1, 0, 0, 2, 2, -1], [-1, 0, -1, 1, -1, -1]])
+    trees = TreeBatch(parent, (1, 2, 3), 2)
+    for method in ("univer", "greedy", "target_only"):
+        for v in (40, 5000):
+            p = torch.softmax(torch.randn(batch, 6, v, generator=gen), -1)
+            tokens = torch.where(parent >= 0, torch.arange(6) + 3, -1)
+            attempt(f"verify {method} per-request trees V={v}", lambda: verify(
+                method, trees, tokens, p, p.clone(), greedy=torch.tensor([True, False, False]), fused=True,
+                validate=False,
+            ))
+
     # The tree rules with the vocabulary split across programs (on a GPU: a level too small to fill it).
     import os
     from vllm_univer.core.kernels.triton_rows import SPLITS_ENV

@@ -5,7 +5,8 @@ rows' device and layout, and the tree's shape; every backend samples the same la
 ``FUSED_WOR``    univer_wor: Triton node rules per level, the draw in one more
                  (CUDA; trees of at most four children per node, V > 64).
 ``FUSED_TREE``   the other tree methods: Triton node rules per level, then one
-                 launch for the rest of the step (CUDA).
+                 launch for the rest of the step (CUDA); per-request shapes
+                 (``TreeBatch``: univer, greedy, target_only) too.
 ``COMPILED``     the PyTorch node rule under torch.compile (univer_wor; CPU,
                  opt-in: ``VLLM_UNIVER_COMPILE_RULES=1`` or ``compiled=True``).
 ``TORCH``        the verifier's own PyTorch node rule (everywhere else).
@@ -47,15 +48,17 @@ def choose_backend(
     arguments: None lets the rows decide, True demands it, with a clear error
     where it cannot run; False rules it out)."""
     vocab = target_probs.shape[-1]
-    if isinstance(tree, TreeBatch):  # per-request shapes: the PyTorch rules only
+    if isinstance(tree, TreeBatch):  # per-request shapes: the node rules fused (CUDA) or in PyTorch
         if method not in TREE_BATCH_METHODS:
             raise ValueError(
                 f"verifier {method!r} does not run on per-request tree shapes (context-aware trees); "
                 f"these do: {', '.join(TREE_BATCH_METHODS)}"
             )
-        if fused or compiled:
-            raise ValueError("per-request tree shapes run the PyTorch node rules: pass fused=False, compiled=False")
-        return Backend.TORCH
+        if compiled:
+            raise ValueError("per-request tree shapes have no compiled node rule: pass compiled=False")
+        if fused is None:
+            fused = fused_available(method, tree, target_probs, draft_probs)
+        return Backend.FUSED_TREE if fused else Backend.TORCH
     if fused is None:
         fused = fused_available(method, tree, target_probs, draft_probs)
     elif fused and method not in FUSED_METHODS:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .tree import TreeSpec, _TreeTensors
+from .tree_batch import TreeBatch
 from .tree_pass import decide_postorder, finish_stop
 from .verifiers import TreeVerifier
 from .verifiers.univer_wor import EXACT_RANK_VOCAB
@@ -29,7 +30,9 @@ WOR_METHODS = ("univer_wor",)
 FUSED_METHODS = (*TOPK1_METHODS, *REPLAY_METHODS, *CHAIN_METHODS, *WOR_METHODS)
 
 
-def fused_available(method: str, tree: TreeSpec, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> bool:
+def fused_available(
+    method: str, tree: TreeSpec | TreeBatch, target_probs: torch.Tensor, draft_probs: torch.Tensor
+) -> bool:
     """The fused path serves ``method`` for these rows: CUDA, Triton importable,
     the vocabulary dimension contiguous, a shape and vocabulary its kernels take."""
     return (
@@ -63,7 +66,7 @@ def triton_reads(*rows: torch.Tensor) -> bool:
 
 
 def fused_node_weights(
-    verifier: TreeVerifier, tt: _TreeTensors, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype
+    verifier: TreeVerifier, tt: _TreeTensors | TreeBatch, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``tree_pass.node_weights`` in one launch per level. tokens [B, N+1] int64; p, q
     [B, N+1, V] (any float dtype) -> weight [B, N+1] and stop [B, N+1] (``dtype``;
@@ -71,7 +74,8 @@ def fused_node_weights(
     parameters of the nodes' residual rows for ``fused_finish``: univer /
     greedy / target_only [B, N+1], 1 / q(off T) of nodes with a sampled child,
     else 0; rrs / rrsw / traversal [B, N+1, 2C], each internal node's rejection
-    steps a_j, then c_j (leaves' rows are never read)."""
+    steps a_j, then c_j (leaves' rows are never read). ``tt`` a ``TreeBatch``:
+    each request's own tree (univer, greedy, target_only)."""
     from .kernels.triton_replay_verify import replay_level
     from .kernels.triton_topk1_verify import topk1_level
 
@@ -85,14 +89,16 @@ def fused_node_weights(
     else:
         params = torch.zeros(batch, n1, dtype=torch.float64, device=p.device)
         level_rule = topk1_level
-    for level in tt.levels:  # a level's scales need its parents'
-        level_rule(verifier.name, p, q, tokens, level.nodes, tt.children, weight, stop, params)
+    # Per-request shapes (TreeBatch): every position of each depth, the same for all requests.
+    levels = tt.level_positions if isinstance(tt, TreeBatch) else [level.nodes for level in tt.levels]
+    for nodes in levels:  # a level's scales need its parents'
+        level_rule(verifier.name, p, q, tokens, nodes, tt.children, weight, stop, params)
     return weight, stop, params
 
 
 def fused_finish(
     verifier: TreeVerifier,
-    tt: _TreeTensors,
+    tt: _TreeTensors | TreeBatch,
     tokens: torch.Tensor,
     p: torch.Tensor,
     q: torch.Tensor,

@@ -279,6 +279,18 @@ class TreeBatch:
             out.append(_BatchLevel(nodes, kids))
         return out
 
+    @cached_property
+    def level_positions(self) -> list[torch.Tensor]:
+        """Per depth 0..D-1, LongTensor [n]: every position of the depth, the same for
+        all requests (the fused node rules run at each; one without children writes
+        no child weight, and the finish reads its own weight, not its stop)."""
+        return [torch.arange(span.start, span.stop, device=self.parent.device) for span in self.spans[:-1]]
+
+    @cached_property
+    def is_internal_int8(self) -> torch.Tensor:
+        """Int8Tensor [B, N+1]: 1 where the node has children (for kernels)."""
+        return self.is_internal.to(torch.int8)
+
     # -------------------------------------------- reads the passes go through
     def children_of(self, nodes: torch.Tensor) -> torch.Tensor:
         """nodes [B] or [B, n] -> [B, C] or [B, n, C]: their children (-1 padded)."""

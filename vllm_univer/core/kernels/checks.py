@@ -46,3 +46,14 @@ def expect_tree_rows(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> 
     expect("q", q, (batch, num_nodes, vocab), FLOATS, last_contiguous=True, device=p.device)
     expect("tokens", tokens, (batch, num_nodes), torch.int64, device=p.device)
     return batch, num_nodes, vocab
+
+
+def children_strides(children: torch.Tensor, batch: int, num_nodes: int) -> tuple[int, int]:
+    """(request stride, node stride) of a children table, int64, slots contiguous:
+    [N+1, C], one tree shared by the batch (request stride 0), or [B, N+1, C], each
+    request's own tree (``TreeBatch``). num_nodes: N+1."""
+    if children.dim() == 2:
+        expect("children", children, (num_nodes, None), torch.int64, last_contiguous=True)
+        return 0, children.stride(0)
+    expect("children", children, (batch, num_nodes, None), torch.int64, last_contiguous=True)
+    return children.stride(0), children.stride(1)

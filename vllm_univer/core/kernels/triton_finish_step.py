@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import expect, expect_tree_rows
+from .checks import children_strides, expect, expect_tree_rows
 from .triton_rows import (
     RESIDUAL_CLIPPED,
     RESIDUAL_P,
@@ -58,10 +58,10 @@ def _finish_kernel(
     p_ptr,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
     q_ptr,  # [B, N+1, V] draft rows q: what each node's children were drawn from
     tokens_ptr,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
-    children_ptr,  # [N+1, C] int64: each node's children in slot order, -1 padded
-    postorder_ptr,  # [N+1] int64: the nodes in post-order (the root last)
-    is_internal_ptr,  # [N+1] int8: the shape gives the node children
-    ancestors_ptr,  # [N+1, D] int64: the path to each node, root excluded, -1 padded
+    children_ptr,  # [(B,) N+1, C] int64: each node's children in slot order, -1 padded
+    postorder_ptr,  # [(B,) N+1] int64: the nodes in post-order (the root last)
+    is_internal_ptr,  # [(B,) N+1] int8: the shape gives the node children
+    ancestors_ptr,  # [(B,) N+1, D] int64: the path to each node, root excluded, -1 padded
     depth_ptr,  # [N+1] int64
     weight_ptr,  # [B, N+1]: alpha (DESCENT) or entry P~ (POSTORDER)
     stop_ptr,  # [B, N+1]: the rule's h of internal nodes (POSTORDER)
@@ -76,7 +76,11 @@ def _finish_kernel(
     stride_qb,
     stride_qn,
     stride_tb,
+    stride_cb,  # the tables' request strides: 0 for one tree shared by the batch
     stride_cn,
+    stride_ob_post,
+    stride_ib,
+    stride_ab,
     stride_an,
     stride_wb,
     stride_sb,
@@ -107,9 +111,9 @@ def _finish_kernel(
         # The first node in post-order with eta < h; the root (last) always qualifies.
         found = tl.zeros((), dtype=tl.int1)
         for k in range(0, num_nodes):
-            v = tl.load(postorder_ptr + k)
+            v = tl.load(postorder_ptr + b * stride_ob_post + k)
             exists = (v == 0) | (tl.load(tokens_ptr + b * stride_tb + v) >= 0)
-            internal = tl.load(is_internal_ptr + v) != 0
+            internal = tl.load(is_internal_ptr + b * stride_ib + v) != 0
             h = tl.where(internal, tl.load(stop_ptr + b * stride_sb + v), tl.load(weight_ptr + b * stride_wb + v))
             h = tl.where(v == 0, 1.0, tl.where(exists, h.to(tl.float64), 0.0))
             hit = (found == 0) & ((tl.load(uniform_ptr + b * stride_ub + v) < h) | (v == 0))
@@ -119,7 +123,9 @@ def _finish_kernel(
         # At each node the first child slot with eta < alpha.
         walking = tl.full((), 1, tl.int1)
         for _ in range(0, max_depth):
-            slot, kid, _tok = child_slots(children_ptr, tokens_ptr, b, end, stride_tb, stride_cn, num_slots, SLOTS)
+            slot, kid, _tok = child_slots(
+                children_ptr + b * stride_cb, tokens_ptr, b, end, stride_tb, stride_cn, num_slots, SLOTS
+            )
             safe = tl.maximum(kid, 0)
             alpha = tl.load(weight_ptr + b * stride_wb + safe, mask=kid >= 0, other=0.0).to(tl.float64)
             eta = tl.load(uniform_ptr + b * stride_ub + safe, mask=kid >= 0, other=1.0)
@@ -136,13 +142,17 @@ def _finish_kernel(
         for _ in range(0, max_depth + 1):
             if walking:
                 argmax = first_argmax(p_ptr + b * stride_pb + end * stride_pn, vocab, BLOCK_V)
-                slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, end, stride_tb, stride_cn, num_slots, SLOTS)
+                slot, kid, tok = child_slots(
+                    children_ptr + b * stride_cb, tokens_ptr, b, end, stride_tb, stride_cn, num_slots, SLOTS
+                )
                 first = tl.min(tl.where((kid >= 0) & (tok == argmax), slot, SLOTS), axis=0)
                 walking = first < SLOTS
                 choice = tl.where(walking, choice, argmax)
                 end = tl.where(walking, tl.sum(tl.where(slot == first, kid, 0), axis=0).to(tl.int64), end)
     else:
-        slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, end, stride_tb, stride_cn, num_slots, SLOTS)
+        slot, kid, tok = child_slots(
+            children_ptr + b * stride_cb, tokens_ptr, b, end, stride_tb, stride_cn, num_slots, SLOTS
+        )
         params = params_ptr + b * stride_rb + end * stride_rn
         scale = tl.full((), 1.0, tl.float64)
         q_scale = tl.full((), 0.0, tl.float64)
@@ -168,7 +178,7 @@ def _finish_kernel(
     # The output row (api._assemble): the path's tokens, then Y, then -1.
     accepted = tl.load(depth_ptr + end)
     for j in range(0, max_depth + 1):
-        node = tl.load(ancestors_ptr + end * stride_an + j, mask=j < max_depth, other=-1)
+        node = tl.load(ancestors_ptr + b * stride_ab + end * stride_an + j, mask=j < max_depth, other=-1)
         drafted = tl.load(tokens_ptr + b * stride_tb + tl.maximum(node, 0), mask=node >= 0, other=-1)
         tl.store(out_ptr + b * stride_ob + j, tl.where(j < accepted, drafted, tl.where(j == accepted, choice, -1)))
     tl.store(end_ptr + b, end)
@@ -193,7 +203,9 @@ def finish_step(
     given ``end`` [B]), greedy rows' argmax matching (``greedy`` [B] bool), the
     next token drawn from the end node's residual and the output row.
 
-    ``tree``: the ``_TreeTensors`` of the shape; weight, stop [B, N+1] and
+    ``tree``: the ``_TreeTensors`` of the shape, or a ``TreeBatch`` (each request's
+    own children, post-order, internal flags and ancestors; depth per position
+    shared); weight, stop [B, N+1] and
     ``params`` ([B, N+1] 1 / q(off T) for univer / greedy / target_only, or
     [B, N+1, 2C] rejection steps for rrs / rrsw / traversal) as the level kernels
     wrote them. Returns output rows [B, D+1], accepted tokens [B] and the end
@@ -211,15 +223,22 @@ def finish_step(
     accepted = torch.empty_like(end)
     out = torch.empty(batch, tree.max_depth + 1, dtype=torch.long, device=p.device)
     greedy_flags = greedy.to(torch.int8) if greedy is not None else None
-    num_slots = tree.children.shape[1]
+    num_slots = tree.children.shape[-1]
+    stride_cb, stride_cn = children_strides(tree.children, batch, num_nodes)
+    postorder_table, is_internal, ancestors = tree.postorder, tree.is_internal_int8, tree.ancestors
+    per_request = stride_cb != 0  # each request's own tables (TreeBatch), else one tree's
+    expect("postorder", postorder_table, (batch, num_nodes) if per_request else (num_nodes,), torch.int64, True)
+    expect("is_internal", is_internal, (batch, num_nodes) if per_request else (num_nodes,), torch.int8, True)
+    expect("ancestors", ancestors, ((batch,) if per_request else ()) + (num_nodes, None), torch.int64, True)
+    expect("depth", tree.depth, (num_nodes,), torch.int64)
     _finish_kernel[(batch,)](
         p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
         q_ptr=q,  # [B, N+1, V] draft rows q: what each node's children were drawn from
         tokens_ptr=tokens,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
-        children_ptr=tree.children,  # [N+1, C] int64: each node's children in slot order, -1 padded
-        postorder_ptr=tree.postorder,  # [N+1] int64: the nodes in post-order (the root last)
-        is_internal_ptr=tree.is_internal_int8,  # [N+1] int8: the shape gives the node children
-        ancestors_ptr=tree.ancestors,  # [N+1, D] int64: the path to each node, root excluded, -1 padded
+        children_ptr=tree.children,  # [(B,) N+1, C] int64: each node's children in slot order, -1 padded
+        postorder_ptr=postorder_table,  # [(B,) N+1] int64: the nodes in post-order (the root last)
+        is_internal_ptr=is_internal,  # [(B,) N+1] int8: the shape gives the node children
+        ancestors_ptr=ancestors,  # [(B,) N+1, D] int64: the path to each node, root excluded, -1 padded
         depth_ptr=tree.depth,  # [N+1] int64
         weight_ptr=weight,  # [B, N+1]: alpha (DESCENT) or entry P~ (POSTORDER)
         stop_ptr=stop,  # [B, N+1]: the rule's h of internal nodes (POSTORDER)
@@ -234,8 +253,12 @@ def finish_step(
         stride_qb=q.stride(0),
         stride_qn=q.stride(1),
         stride_tb=tokens.stride(0),
-        stride_cn=tree.children.stride(0),
-        stride_an=tree.ancestors.stride(0),
+        stride_cb=stride_cb,
+        stride_cn=stride_cn,
+        stride_ob_post=postorder_table.stride(0) if per_request else 0,
+        stride_ib=is_internal.stride(0) if per_request else 0,
+        stride_ab=ancestors.stride(0) if per_request else 0,
+        stride_an=ancestors.stride(-2),
         stride_wb=weight.stride(0),
         stride_sb=stop.stride(0),
         stride_rb=params.stride(0),

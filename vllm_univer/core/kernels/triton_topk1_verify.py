@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import expect, expect_tree_rows
+from .checks import children_strides, expect, expect_tree_rows
 from .triton_rows import (
     child_slots,
     clipped_ratio,
@@ -179,6 +179,7 @@ def _topk1_level_kernel(
     stride_qb,
     stride_qn,
     stride_tb,
+    stride_cb,  # 0: one tree for the batch; else each request's own children
     stride_cn,
     stride_wb,
     vocab,  # V
@@ -191,7 +192,9 @@ def _topk1_level_kernel(
     b = tl.program_id(0)
     node = tl.load(nodes_ptr + tl.program_id(1))
     p_row, q_row = node_rows(p_ptr, q_ptr, b, node, stride_pb, stride_pn, stride_qb, stride_qn)
-    slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
+    slot, kid, tok = child_slots(
+        children_ptr + b * stride_cb, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS
+    )
     p_sum, q_sum = _row_sums(p_row, q_row, 0, vocab, RULE != TARGET_ONLY, BLOCK_V)
     scale = _node_scale(weight_ptr, b, stride_wb, node, RULE)
     full = tl.zeros((), dtype=tl.float64)
@@ -269,6 +272,7 @@ def _topk1_split_min_kernel(
     stride_qb,
     stride_qn,
     stride_tb,
+    stride_cb,  # 0: one tree for the batch; else each request's own children
     stride_cn,
     stride_wb,
     stride_xb,
@@ -286,7 +290,9 @@ def _topk1_split_min_kernel(
     b, i, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     node = tl.load(nodes_ptr + i)
     p_row, q_row = node_rows(p_ptr, q_ptr, b, node, stride_pb, stride_pn, stride_qb, stride_qn)
-    slot, _, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
+    slot, _, tok = child_slots(
+        children_ptr + b * stride_cb, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS
+    )
     # F' is not written yet: only sum q is read.
     q_sum = _split_total(parts_ptr, b, i, 1, stride_xb, stride_xn, num_splits, SPLITS)
     scale = _node_scale(weight_ptr, b, stride_wb, node, RULE)
@@ -312,6 +318,7 @@ def _topk1_split_finish_kernel(
     stride_qb,
     stride_qn,
     stride_tb,
+    stride_cb,  # 0: one tree for the batch; else each request's own children
     stride_cn,
     stride_wb,
     stride_xb,
@@ -326,7 +333,9 @@ def _topk1_split_finish_kernel(
     b, i = tl.program_id(0), tl.program_id(1)
     node = tl.load(nodes_ptr + i)
     p_row, q_row = node_rows(p_ptr, q_ptr, b, node, stride_pb, stride_pn, stride_qb, stride_qn)
-    slot, kid, tok = child_slots(children_ptr, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS)
+    slot, kid, tok = child_slots(
+        children_ptr + b * stride_cb, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS
+    )
     p_sum = _split_total(parts_ptr, b, i, 0, stride_xb, stride_xn, num_splits, SPLITS)
     q_sum = _split_total(parts_ptr, b, i, 1, stride_xb, stride_xn, num_splits, SPLITS)
     full = tl.zeros((), dtype=tl.float64)
@@ -369,12 +378,12 @@ def topk1_level(
     the vocabulary is split (``vocab_slices``)."""
     batch, n1, vocab = expect_tree_rows(p, q, tokens)
     expect("nodes", nodes, (None,), torch.int64)
-    expect("children", children, (n1, None), torch.int64)
+    stride_cb, stride_cn = children_strides(children, batch, n1)
     expect("weight", weight, (batch, n1))
     expect("stop", stop, (batch, n1))
     expect("q_bar_scale", q_bar_scale, (batch, n1), torch.float64)
     num_nodes = nodes.numel()
-    slots = slot_block(children.shape[1])
+    slots = slot_block(children.shape[-1])
     splits, chunk, block_v = vocab_slices(p.device, batch * num_nodes, vocab)
     if splits == 1:
         _topk1_level_kernel[(batch, num_nodes)](
@@ -391,10 +400,11 @@ def topk1_level(
             stride_qb=q.stride(0),
             stride_qn=q.stride(1),
             stride_tb=tokens.stride(0),
-            stride_cn=children.stride(0),
+            stride_cb=stride_cb,
+            stride_cn=stride_cn,
             stride_wb=weight.stride(0),
             vocab=vocab,  # V
-            num_slots=children.shape[1],  # C: child slots per node
+            num_slots=children.shape[-1],  # C: child slots per node
             RULE=RULES[rule],
             SLOTS=slots,  # num_slots rounded up to a power of 2
             BLOCK_V=block_v,
@@ -431,12 +441,13 @@ def topk1_level(
             stride_qb=q.stride(0),
             stride_qn=q.stride(1),
             stride_tb=tokens.stride(0),
-            stride_cn=children.stride(0),
+            stride_cb=stride_cb,
+            stride_cn=stride_cn,
             stride_wb=weight.stride(0),
             stride_xb=parts.stride(0),
             stride_xn=parts.stride(1),
             vocab=vocab,  # V
-            num_slots=children.shape[1],  # C: child slots per node
+            num_slots=children.shape[-1],  # C: child slots per node
             chunk=chunk,  # vocabulary entries per slice
             num_splits=splits,  # S: vocabulary slices per node
             RULE=RULES[rule],
@@ -459,11 +470,12 @@ def topk1_level(
         stride_qb=q.stride(0),
         stride_qn=q.stride(1),
         stride_tb=tokens.stride(0),
-        stride_cn=children.stride(0),
+        stride_cb=stride_cb,
+        stride_cn=stride_cn,
         stride_wb=weight.stride(0),
         stride_xb=parts.stride(0),
         stride_xn=parts.stride(1),
-        num_slots=children.shape[1],  # C: child slots per node
+        num_slots=children.shape[-1],  # C: child slots per node
         num_splits=splits,  # S: vocabulary slices per node
         RULE=RULES[rule],
         SLOTS=slots,
