@@ -398,28 +398,35 @@ def test_path_options_law_equals_target_law(small_models):
                 assert pvalue < 1e-6, (name, pvalue)
 
 
-def test_structured_output_law_equals_target_law(small_models):
-    """Structured outputs (a regex) at temperature 1, one grammar state per tree
-    node: the generated law is the target's under the grammar, written out with
-    partial regex matching, and not the grammar-masked draft's law. The regex
-    makes every node's mask depend on its path (letters alternate between the
-    halves of the alphabet), and the stop token is allowed only after a full match."""
+def _regex_law_run(small_models, pattern: str, prompt: list[int], tree: dict) -> tuple[np.ndarray, dict]:
+    """Every request of ``prompt`` at T = 1 under structured outputs ``pattern``, drafted
+    with the speculative config's ``tree`` fields: (counts of the first four tokens,
+    the ``exact_law_of_tokens`` settings of that grammar)."""
     from transformers import AutoTokenizer
 
     target, draft = small_models
     tok = AutoTokenizer.from_pretrained(target)
     special = set(tok.all_special_ids)
     token_texts = ["" if t in special else tok.decode([t]) for t in range(VOCAB)]
-    pattern = "([a-m][n-z])+"
     exact = {"temperature": 1.0, "regex": pattern, "token_texts": token_texts, "stop_token_ids": [tok.eos_token_id]}
     sampling = {"temperature": 1.0, "max_tokens": 4, "structured_outputs": {"regex": pattern}}
-    prompt = PROMPTS[0]
-    spec = {"method": "univer", "model": draft, "tree": "2x2"}
+    spec = {"method": "univer", "model": draft, **tree}
     result = run_engines([law_engine(target, spec, [prompt] * REQUESTS_PER_PROMPT, sampling)])[0]
     assert "error" not in result, result.get("error")
     counters = result["spec"]
     assert counters["vllm:spec_decode_num_accepted_tokens"] > 0.2 * counters["vllm:spec_decode_num_drafts"]
-    counts = counts_of(result["calls"][0]["outputs"])
+    return counts_of(result["calls"][0]["outputs"]), exact
+
+
+def test_structured_output_law_equals_target_law(small_models):
+    """Structured outputs (a regex) at temperature 1, one grammar state per tree
+    node: the generated law is the target's under the grammar, written out with
+    partial regex matching, and not the grammar-masked draft's law. The regex
+    makes every node's mask depend on its path (letters alternate between the
+    halves of the alphabet), and the stop token is allowed only after a full match."""
+    target, draft = small_models
+    prompt = PROMPTS[0]
+    counts, exact = _regex_law_run(small_models, "([a-m][n-z])+", prompt, {"tree": "2x2"})
     law = exact_law_of_tokens(target, prompt, exact)
     wrong = exact_law_of_tokens(draft, prompt, exact)
     for axes in MARGINALS:
@@ -435,23 +442,10 @@ def test_structured_output_law_with_dynamic_trees(small_models):
     only on its depth: rows built for another shape than the one drafted (the
     dynamic drafter expands its most probable node, the static tree its first)
     would change the law."""
-    from transformers import AutoTokenizer
-
-    target, draft = small_models
-    tok = AutoTokenizer.from_pretrained(target)
-    special = set(tok.all_special_ids)
-    token_texts = ["" if t in special else tok.decode([t]) for t in range(VOCAB)]
-    pattern = "([a-m][a-m]|[n-z][n-z])+"
-    exact = {"temperature": 1.0, "regex": pattern, "token_texts": token_texts, "stop_token_ids": [tok.eos_token_id]}
-    sampling = {"temperature": 1.0, "max_tokens": 4, "structured_outputs": {"regex": pattern}}
+    target, _ = small_models
     prompt = PROMPTS[1]
     budget = {"max_nodes": 6, "max_depth": 3, "expand": 1, "max_children": 2}
-    spec = {"method": "univer", "model": draft, "tree": "dynamic", **budget}
-    result = run_engines([law_engine(target, spec, [prompt] * REQUESTS_PER_PROMPT, sampling)])[0]
-    assert "error" not in result, result.get("error")
-    counters = result["spec"]
-    assert counters["vllm:spec_decode_num_accepted_tokens"] > 0.2 * counters["vllm:spec_decode_num_drafts"]
-    counts = counts_of(result["calls"][0]["outputs"])
+    counts, exact = _regex_law_run(small_models, "([a-m][a-m]|[n-z][n-z])+", prompt, {"tree": "dynamic", **budget})
     law = exact_law_of_tokens(target, prompt, exact)
     for axes in MARGINALS:
         assert marginal_pvalue(counts, law, axes) > 1e-3, axes
