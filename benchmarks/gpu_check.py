@@ -5,7 +5,8 @@ Run on a CUDA machine from the repository root (about 5 minutes on one H200):
     python -m benchmarks.gpu_check [--out DIR]
 
 1. Correctness on CUDA: every verifier's sampled outcomes (float32, batched)
-   against its exact law (``outcome_law``) by a chi-square test; the engine's
+   against its exact law (``outcome_law``) by a chi-square test, on per-request
+   trees (``TreeBatch``) too for univer, greedy, target_only; the engine's
    fused drafting kernel against each draft scheme's law; tree attention
    on CUDA against the float64 CPU result; the Triton paged tree-attention kernel
    of the engine's CUDA path (float32 and bfloat16) against float64.
@@ -39,6 +40,7 @@ from benchmarks.vllm_attention import chain_matches_triton_attn, flash_attn_caus
 from vllm_univer import METHODS, TreeSpec, outcome_law, verify
 from vllm_univer.core.compiled_rules import CUDA_CHECK_ENV
 from vllm_univer.core.kernels.triton_rows import SPLITS_ENV
+from vllm_univer.core.tree_batch import TreeBatch
 from vllm_univer.integration.attention import tree_attention
 from vllm_univer.integration.attention.tree_attention import gather_paged
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue
@@ -87,10 +89,13 @@ LAW_DRAWS = 50000  # verify draws per tree in the law checks
 
 
 def law_check(method, tree, tokens, p, q, device, compiled) -> tuple[bool, str]:
-    """Sampled outcomes (end node, next token) of ``verify`` against ``outcome_law``, 4 trees x LAW_DRAWS."""
+    """Sampled outcomes (end node, next token) of ``verify`` against ``outcome_law``, 4 trees x LAW_DRAWS;
+    ``tree`` a TreeSpec or a TreeBatch of 4 per-request trees."""
     law = outcome_law(method, tree, tokens, p, q)  # float64, on the GPU
     reps = LAW_DRAWS
     gen = torch.Generator(device=device).manual_seed(0)
+    if isinstance(tree, TreeBatch):  # per-request trees: each request's tree repeated with its rows
+        tree = TreeBatch(tree.parent.repeat_interleave(reps, 0), tree.level_sizes, tree.max_children)
     out = verify(
         method,
         tree,
@@ -195,6 +200,7 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
         )
         print(lines[-1], flush=True)
 
+    ok &= tree_batch_correctness(device, lines)
     ok &= drafting_correctness(device, lines)
 
     tree = TreeSpec.parse("2x3")
@@ -231,6 +237,43 @@ def correctness(device: torch.device, lines: list[str]) -> bool:
     except ImportError as exc:  # vLLM not installed: gpu_check.sh runs without it
         verdict = f"not run (vLLM: {exc})"
     lines.append(f"| Triton paged tree attention on a chain 1x5 vs vLLM's TRITON_ATTN kernel, float32 | {verdict} |")
+    return ok
+
+
+# Four per-request trees on levels 1 / 2 / 3 (context-aware trees: -1, no node at that position).
+TREE_BATCH_PARENTS = [[-1, 0, 0, 1, 1, 2], [-1, 0, 0, 2, 2, -1], [-1, 0, -1, 1, 1, -1], [-1, 0, 0, 1, 2, 2]]
+
+
+def tree_batch_correctness(device: torch.device, lines: list[str]) -> bool:
+    """verify on per-request trees (``TreeBatch``: on CUDA the fused node rules reading
+    each request's own tables) against ``outcome_law``, univer / greedy / target_only,
+    the vocabulary whole and in three slices."""
+    ok = True
+    gen = torch.Generator().manual_seed(4)
+    parent = torch.tensor(TREE_BATCH_PARENTS)
+    trees = TreeBatch(parent, (1, 2, 3), 2).on(device)
+    vocab = 6
+    tokens = torch.full(parent.shape, -1, dtype=torch.long)
+    for b in range(parent.shape[0]):  # distinct siblings, as the topk1 scheme draws them
+        for par in set(parent[b].tolist()) - {-1}:
+            kids = (parent[b] == par).nonzero().flatten()
+            tokens[b, kids] = torch.randperm(vocab, generator=gen)[: len(kids)]
+    p, q = (torch.softmax(3 * torch.randn(*parent.shape, vocab, generator=gen), -1) for _ in range(2))
+    tokens, p, q = tokens.to(device), p.to(device), q.to(device)
+    for method in ("univer", "greedy", "target_only"):
+        for splits in (None, 3):
+            try:
+                with vocab_splits_forced(splits):
+                    good, detail = law_check(method, trees, tokens, p, q, device, None)
+            except Exception as exc:  # noqa: BLE001 - reported; the next case is still checked
+                good, detail = False, f"{type(exc).__name__}: {str(exc)[:300]}"
+            ok &= good
+            variant = f", vocabulary in {splits} slices" if splits else ""
+            lines.append(
+                f"| verify `{method}` on per-request trees (TreeBatch{variant}) vs outcome_law "
+                f"(4 trees x {LAW_DRAWS}) | {'ok' if good else 'FAIL'}: {detail} |".replace("\n", " ")
+            )
+            print(lines[-1], flush=True)
     return ok
 
 
