@@ -226,10 +226,11 @@ def finish_step(
     num_slots = tree.children.shape[-1]
     stride_cb, stride_cn = children_strides(tree.children, batch, num_nodes)
     postorder_table, is_internal, ancestors = tree.postorder, tree.is_internal_int8, tree.ancestors
-    per_request = stride_cb != 0  # each request's own tables (TreeBatch), else one tree's
-    expect("postorder", postorder_table, (batch, num_nodes) if per_request else (num_nodes,), torch.int64, True)
-    expect("is_internal", is_internal, (batch, num_nodes) if per_request else (num_nodes,), torch.int8, True)
-    expect("ancestors", ancestors, ((batch,) if per_request else ()) + (num_nodes, None), torch.int64, True)
+    per_request = tree.children.dim() == 3  # each request's own tables (TreeBatch), else one tree's
+    lead = (batch,) if per_request else ()
+    expect("postorder", postorder_table, (*lead, num_nodes), torch.int64, last_contiguous=True)
+    expect("is_internal", is_internal, (*lead, num_nodes), torch.int8, last_contiguous=True)
+    expect("ancestors", ancestors, (*lead, num_nodes, None), torch.int64, last_contiguous=True)
     expect("depth", tree.depth, (num_nodes,), torch.int64)
     _finish_kernel[(batch,)](
         p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
