@@ -7,7 +7,8 @@ after another.
 
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
 "params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool, "rank_decisions": bool,
-"draft_padding": int, "blind_drafting": bool, "run_every_node": bool, "tree_kinds": bool}]}. A prompt is a string or a
+"draft_padding": int, "blind_drafting": bool, "run_every_node": bool, "tree_kinds": bool,
+"draft_graphs": "emulate" | "report"}]}. A prompt is a string or a
 list of token ids. Result (the last stdout line, after ``RESULT``): per engine {"error": str} or
 {"calls": [{"outputs": [[token ids], ...], "logprobs": [[{token: logprob}]] per output, when asked
 for, "margins" and "top2" with ``margins``} | {"error": str, "traceback": str}], "spec": {counter:
@@ -20,6 +21,9 @@ value}, and with the options:
   for a CUDA-graph replay);
 - "blind_drafts": {"steps", "exempt_reads"} with ``blind_drafting`` (steps that drafted trees while
   every host read of the sampled tokens raised, and the reads let through);
+- "draft_graphs" with ``draft_graphs``: {"replays", "sizes"}: the drafter's level forwards replayed from
+  ``DraftLevelGraphs`` (``"cuda_graphs": "full"`` on CUDA); with ``"draft_graphs": "emulate"`` attached on
+  any device, each graph a rerun checked by ``GraphDiscipline``: also "runs", "violations", "unstable_inputs";
 - ``run_every_node``: the dynamic drafter runs every node of its levels (no result of its own);
 - "tree_kinds" in each call's result with ``tree_kinds``: {"static": steps, "dynamic": steps}, the
   call's steps that drafted one shape for the batch or per-request trees (``LevelLayout``)}.
@@ -190,6 +194,46 @@ def _blind_drafting(worker) -> None:
     drafter.propose, univer.sampler.settle = blind_propose, guarded_settle
 
 
+def _draft_graphs(worker) -> None:
+    """Make this worker's drafter replay its uniform level forwards from
+    ``DraftLevelGraphs`` (as ``"cuda_graphs": "full"`` does on CUDA), each graph's
+    capture and replay a rerun of the region under ``GraphDiscipline``: what capture
+    would break on, and whether each size's region reads the same storages every time."""
+    from vllm_univer.integration.draft_level_graphs import DraftLevelGraphs, rerun_capture
+    from vllm_univer.tools.graph_discipline import GraphDiscipline
+
+    runner = worker.model_runner
+    univer = runner.tree_speculation
+    univer.graph_checks = checks = {"runs": 0, "violations": [], "unstable_inputs": 0}
+
+    def capture(fn):
+        first_inputs = []
+
+        def checked():
+            with GraphDiscipline(allow_allocations=True) as region:
+                hidden = fn()
+            checks["runs"] += 1
+            checks["violations"] += sorted(set(region.violations) - set(checks["violations"]))
+            if not first_inputs:
+                first_inputs.append(region.inputs)
+            checks["unstable_inputs"] += region.inputs != first_inputs[0]
+            return hidden
+
+        return rerun_capture(checked)
+
+    max_reqs = runner.scheduler_config.max_num_seqs
+    univer.drafter.level_graphs = DraftLevelGraphs(runner.drafter, runner.max_model_len, max_reqs, capture)
+
+
+def _draft_graph_checks(worker) -> dict:
+    univer = worker.model_runner.tree_speculation
+    graphs = univer.drafter.level_graphs
+    if graphs is None:
+        return {"replays": 0, "sizes": []}
+    sizes = sorted([list(key) for key in graphs.graphs])
+    return {**getattr(univer, "graph_checks", {}), "replays": graphs.replays, "sizes": sizes}
+
+
 def _run_every_node(worker) -> None:
     """Make this worker's dynamic drafter run every node of each level, not only those it expands."""
     worker.model_runner.tree_speculation.drafter._nodes_to_run = lambda scores: None
@@ -273,6 +317,8 @@ def _run_engine(engine: dict) -> dict:
         llm.collective_rpc(_run_every_node)
     if engine.get("tree_kinds"):
         llm.collective_rpc(_count_tree_kinds)
+    if engine.get("draft_graphs") == "emulate":
+        llm.collective_rpc(_draft_graphs)
     calls = []
     for call in engine["calls"]:
         try:
@@ -303,6 +349,8 @@ def _run_engine(engine: dict) -> dict:
         result["rank_decisions"] = llm.collective_rpc(_decisions_digest)
     if engine.get("draft_padding"):
         result["padded_forwards"] = llm.collective_rpc(_padded_forwards)[0]
+    if engine.get("draft_graphs"):
+        result["draft_graphs"] = llm.collective_rpc(_draft_graph_checks)[0]
     if engine.get("blind_drafting"):
         result["blind_drafts"] = llm.collective_rpc(_blind_drafts)[0]
     if engine.get("sizer"):  # tree "auto": the depths it chose and what it learnt

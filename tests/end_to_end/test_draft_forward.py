@@ -113,6 +113,39 @@ def test_dynamic_levels_run_only_the_nodes_they_expand(tiny_pair):
     assert rows_kept < 0.75 * rows_every, (rows_kept, rows_every)
 
 
+def test_level_forwards_under_full_graphs(tiny_pair):
+    """``"cuda_graphs": "full"``: a level forward whose requests all run as many
+    tokens replays one graph of the draft model (``DraftLevelGraphs``), its tokens,
+    positions, slots and tree plan in persistent buffers. Emulated here: each
+    graph's replay reruns the captured region on those buffers, under
+    ``GraphDiscipline``, which must see no host sync, no copy between devices, no
+    tensor filled from host values, and the same storages read at every replay of
+    a size. Then the engine drafts the same trees and generates the same tokens as
+    without graphs: a chain (causal levels), trees, context-aware trees; greedy and
+    sampled requests, prompts prefilled in chunks (level 0 of a prompt is not
+    uniform: it keeps the piecewise path)."""
+    target, draft = tiny_pair
+    job, kw = _chunked_mixed_job(seed=5)
+    configs = [
+        univer(draft, "1x4", "token"),
+        univer(draft, "2x3"),
+        {**univer(draft, "dynamic"), "max_nodes": 8, "max_depth": 4, "expand": 2, "max_children": 2},
+    ]
+    engines = []
+    for config in configs:
+        plain = {**engine(target, [job], config, **kw), "rank_decisions": True}
+        engines += [plain, {**plain, "draft_graphs": "emulate"}]
+    results = run_engines(engines)
+    for config, plain, graphs in zip(configs, results[::2], results[1::2]):
+        label = config["tree"]
+        assert "error" not in graphs and "error" not in graphs["calls"][0], (label, graphs)
+        checks = graphs["draft_graphs"]
+        assert checks["violations"] == [] and checks["unstable_inputs"] == 0, (label, checks)
+        assert checks["replays"] > 40 and checks["runs"] >= checks["replays"], (label, checks)
+        assert plain["calls"][0]["outputs"] == graphs["calls"][0]["outputs"], label
+        assert plain["rank_decisions"][0]["digest"] == graphs["rank_decisions"][0]["digest"], label
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (benchmarks/gpu_engine.sh graphs)")
 def test_trees_drafted_under_cuda_graphs(tiny_pair):
     """Target and draft replaying CUDA graphs: greedy tokens are the target's alone
@@ -151,20 +184,23 @@ def test_trees_drafted_under_cuda_graphs(tiny_pair):
 def test_whole_trees_under_full_cuda_graphs(tiny_pair, tree):
     """``"cuda_graphs": "full"``: batches of whole trees replay one full graph of the
     target forward (tree attention over the captured size's buffers), mixed batches
-    the piecewise graphs. Greedy tokens are the target's alone, and trees are accepted
-    as often as under piecewise graphs (a replay on stale plan buffers would reject them)."""
+    the piecewise graphs; the draft's uniform level forwards replay full graphs of
+    the draft model (``DraftLevelGraphs``). Greedy tokens are the target's alone, and
+    trees are accepted as often as under piecewise graphs (a replay on stale plan
+    buffers would reject them)."""
     target, draft = tiny_pair
     job = call(prompts(6, seed=3), temperature=0.0, max_tokens=60, ignore_eos=True)
     spec = univer(draft, tree)
     results = run_engines(
         [
             reference(target, [job], **CUDA_GRAPHS),
-            engine(target, [job], {**spec, "cuda_graphs": "full"}, **CUDA_GRAPHS),
+            {**engine(target, [job], {**spec, "cuda_graphs": "full"}, **CUDA_GRAPHS), "draft_graphs": "report"},
             engine(target, [job], spec, **CUDA_GRAPHS),
         ]
     )
     full, piecewise = results[1], results[2]
     assert "error" not in full, full.get("error")
+    assert full["draft_graphs"]["replays"] > 100, full["draft_graphs"]
     assert_greedy_identical(full["calls"][0]["outputs"], results[0]["calls"][0], f"univer {tree} under full graphs")
 
     def accepted_per_draft(result):

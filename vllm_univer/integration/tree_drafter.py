@@ -33,6 +33,7 @@ from ..core.tree import TreeSpec
 from .attention.tree_attention_plan import TreeAttentionPlan
 from .draft_forward import draft_model_inputs, run_draft_model
 from .draft_inputs import DraftRoots, LevelInputs, build_draft_step_inputs, new_token_counts
+from .draft_level_graphs import DraftLevelGraphs
 from .host_to_device import upload
 from .sampling.target_probs import softmax_, split_greedy
 from .step_buffer import StepBuffer
@@ -50,6 +51,9 @@ class TreeDrafter:
         self._use(tree)
         self.q_rows = StepBuffer(runner.device)  # the draft rows q, [B, N+1, V]
         self.forward_tokens: list[int] = []  # query tokens of each draft forward of the last step
+        # ``cuda_graphs: full``: the level forwards whose requests all run as many
+        # tokens replay full graphs (``DraftLevelGraphs``, set by ``TreeSpeculation``).
+        self.level_graphs: DraftLevelGraphs | None = None
         self._kept_range = torch.arange(0, device=runner.device)
 
     def _use(self, tree: TreeSpec) -> None:
@@ -310,6 +314,11 @@ class TreeDrafter:
         proposer = self.proposer
         num_tokens = len(token_ids)
         self.forward_tokens.append(num_tokens)
+        if self.level_graphs is not None:
+            with self.timers.measure("draft_forward"):
+                hidden = self.level_graphs.forward(token_ids, level, block_table, plan)
+            if hidden is not None:
+                return hidden
         slot_mapping = level.slot_mapping
         common = CommonAttentionMetadata(
             query_start_loc=level.query_start_loc,

@@ -16,6 +16,7 @@ from ..core.tree_batch import LevelLayout
 from .attention.kv_cache_views import check_cpu_isa, layer_kv_views
 from .attention.tree_attention_plan import TreeAttentionPlan, backend_kind, check_layer_supported
 from .attention.tree_graph_plans import TreeGraphPlans, uniform_batch_plan
+from .draft_level_graphs import DraftLevelGraphs, cuda_graph_capture
 from .dynamic_tree_drafter import DynamicTreeDrafter
 from .host_to_device import upload, upload_packed
 from .sampling.request_options import has_structured_output
@@ -63,6 +64,9 @@ class TreeSpeculation:
         self._graph_batch: np.ndarray | None = None  # cached tokens per request of the batch being prepared
         if config.cuda_graphs == "full" and torch.device(runner.device).type == "cuda":
             self.graph_plans = TreeGraphPlans(self.tree.num_nodes + 1, runner.max_model_len)
+            self.drafter.level_graphs = DraftLevelGraphs(
+                runner.drafter, runner.max_model_len, runner.scheduler_config.max_num_seqs, cuda_graph_capture()
+            )
 
     # ------------------------------------------------------------ KV caches
     def attention_layers(self):

@@ -57,6 +57,13 @@ FACTORY_OPS = frozenset(
 )
 
 
+# Allocations whose contents only device ops write: under capture they come from the
+# graph's pool, at the same address every replay (a whole model's forward makes them).
+ALLOCATION_OPS = frozenset(
+    {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+)
+
+
 # Indexing by a boolean mask: the result's size is the mask's count (a sync on CUDA).
 BOOL_INDEX_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
 
@@ -65,10 +72,12 @@ class GraphDiscipline(TorchDispatchMode):
     """``with GraphDiscipline() as region: ...`` -> ``region.violations`` (what
     capture would break on, one line each), ``region.inputs`` (storages read and
     not created inside: (data_ptr, nbytes), sorted), ``region.ops`` (Counter of
-    every ATen op)."""
+    every ATen op). ``allow_allocations``: an uninitialised allocation
+    (``ALLOCATION_OPS``) is no violation (a region that runs a model's forward)."""
 
-    def __init__(self):
+    def __init__(self, allow_allocations: bool = False):
         super().__init__()
+        self.allow_allocations = allow_allocations
         self.ops: Counter = Counter()
         self.violations: list[str] = []
         self._created: set[int] = set()
@@ -81,7 +90,7 @@ class GraphDiscipline(TorchDispatchMode):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if name in HOST_SYNC_OPS or (name in BOOL_INDEX_OPS and _bool_index(args)):
             self.violations.append(f"{name}: reads a device value on the host")
-        if name in FACTORY_OPS:
+        if name in FACTORY_OPS and not (self.allow_allocations and name in ALLOCATION_OPS):
             self.violations.append(f"{name}: creates a tensor inside the region")
         if (
             name in ("aten._to_copy", "aten.copy_", "aten.to")

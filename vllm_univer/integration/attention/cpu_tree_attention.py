@@ -12,18 +12,26 @@ from __future__ import annotations
 from .kv_cache_views import gather_cpu_blocks
 from .tree_attention import cached_tree_key_mask, masked_attention
 from .tree_attention_plan import TreeAttentionPlan
+from .tree_graph_plans import GraphTreePlan
 
 
-def forward_tree_rows(impl, layer, query, key, value, kv_cache, attn_metadata, output, plan: TreeAttentionPlan) -> None:
+def forward_tree_rows(
+    impl, layer, query, key, value, kv_cache, attn_metadata, output, plan: TreeAttentionPlan | GraphTreePlan
+) -> None:
     """Overwrite ``output`` at the plan's rows with exact tree attention.
 
     query [tokens, Hq, Dh], key/value [tokens, Hkv, Dh] (already in ``kv_cache``),
     kv_cache [num_blocks, Hkv, block_size, 2*Dh] as vLLM's CPU backend holds it,
-    output [tokens, Hq*Dh] or [tokens, Hq, Dh].
+    output [tokens, Hq*Dh] or [tokens, Hq, Dh]. A ``GraphTreePlan`` (the persistent
+    buffers a captured forward reads, emulated on CPU by the tests of the draft
+    levels' graphs) is read as the plan written into it.
     """
     heads, head_size = impl.num_heads, impl.head_size
     block_size = kv_cache.shape[2]
-    block_table = attn_metadata.block_table[plan.request_index]
+    if isinstance(plan, GraphTreePlan):
+        plan, block_table = plan.written_plan()
+    else:
+        block_table = attn_metadata.block_table[plan.request_index]
     # Blocks that hold the longest context and its tree keys (the rest of a shorter
     # request's blocks, and any past its own, are masked out).
     num_blocks = min(-(-(plan.max_context_len + plan.mask.shape[-1]) // block_size), block_table.shape[1])

@@ -36,11 +36,40 @@ class GraphTreePlan:
     buffers: TreePlanBuffers
     launches: dict = field(default_factory=dict)
     covers_all_rows: bool = True
+    _view: TreeAttentionPlan | None = field(default=None, repr=False)
 
     def derived(self, key, make: Callable[[], object]):
         if key not in self.launches:
             self.launches[key] = make()
         return self.launches[key]
+
+    def write(self, plan: TreeAttentionPlan, block_table: torch.Tensor) -> None:
+        """This forward's plan into the buffers (``TreePlanBuffers.write``)."""
+        self.buffers.write(plan, block_table)
+        self._view = None
+
+    def clear(self) -> None:
+        """No request (a dummy forward)."""
+        self.buffers.clear()
+        self._view = None
+
+    def written_plan(self) -> tuple[TreeAttentionPlan, torch.Tensor]:
+        """(the buffers as a ``TreeAttentionPlan``, its block-table rows [R, blocks]),
+        for a backend that computes the rows with ATen ops (vLLM's CPU backend, where
+        nothing is captured): one plan per write, so what its layers derive from it
+        (key masks, workspaces) is shared by one forward's layers and no longer."""
+        if self._view is None:
+            b = self.buffers
+            self._view = TreeAttentionPlan(
+                query_rows=b.query_rows,
+                row_valid=b.row_valid.bool(),
+                request_index=torch.arange(b.max_reqs, device=b.query_rows.device),
+                context_lens=b.context_lens,
+                mask=b.mask.bool(),
+                covers_all_rows=True,
+                max_context_len=b.max_model_len - b.num_tree_keys,
+            )
+        return self._view, self.buffers.block_table
 
 
 class TreeGraphPlans:
@@ -75,9 +104,9 @@ class TreeGraphPlans:
             )
             graph_plan = self.plans[num_tokens_padded] = GraphTreePlan(buffers)
         if plan is None:
-            graph_plan.buffers.clear()
+            graph_plan.clear()
         else:
-            graph_plan.buffers.write(plan, block_table)
+            graph_plan.write(plan, block_table)
         return graph_plan
 
 
