@@ -106,7 +106,8 @@ ROWS = [
     ("vLLM chain k=3", {"method": "draft_model", "num_speculative_tokens": 3}, ("1x3", "token")),
     ("univer 2x3", {"method": "univer", "tree": "2x3"}, ("2x3", "univer")),
     # Opt-in full CUDA graphs for batches of whole trees (FULL_AND_PIECEWISE, tree attention over
-    # persistent buffers): the same tree and tau as "univer 2x3", one graph replay per target forward.
+    # persistent buffers): the same tree and tau as "univer 2x3", one graph replay per target forward,
+    # one per uniform draft level (DraftLevelGraphs) and one per sampled verification (VerifyGraphs).
     ("univer 2x3 full graphs", {"method": "univer", "tree": "2x3", "cuda_graphs": "full"}, ("2x3", "univer")),
     # tree auto (max_tree 2x5): its choice runs on this machine's costs and on the study's
     # acceptance (fixed hazards, ``auto_hazards``); tau: the study's, over the cuts it drafted.
@@ -120,6 +121,9 @@ ROWS = [
     # chain in the modes method univer runs in, piecewise graphs and sync scheduling. Between
     # it and "vLLM chain k=3" lies what vLLM's full graphs and async scheduling give its chain.
     ("control: chain k=3, piecewise, sync", {"method": "draft_model", "num_speculative_tokens": 3}, ("1x3", "token")),
+    # vLLM's chain with its own full graphs but sync scheduling: against "vLLM chain k=3", what async
+    # scheduling gives a chain, the measured cost of method univer's refusing it (docs/gpu.md).
+    ("control: chain k=3, sync", {"method": "draft_model", "num_speculative_tokens": 3}, ("1x3", "token")),
 ]
 # Engine options of a row beyond its speculative config (merged into vLLM's defaults).
 ROW_ENGINE_OPTIONS = {
@@ -127,6 +131,7 @@ ROW_ENGINE_OPTIONS = {
         "async_scheduling": False,
         "compilation_config": {"cudagraph_mode": "PIECEWISE"},
     },
+    "control: chain k=3, sync": {"async_scheduling": False},
 }
 ROW_BY_NAME = {row[0]: row for row in ROWS}
 AUTO_WIDTHS = (1, 2)  # the width cuts of max_tree 2x5: its chain 1x5 and 2x5 itself

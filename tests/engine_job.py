@@ -8,7 +8,7 @@ after another.
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
 "params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool, "rank_decisions": bool,
 "draft_padding": int, "blind_drafting": bool, "run_every_node": bool, "tree_kinds": bool,
-"draft_graphs": "emulate" | "report"}]}. A prompt is a string or a
+"draft_graphs": "emulate" | "report", "verify_graphs": "emulate"}]}. A prompt is a string or a
 list of token ids. Result (the last stdout line, after ``RESULT``): per engine {"error": str} or
 {"calls": [{"outputs": [[token ids], ...], "logprobs": [[{token: logprob}]] per output, when asked
 for, "margins" and "top2" with ``margins``} | {"error": str, "traceback": str}], "spec": {counter:
@@ -24,6 +24,8 @@ value}, and with the options:
 - "draft_graphs" with ``draft_graphs``: {"replays", "sizes"}: the drafter's level forwards replayed from
   ``DraftLevelGraphs`` (``"cuda_graphs": "full"`` on CUDA); with ``"draft_graphs": "emulate"`` attached on
   any device, each graph a rerun checked by ``GraphDiscipline``: also "runs", "violations", "unstable_inputs";
+- "verify_graphs" with ``verify_graphs`` ("emulate" as above): {"replays", "sizes", "runs", "violations",
+  "unstable_inputs"}: sampled steps' verification replayed from ``VerifyGraphs``;
 - ``run_every_node``: the dynamic drafter runs every node of its levels (no result of its own);
 - "tree_kinds" in each call's result with ``tree_kinds``: {"static": steps, "dynamic": steps}, the
   call's steps that drafted one shape for the batch or per-request trees (``LevelLayout``)}.
@@ -194,35 +196,70 @@ def _blind_drafting(worker) -> None:
     drafter.propose, univer.sampler.settle = blind_propose, guarded_settle
 
 
-def _draft_graphs(worker) -> None:
-    """Make this worker's drafter replay its uniform level forwards from
-    ``DraftLevelGraphs`` (as ``"cuda_graphs": "full"`` does on CUDA), each graph's
-    capture and replay a rerun of the region under ``GraphDiscipline``: what capture
-    would break on, and whether each size's region reads the same storages every time."""
-    from vllm_univer.integration.draft_level_graphs import DraftLevelGraphs, rerun_capture
+def checked_capture(checks: dict, constant_fills: bool = False):
+    """A graph's stand-in (``rerun_capture``) whose every run of the region after the
+    warm-up is checked by ``GraphDiscipline``: what capture would break on, and whether
+    the region reads the same storages every time (counted in ``checks``)."""
+    from vllm_univer.integration.draft_level_graphs import rerun_capture
     from vllm_univer.tools.graph_discipline import GraphDiscipline
 
-    runner = worker.model_runner
-    univer = runner.tree_speculation
-    univer.graph_checks = checks = {"runs": 0, "violations": [], "unstable_inputs": 0}
+    checks.update(runs=0, violations=[], unstable_inputs=0)
 
     def capture(fn):
         first_inputs = []
 
+        warm = []
+
         def checked():
-            with GraphDiscipline(allow_allocations=True) as region:
-                hidden = fn()
+            if not warm:  # the warm-up run (outside any capture on CUDA: first calls fill caches)
+                warm.append(True)
+                return fn()
+            with GraphDiscipline(allow_allocations=True, constant_fills=constant_fills) as region:
+                output = fn()
             checks["runs"] += 1
             checks["violations"] += sorted(set(region.violations) - set(checks["violations"]))
             if not first_inputs:
                 first_inputs.append(region.inputs)
             checks["unstable_inputs"] += region.inputs != first_inputs[0]
-            return hidden
+            return output
 
         return rerun_capture(checked)
 
+    return capture
+
+
+def _draft_graphs(worker) -> None:
+    """Make this worker's drafter replay its uniform level forwards from
+    ``DraftLevelGraphs`` (as ``"cuda_graphs": "full"`` does on CUDA), each graph
+    checked by ``checked_capture``."""
+    from vllm_univer.integration.draft_level_graphs import DraftLevelGraphs
+
+    runner = worker.model_runner
+    univer = runner.tree_speculation
+    univer.graph_checks = {}
     max_reqs = runner.scheduler_config.max_num_seqs
+    capture = checked_capture(univer.graph_checks)
     univer.drafter.level_graphs = DraftLevelGraphs(runner.drafter, runner.max_model_len, max_reqs, capture)
+
+
+def _verify_graphs(worker) -> None:
+    """Make this worker's sampler replay sampled steps' verification from
+    ``VerifyGraphs`` (as ``"cuda_graphs": "full"`` does on CUDA), each graph checked
+    by ``checked_capture``."""
+    from vllm_univer.integration.verify_graphs import VerifyGraphs
+
+    univer = worker.model_runner.tree_speculation
+    univer.verify_graph_checks = {}
+    method = worker.model_runner.speculative_config.univer.verifier
+    # The region's host values (the tree's sizes, literals) are fixed per graph.
+    capture = checked_capture(univer.verify_graph_checks, constant_fills=True)
+    univer.use_verify_graphs(VerifyGraphs(method, capture))
+
+
+def _verify_graph_checks(worker) -> dict:
+    univer = worker.model_runner.tree_speculation
+    graphs = univer.sampler.verify_graphs
+    return {**univer.verify_graph_checks, "replays": graphs.replays, "sizes": len(graphs.graphs)}
 
 
 def _draft_graph_checks(worker) -> dict:
@@ -319,6 +356,8 @@ def _run_engine(engine: dict) -> dict:
         llm.collective_rpc(_count_tree_kinds)
     if engine.get("draft_graphs") == "emulate":
         llm.collective_rpc(_draft_graphs)
+    if engine.get("verify_graphs") == "emulate":
+        llm.collective_rpc(_verify_graphs)
     calls = []
     for call in engine["calls"]:
         try:
@@ -351,6 +390,8 @@ def _run_engine(engine: dict) -> dict:
         result["padded_forwards"] = llm.collective_rpc(_padded_forwards)[0]
     if engine.get("draft_graphs"):
         result["draft_graphs"] = llm.collective_rpc(_draft_graph_checks)[0]
+    if engine.get("verify_graphs"):
+        result["verify_graphs"] = llm.collective_rpc(_verify_graph_checks)[0]
     if engine.get("blind_drafting"):
         result["blind_drafts"] = llm.collective_rpc(_blind_drafts)[0]
     if engine.get("sizer"):  # tree "auto": the depths it chose and what it learnt

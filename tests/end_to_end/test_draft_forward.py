@@ -61,6 +61,15 @@ def _chunked_mixed_job(seed: int) -> tuple[dict, dict]:
     return job, {"max_num_batched_tokens": 48, "enable_chunked_prefill": True, "max_num_seqs": 6}
 
 
+def _chain_tree_dynamic(draft: str) -> list[dict]:
+    """A chain (causal levels), a static tree, context-aware trees."""
+    return [
+        univer(draft, "1x4", "token"),
+        univer(draft, "2x3"),
+        {**univer(draft, "dynamic"), "max_nodes": 8, "max_depth": 4, "expand": 2, "max_children": 2},
+    ]
+
+
 def test_drafting_waits_for_no_verified_token(tiny_pair):
     """The drafter launches every draft forward before the host reads anything the
     step's verification produced (on a GPU the host then prepares the drafts while
@@ -73,9 +82,7 @@ def test_drafting_waits_for_no_verified_token(tiny_pair):
     target, draft = tiny_pair
     job, kw = _chunked_mixed_job(seed=4)
     configs = [
-        univer(draft, "1x4", "token"),
-        univer(draft, "2x3"),
-        {**univer(draft, "dynamic"), "max_nodes": 8, "max_depth": 4, "expand": 2, "max_children": 2},
+        *_chain_tree_dynamic(draft),
         {**auto(draft, "2x3"), "max_nodes": 10, "expand": 2},  # cuts of 2x3, its chains and dynamic trees
     ]
     engines = []
@@ -126,11 +133,7 @@ def test_level_forwards_under_full_graphs(tiny_pair):
     uniform: it keeps the piecewise path)."""
     target, draft = tiny_pair
     job, kw = _chunked_mixed_job(seed=5)
-    configs = [
-        univer(draft, "1x4", "token"),
-        univer(draft, "2x3"),
-        {**univer(draft, "dynamic"), "max_nodes": 8, "max_depth": 4, "expand": 2, "max_children": 2},
-    ]
+    configs = _chain_tree_dynamic(draft)
     engines = []
     for config in configs:
         plain = {**engine(target, [job], config, **kw), "rank_decisions": True}

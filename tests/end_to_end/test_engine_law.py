@@ -303,6 +303,33 @@ def test_tree_auto_cuts_law_equals_target_law(small_models):
     assert_follows_target_law(result["calls"][0]["outputs"], target, {"temperature": 1.0}, "auto")
 
 
+def test_full_graph_steps_law_equals_target_law(small_models):
+    """``"cuda_graphs": "full"``'s replays (emulated on CPU: each graph reruns its
+    region on the graph's buffers, ``engine_job.checked_capture``): the draft
+    levels from ``DraftLevelGraphs``, the sampled steps' verification from
+    ``VerifyGraphs`` (the softmax of the sampler's scaled logits, the drafter's q
+    where it lies, tokens and greedy flags copied in), at T = 1 and T = 0.7: the
+    law of the first three tokens and of (t3, t4) is the target's."""
+    target, draft = small_models
+    prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
+    spec = {"method": "univer", "model": draft, "tree": "2x2", "verifier": "univer"}
+    cases = [{"temperature": 1.0}, {"temperature": 0.7}]
+    engines = [
+        {
+            **law_engine(target, spec, prompts, {**params, "max_tokens": 4, "ignore_eos": True}),
+            "draft_graphs": "emulate",
+            "verify_graphs": "emulate",
+        }
+        for params in cases
+    ]
+    for params, result in zip(cases, run_engines(engines)):
+        assert "error" not in result, result.get("error")
+        assert result["verify_graphs"]["replays"] >= 100, result["verify_graphs"]
+        assert result["draft_graphs"]["replays"] >= 100, result["draft_graphs"]
+        assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+        assert_follows_target_law(result["calls"][0]["outputs"], target, params, ("full graphs", params))
+
+
 def test_dynamic_trees_law_equals_target_law(small_models):
     """tree "dynamic" (context-aware trees: each request grows its own tree per step,
     the frontier ranked by draft path probability, child slots fixed before the

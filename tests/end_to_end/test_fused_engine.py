@@ -154,3 +154,69 @@ def test_engine_on_the_fused_paths_keeps_greedy_outputs(tiny_pair, verifier, tre
         timeout=1500,
     )
     print(out[-600:])
+
+
+GRAPHS_SCRIPT = textwrap.dedent("""
+    import sys
+    from vllm import LLM, SamplingParams
+    from vllm_univer.core import fused_tree_pass
+    from vllm_univer.integration import draft_inputs, tree_drafter
+    from vllm_univer.integration.draft_level_graphs import DraftLevelGraphs
+    from vllm_univer.integration.verify_graphs import VerifyGraphs
+    from engine_job import checked_capture
+
+    target, draft, verifier = sys.argv[1], sys.argv[2], sys.argv[3]
+    llm = LLM(model=target, max_model_len=256, dtype="float32", enforce_eager=True, block_size=32, seed=0,
+              speculative_config={"method": "univer", "model": draft, "verifier": verifier, "tree": "2x3"})
+    prompts = ["the tree draft token", "red blue green", "one two three four five", "a cat and a dog run"]
+    temperatures = [0.0, 1.0, 0.0, 0.7]
+    params = [SamplingParams(temperature=t, max_tokens=12, ignore_eos=True) for t in temperatures]
+
+    def run():
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    cpu_paths = run()
+    fused_tree_pass.triton_reads = lambda *rows: all(r.stride(-1) == 1 for r in rows)
+    tree_drafter.triton_reads = draft_inputs.triton_reads = fused_tree_pass.triton_reads
+
+    def attach(worker):
+        runner = worker.model_runner
+        univer = runner.tree_speculation
+        univer.checks = {"draft": {}, "verify": {}}
+        capture = checked_capture(univer.checks["draft"])
+        univer.drafter.level_graphs = DraftLevelGraphs(runner.drafter, runner.max_model_len, 8, capture)
+        univer.use_verify_graphs(VerifyGraphs(verifier, checked_capture(univer.checks["verify"], constant_fills=True)))
+
+    def checks(worker):
+        univer = worker.model_runner.tree_speculation
+        replays = {"draft": univer.drafter.level_graphs.replays, "verify": univer.sampler.verify_graphs.replays}
+        return {kind: {**c, "replays": replays[kind]} for kind, c in univer.checks.items()}
+
+    llm.collective_rpc(attach)
+    graph_paths = run()
+    for t, a, b in zip(temperatures, cpu_paths, graph_paths):
+        assert len(b) == 12
+        if t == 0.0:
+            assert a == b, (a, b)
+    found = llm.collective_rpc(checks)[0]
+    print(found)
+    for kind, c in found.items():
+        assert c["violations"] == [] and c["unstable_inputs"] == 0, (kind, c)
+        assert c["replays"] >= 5 and c["runs"] >= c["replays"], (kind, c)  # most of the ~8 steps
+    print("GRAPH STEPS OK")
+""")
+
+
+@pytest.mark.parametrize("verifier", ["univer", "univer_wor"])
+def test_full_graph_steps_on_the_fused_paths(tiny_pair, verifier):
+    """``"cuda_graphs": "full"``'s replays on the CUDA code paths (Triton's
+    interpreter; each graph emulated by rerunning its region under
+    ``GraphDiscipline``): the draft levels (``DraftLevelGraphs``) and the sampled
+    steps' verification (``VerifyGraphs``, the fused kernels) show no host sync,
+    no copy between devices, no tensor filled from host values (but constants,
+    for the verification), the same storages read at every replay; greedy
+    requests in a mixed batch get the CPU paths' tokens."""
+    from engine_job import ENV
+
+    out = run_interpreted(GRAPHS_SCRIPT, "GRAPH STEPS OK", *tiny_pair, verifier, env=ENV, timeout=1500)
+    print(out[-800:])

@@ -8,8 +8,6 @@ runs it with the real draft model."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 

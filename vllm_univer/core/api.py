@@ -166,7 +166,7 @@ def _argmax_matching(tt, tokens: torch.Tensor, argmax_rows: torch.Tensor):
     deepest node. Found for all depths at once (no loop over levels).
     """
     match = (tokens == tt.at_parents(argmax_rows)) & (tokens >= 0)
-    match[:, 0] = False
+    match[:, 0].fill_(False)
     first = match & ~tt.at_earlier_siblings(F.pad(match, (0, 1))).any(-1)
     on_walk = tt.along_paths(F.pad(first, (0, 1), value=True)).all(-1)  # the root: an empty path
     end = torch.where(on_walk, tt.depth, -1).argmax(-1)

@@ -81,7 +81,7 @@ def fused_node_weights(
 
     batch, n1, _ = p.shape
     weight = torch.zeros(batch, n1, dtype=dtype, device=p.device)
-    weight[:, 0] = 1.0
+    weight[:, 0].fill_(1.0)  # a fill: no scalar tensor copied in (capturable)
     stop = torch.zeros_like(weight)
     if verifier.name in REPLAY_METHODS:
         params = torch.empty(batch, n1, 2 * tt.children.shape[1], dtype=torch.float64, device=p.device)
@@ -149,7 +149,7 @@ def fused_wor_allocate(
 
     batch, n1, _ = p.shape
     weight = torch.zeros(batch, n1, dtype=dtype, device=p.device)
-    weight[:, 0] = 1.0
+    weight[:, 0].fill_(1.0)  # a fill: no scalar tensor copied in (capturable)
     stop = torch.zeros_like(weight)
     for level in tt.levels:  # a level's scales need its parents'
         wor_level(p, q, tokens, level.nodes, tt, weight, stop)

@@ -75,14 +75,14 @@ def finish_stop(tt: _TreeTensors, tokens: torch.Tensor, weight: torch.Tensor, st
     [B, N+1]: a leaf stops with its entry scale, a missing node never, the root always."""
     stop = torch.where(tt.is_internal, stop, weight)
     stop = stop.masked_fill(tokens < 0, 0.0)
-    stop[:, 0] = 1.0  # the root always qualifies once reached
+    stop[:, 0].fill_(1.0)  # the root always qualifies once reached (a fill: no scalar tensor copied in)
     return stop
 
 
 def decide_postorder(tt: _TreeTensors, stop: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """End node = the first node in post-order with eta < h. stop, uniforms [B, N+1] -> [B]."""
     hit = uniforms < stop
-    hit[:, 0] = True
+    hit[:, 0].fill_(True)
     never = tt.postorder_rank.numel()
     rank = torch.where(hit, tt.postorder_rank.expand_as(hit), torch.full_like(hit, never, dtype=torch.long))
     return rank.argmin(-1)

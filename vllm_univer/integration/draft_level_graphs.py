@@ -72,8 +72,10 @@ def cuda_graph_capture(pool=None) -> Capture:
 
 
 def rerun_capture(fn):
-    """A graph's stand-in where none can be captured (CPU tests): the replay runs
-    ``fn`` again and writes its result into the first run's output tensor."""
+    """A graph's stand-in where none can be captured (CPU tests): a warm-up run and
+    the "captured" run, as ``cuda_graph_capture`` makes them; the replay runs ``fn``
+    again and writes its result into the captured run's output tensor."""
+    fn()
     output = fn()
 
     def replay() -> None:

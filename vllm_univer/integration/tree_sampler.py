@@ -25,9 +25,10 @@ from .attention.kv_compaction import accepted_path_moves, move_paged_kv
 from .host_to_device import DeviceToHost, upload
 from .sampling.bias_and_min_p import RequestBiasAndMinP
 from .sampling.path_masks import TreePathMasks
-from .sampling.target_probs import TreePenalties, processed_logits, tree_target_probs
+from .sampling.target_probs import TreePenalties, probs_from_scaled, processed_logits, scaled_logits
 from .step_buffer import StepBuffer
 from .tree_state import TreeState
+from .verify_graphs import VerifyGraphs
 
 logger = init_logger(__name__)
 
@@ -57,6 +58,9 @@ class TreeVerificationSampler:
         self.probs_buffer = StepBuffer(runner.device)  # the target probabilities, [B, N+1, V]
         self.bias_and_min_p = RequestBiasAndMinP()
         self._pending = None  # the last verification's host-side update (``settle``)
+        # ``cuda_graphs: full``: sampled steps replay their verification (``VerifyGraphs``,
+        # set by ``TreeSpeculation``).
+        self.verify_graphs: VerifyGraphs | None = None
 
     def __call__(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
         with self.timers.measure("verify"):
@@ -178,15 +182,15 @@ class TreeVerificationSampler:
         self, tree, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch: int
     ):
         with self.timers.measure("target_probs"):
-            p, greedy = tree_target_probs(
-                tree_logits,
-                temperature,
-                sampling_metadata.top_k,
-                sampling_metadata.top_p,
-                transforms,
-                out=self.probs_buffer.get(tuple(tree_logits.shape)),
-                min_p=self.bias_and_min_p.min_p,
-            )
+            out = self.probs_buffer.get(tuple(tree_logits.shape))
+            scaled, greedy = scaled_logits(tree_logits, temperature, transforms, out)
+        if self._replayable(tree, q, q_missing, transforms, sampling_metadata, batch):
+            with self.timers.measure("verifier"):
+                result = self.verify_graphs.verify(tree, tokens, scaled, q, greedy)
+            if result is not None:
+                return result, None
+        with self.timers.measure("target_probs"):
+            p = probs_from_scaled(scaled, sampling_metadata.top_k, sampling_metadata.top_p, self.bias_and_min_p.min_p)
         # Trees drafted in an all-greedy step have no q; they belong to greedy
         # requests, whose outcome is argmax matching, so any valid rows will do.
         if q is None:
@@ -212,6 +216,24 @@ class TreeVerificationSampler:
             )
             result.output_token_ids[row], result.end_node[row] = one.output_token_ids[0], one.end_node[0]
         return result, (p, q, greedy)
+
+    def _replayable(self, tree, q, q_missing, transforms, sampling_metadata, batch: int) -> bool:
+        """Whether this step's verification may replay a graph (``verify_graphs``): one
+        shape for the batch, q for every tree, nothing per step the graph cannot hold
+        (path transforms, min_p, top-k / top-p, seeded requests' generators, ``tree:
+        auto``'s chain estimates, which read p)."""
+        return (
+            self.verify_graphs is not None
+            and isinstance(tree, TreeSpec)
+            and q is not None
+            and q_missing is None
+            and not transforms
+            and self.bias_and_min_p.min_p is None
+            and sampling_metadata.top_k is None
+            and sampling_metadata.top_p is None
+            and self.sizer is None
+            and not any(row < batch for row in sampling_metadata.generators)
+        )
 
     def _chain_survival(self, shape: TreeSpec, tree: TreeSpec, tokens, path, rows) -> torch.Tensor | None:
         """``tree: auto`` while a wider shape than the chain runs: [B, D] estimates of

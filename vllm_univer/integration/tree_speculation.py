@@ -20,11 +20,13 @@ from .draft_level_graphs import DraftLevelGraphs, cuda_graph_capture
 from .dynamic_tree_drafter import DynamicTreeDrafter
 from .host_to_device import upload, upload_packed
 from .sampling.request_options import has_structured_output
+from .step_buffer import StepBuffer
 from .timers import StepTimers
 from .tree_drafter import TreeDrafter
 from .tree_sampler import TreeVerificationSampler, tree_rows
 from .tree_sizer import TreeSizer
 from .tree_state import TreeState
+from .verify_graphs import VerifyGraphs
 
 
 class TreeSpeculation:
@@ -40,7 +42,7 @@ class TreeSpeculation:
         _refuse_custom_logits_processors(runner.input_batch.logitsprocs)
         self.runner = runner
         self.tree = config.drafted_tree  # a TreeSpec, or (tree: dynamic) the LevelLayout of per-request trees
-        self.state = TreeState(latest_tree=self.tree)
+        self.state = TreeState(latest_tree=self.tree, reordered_q=StepBuffer(runner.device))
         self.timers = StepTimers(runner.device)
         if config.dynamic or config.auto_dynamic:  # tree auto's candidates: dynamic trees and static cuts
             self.drafter = DynamicTreeDrafter(
@@ -64,9 +66,19 @@ class TreeSpeculation:
         self._graph_batch: np.ndarray | None = None  # cached tokens per request of the batch being prepared
         if config.cuda_graphs == "full" and torch.device(runner.device).type == "cuda":
             self.graph_plans = TreeGraphPlans(self.tree.num_nodes + 1, runner.max_model_len)
+            capture = cuda_graph_capture()
             self.drafter.level_graphs = DraftLevelGraphs(
-                runner.drafter, runner.max_model_len, runner.scheduler_config.max_num_seqs, cuda_graph_capture()
+                runner.drafter, runner.max_model_len, runner.scheduler_config.max_num_seqs, capture
             )
+            self.use_verify_graphs(VerifyGraphs(config.verifier, capture))
+
+    def use_verify_graphs(self, graphs: VerifyGraphs) -> None:
+        """Replay sampled steps' verification from ``graphs``. The graphs read the
+        target probabilities' and the draft rows' buffers where they lie (the rows
+        reordered for a batch in another order too): kept from step to step (on
+        CUDA a fresh tensor per step is the default)."""
+        self.sampler.verify_graphs = graphs
+        self.sampler.probs_buffer.keep = self.drafter.q_rows.keep = self.state.reordered_q.keep = True
 
     # ------------------------------------------------------------ KV caches
     def attention_layers(self):

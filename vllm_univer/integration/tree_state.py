@@ -12,6 +12,7 @@ import torch
 
 from ..core.tree import TreeSpec
 from ..core.tree_batch import LevelLayout, TreeBatch
+from .step_buffer import StepBuffer
 
 
 @dataclass
@@ -58,6 +59,9 @@ class TreeState:
     # The context-aware trees of the step being verified (``step_trees``): the target
     # forward's masks and the verifier read one TreeBatch. Key: (req ids, layout, device).
     _step_batch: tuple[tuple, TreeBatch] | None = None
+    # Where ``gather`` puts q rows it reorders (requests in another order than drafted):
+    # a buffer kept across steps, so the verification graphs find them at one address.
+    reordered_q: StepBuffer | None = None
 
     def add(self, drafted: DraftedTrees) -> None:
         self.latest_tree = drafted.tree
@@ -94,7 +98,10 @@ class TreeState:
             else:
                 index = torch.tensor(rows, device=drafted.tokens.device)
                 tokens = drafted.tokens[index]
-                q = q[index] if q is not None else None
+                if q is not None and self.reordered_q is not None:
+                    q = torch.index_select(q, 0, index, out=self.reordered_q.get((len(rows), *q.shape[1:])))
+                elif q is not None:
+                    q = q[index]
         else:
             filler = present[0]
             rows = [e if e is not None else filler for e in entries]
@@ -116,8 +123,10 @@ class TreeState:
                 q = torch.stack([rows_of(b, i) for b, i in rows])
                 q_missing = torch.tensor([b.draft_probs is None for b, _ in rows], device=tokens.device)
         if q is not None and num_rows is not None:
-            # A tree drafted without q (all greedy) may reach deeper than every tree with one.
-            q = torch.nn.functional.pad(q[:, :num_rows], (0, 0, 0, max(num_rows - q.shape[1], 0)))
+            q = q[:, :num_rows]  # a view: no [B, N+1, V] copy per step
+            if num_rows > q.shape[1]:
+                # A tree drafted without q (all greedy) may reach deeper than every tree with one.
+                q = torch.nn.functional.pad(q, (0, 0, 0, num_rows - q.shape[1]))
         missing = torch.tensor([not f for f in found], device=tokens.device)
         return tokens.masked_fill(missing.unsqueeze(1), -1), q, found, q_missing
 

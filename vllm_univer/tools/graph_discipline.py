@@ -57,11 +57,25 @@ FACTORY_OPS = frozenset(
 )
 
 
-# Allocations whose contents only device ops write: under capture they come from the
-# graph's pool, at the same address every replay (a whole model's forward makes them).
+# Allocations whose contents are device ops' (or zeros): under capture they come from
+# the graph's pool, at the same address every replay (a whole model's forward makes them).
 ALLOCATION_OPS = frozenset(
-    {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+    {
+        "aten.empty",
+        "aten.empty_like",
+        "aten.empty_strided",
+        "aten.new_empty",
+        "aten.new_empty_strided",
+        "aten.zeros",
+        "aten.zeros_like",
+        "aten.new_zeros",
+    }
 )
+
+
+# Tensors filled with one value from the host: a graph bakes the value in, right
+# where the value is a literal or fixed by what the graph is keyed on (a tree's size).
+CONSTANT_FILL_OPS = frozenset({"aten.full", "aten.full_like", "aten.new_full", "aten.scalar_tensor"})
 
 
 # Indexing by a boolean mask: the result's size is the mask's count (a sync on CUDA).
@@ -72,12 +86,16 @@ class GraphDiscipline(TorchDispatchMode):
     """``with GraphDiscipline() as region: ...`` -> ``region.violations`` (what
     capture would break on, one line each), ``region.inputs`` (storages read and
     not created inside: (data_ptr, nbytes), sorted), ``region.ops`` (Counter of
-    every ATen op). ``allow_allocations``: an uninitialised allocation
-    (``ALLOCATION_OPS``) is no violation (a region that runs a model's forward)."""
+    every ATen op). ``allow_allocations``: an allocation whose contents device ops
+    write (``ALLOCATION_OPS``) is no violation (a region that runs a model's
+    forward); ``constant_fills``: nor a fill with one host value
+    (``CONSTANT_FILL_OPS``), for a region whose host values are fixed per graph."""
 
-    def __init__(self, allow_allocations: bool = False):
+    def __init__(self, allow_allocations: bool = False, constant_fills: bool = False):
         super().__init__()
-        self.allow_allocations = allow_allocations
+        self.allowed = (ALLOCATION_OPS if allow_allocations else frozenset()) | (
+            CONSTANT_FILL_OPS if constant_fills else frozenset()
+        )
         self.ops: Counter = Counter()
         self.violations: list[str] = []
         self._created: set[int] = set()
@@ -90,7 +108,7 @@ class GraphDiscipline(TorchDispatchMode):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if name in HOST_SYNC_OPS or (name in BOOL_INDEX_OPS and _bool_index(args)):
             self.violations.append(f"{name}: reads a device value on the host")
-        if name in FACTORY_OPS and not (self.allow_allocations and name in ALLOCATION_OPS):
+        if name in FACTORY_OPS and name not in self.allowed:
             self.violations.append(f"{name}: creates a tensor inside the region")
         if (
             name in ("aten._to_copy", "aten.copy_", "aten.to")

@@ -46,7 +46,16 @@ def tree_target_probs(
     logits in place, in order (``TreePathMasks``, ``TreeLogitBias``, ``TreePenalties``),
     out: an optional float32 [B, T, V] buffer the probabilities are computed in
     -> (probs [B, T, V] float32, greedy [B] bool)."""
-    batch, rows, vocab = logits.shape
+    scaled, greedy = scaled_logits(logits, temperature, path_transforms, out)
+    return probs_from_scaled(scaled, top_k, top_p, min_p), greedy
+
+
+def scaled_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, path_transforms: Sequence = (), out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tree_target_probs``' first half: (float32 [B, T, V] logits after the path
+    transforms, divided by the temperature, in ``out`` when given; greedy [B] bool)."""
+    batch = logits.shape[0]
     temp, greedy = split_greedy(temperature)
     temp = temp.view(batch, 1, 1)
     if path_transforms or logits.dtype != torch.float32:
@@ -55,13 +64,25 @@ def tree_target_probs(
         scaled = processed_logits(logits, path_transforms, out).div_(temp)
     else:  # the copy and the temperature in one pass
         scaled = torch.div(logits, temp, out=out) if out is not None else logits / temp
-    scaled = scaled.view(batch * rows, vocab)
+    return scaled, greedy
+
+
+def probs_from_scaled(
+    scaled: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``tree_target_probs``' second half: scaled [B, T, V] float32 (``scaled_logits``,
+    overwritten) -> probs [B, T, V] after min_p, top-k / top-p and the softmax."""
+    batch, rows, vocab = scaled.shape
+    flat = scaled.view(batch * rows, vocab)
     if min_p is not None:
-        apply_min_p_(scaled, min_p.repeat_interleave(rows))
+        apply_min_p_(flat, min_p.repeat_interleave(rows))
     k = top_k.repeat_interleave(rows) if top_k is not None else None
     p = top_p.repeat_interleave(rows) if top_p is not None else None
-    scaled = apply_top_k_top_p(scaled, k, p)
-    return softmax_(scaled).view(batch, rows, vocab), greedy
+    flat = apply_top_k_top_p(flat, k, p)
+    return softmax_(flat).view(batch, rows, vocab)
 
 
 def processed_logits(

@@ -1,0 +1,101 @@
+"""``VerifyGraphs``: a sampled step's verification (softmax of the scaled logits,
+then the verifier) replayed from a graph, on the CUDA code path (the
+fused kernels, in Triton's interpreter; each graph emulated by ``rerun_capture``).
+
+Per verifier and tree: the region run under ``GraphDiscipline`` (every run after
+the warm-up, as a CUDA graph captures it) shows no host sync, no copy between
+devices, no tensor filled from host values but constants (literals and the
+tree's sizes, fixed per graph), and reads the same storages at every replay;
+and each replay gives exactly the eager ``verify`` of the same inputs with the
+same random draws (the device generator at the same state),
+the first step's too: the warm-up run before the capture leaves the inputs as
+the replay finds them (a softmax in place of the scaled logits did not).
+Then the bookkeeping: a buffer at another address gets its own graph, up to a
+bound per size; past it, new addresses run eagerly and known ones still replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("triton")
+
+CHECK = r"""
+import torch
+from vllm_univer import verify
+from vllm_univer.core.tree import TreeSpec
+from vllm_univer.integration.draft_level_graphs import rerun_capture
+from vllm_univer.integration.sampling.target_probs import probs_from_scaled
+from vllm_univer.integration.verify_graphs import VerifyGraphs
+from vllm_univer.tools.graph_discipline import GraphDiscipline
+
+B = 3
+# (univer_wor's kernels take vocabularies above 64 tokens)
+CASES = [("univer", "2x3", 32), ("traversal", "2x3", 32), ("univer_wor", "2x2", 80), ("token", "1x4", 32)]
+for method, shape, V in CASES:
+    tree = TreeSpec.parse(shape)
+    n1 = tree.num_nodes + 1
+    runs = []
+
+    def capture(fn):
+        first = []
+
+        def checked():
+            if not first:  # the warm-up: outside the capture on CUDA
+                first.append(None)
+                return fn()
+            with GraphDiscipline(allow_allocations=True, constant_fills=True) as region:
+                out = fn()
+            runs.append((region.violations, region.inputs))
+            return out
+
+        return rerun_capture(checked)
+
+    graphs = VerifyGraphs(method, capture, fused=True)
+    scaled, q = torch.empty(B, n1, V), torch.empty(B, n1, V)  # the sampler's and the drafter's kept buffers
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        logits = torch.randn(B, n1, V, generator=g) * 2
+        q.copy_(torch.softmax(torch.randn(B, n1, V, generator=g), -1))
+        tokens = torch.randint(0, V, (B, n1), generator=g)
+        tokens[2, 3:] = -1  # a tree cut short
+        greedy = torch.tensor([False, step % 2 == 1, False])
+        scaled.copy_(logits)
+        torch.manual_seed(100 + step)
+        got = graphs.verify(tree, tokens, scaled, q, greedy)
+        # The eager step on the same inputs and draws (the first step's replay follows
+        # the warm-up and the captured run, which drew from the same generator).
+        torch.manual_seed(100 + step)
+        for _ in range(3 if step == 0 else 1):
+            p = probs_from_scaled(logits.clone())
+            want = verify(method, tree, tokens, p, q, greedy=greedy, validate=False, fused=True)
+        assert torch.equal(got.output_token_ids, want.output_token_ids), (method, step)
+        assert torch.equal(got.end_node, want.end_node) and torch.equal(got.num_accepted, want.num_accepted)
+        assert torch.equal(scaled, logits), (method, step)  # an input of every replay: left as it is
+    assert graphs.replays == 4 and len(graphs.graphs) == 1, method
+    assert len(runs) == 1 + 4, (method, len(runs))  # the captured run, then every replay
+    assert all(v == [] for v, _ in runs), (method, runs[0][0])
+    assert all(inputs == runs[0][1] for _, inputs in runs), method
+    print(method, "ok")
+
+# Buffers at new addresses: a graph each, up to the bound; then eager, and known ones still replay.
+tree = TreeSpec.parse("2x2")
+graphs = VerifyGraphs("univer", rerun_capture, fused=True)
+V = 32
+tokens, greedy = torch.zeros(1, 7, dtype=torch.long), torch.tensor([False])
+q = torch.softmax(torch.randn(1, 7, V), -1)
+buffers = [torch.randn(1, 7, V) for _ in range(6)]
+for moved, scaled in enumerate(buffers):
+    result = graphs.verify(tree, tokens, scaled, q, greedy)
+    assert (result is None) == (moved >= 4), moved
+    assert len(graphs.graphs) == min(moved + 1, 4)
+assert graphs.verify(tree, tokens, buffers[1], q, greedy) is not None and graphs.replays == 5
+print("VERIFY GRAPHS OK")
+"""
+
+
+def test_verification_replayed_from_graphs_equals_eager_in_interpreter():
+    from triton_interpreter import run_interpreted
+
+    print(run_interpreted(CHECK, "VERIFY GRAPHS OK", timeout=1200)[-1500:])
