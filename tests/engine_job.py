@@ -232,28 +232,19 @@ def _draft_graphs(worker) -> None:
     """Make this worker's drafter replay its uniform level forwards from
     ``DraftLevelGraphs`` (as ``"cuda_graphs": "full"`` does on CUDA), each graph
     checked by ``checked_capture``."""
-    from vllm_univer.integration.draft_level_graphs import DraftLevelGraphs
-
-    runner = worker.model_runner
-    univer = runner.tree_speculation
+    univer = worker.model_runner.tree_speculation
     univer.graph_checks = {}
-    max_reqs = runner.scheduler_config.max_num_seqs
-    capture = checked_capture(univer.graph_checks)
-    univer.drafter.level_graphs = DraftLevelGraphs(runner.drafter, runner.max_model_len, max_reqs, capture)
+    univer.use_draft_level_graphs(checked_capture(univer.graph_checks))
 
 
 def _verify_graphs(worker) -> None:
     """Make this worker's sampler replay sampled steps' verification from
     ``VerifyGraphs`` (as ``"cuda_graphs": "full"`` does on CUDA), each graph checked
     by ``checked_capture``."""
-    from vllm_univer.integration.verify_graphs import VerifyGraphs
-
     univer = worker.model_runner.tree_speculation
     univer.verify_graph_checks = {}
-    method = worker.model_runner.speculative_config.univer.verifier
     # The region's host values (the tree's sizes, literals) are fixed per graph.
-    capture = checked_capture(univer.verify_graph_checks, constant_fills=True)
-    univer.use_verify_graphs(VerifyGraphs(method, capture))
+    univer.use_verify_graphs(checked_capture(univer.verify_graph_checks, constant_fills=True))
 
 
 def _verify_graph_checks(worker) -> dict:

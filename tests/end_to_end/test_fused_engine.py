@@ -161,8 +161,6 @@ GRAPHS_SCRIPT = textwrap.dedent("""
     from vllm import LLM, SamplingParams
     from vllm_univer.core import fused_tree_pass
     from vllm_univer.integration import draft_inputs, tree_drafter
-    from vllm_univer.integration.draft_level_graphs import DraftLevelGraphs
-    from vllm_univer.integration.verify_graphs import VerifyGraphs
     from engine_job import checked_capture
 
     target, draft, verifier = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -180,12 +178,10 @@ GRAPHS_SCRIPT = textwrap.dedent("""
     tree_drafter.triton_reads = draft_inputs.triton_reads = fused_tree_pass.triton_reads
 
     def attach(worker):
-        runner = worker.model_runner
-        univer = runner.tree_speculation
+        univer = worker.model_runner.tree_speculation
         univer.checks = {"draft": {}, "verify": {}}
-        capture = checked_capture(univer.checks["draft"])
-        univer.drafter.level_graphs = DraftLevelGraphs(runner.drafter, runner.max_model_len, 8, capture)
-        univer.use_verify_graphs(VerifyGraphs(verifier, checked_capture(univer.checks["verify"], constant_fills=True)))
+        univer.use_draft_level_graphs(checked_capture(univer.checks["draft"]))
+        univer.use_verify_graphs(checked_capture(univer.checks["verify"], constant_fills=True))
 
     def checks(worker):
         univer = worker.model_runner.tree_speculation

@@ -40,12 +40,13 @@ from types import SimpleNamespace
 
 import torch
 from vllm.config import CUDAGraphMode
-from vllm.forward_context import set_forward_context
 
 from .attention.persistent_tree_attention import TreePlanBuffers
 from .attention.tree_attention_plan import TreeAttentionPlan
 from .attention.tree_graph_plans import GraphTreePlan
+from .draft_forward import DraftModelInputs, run_draft_model
 from .draft_inputs import LevelInputs
+from .step_buffer import KeptRange
 
 # A captured function's replay, and the output tensor the replay writes.
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
@@ -117,7 +118,7 @@ class DraftLevelGraphs:
         self.graphs: dict[tuple[int, int, int], _LevelGraph] = {}
         self.replays = 0
         self._causal: dict[int, torch.Tensor] = {}
-        self._ranges = torch.arange(0, device=proposer.input_ids.device)
+        self._range = KeptRange(proposer.input_ids.device)
         # Graphs captured on token ids and 1-D positions only.
         self.enabled = not (proposer.uses_mrope or proposer.supports_mm_inputs)
 
@@ -167,20 +168,14 @@ class DraftLevelGraphs:
         return _LevelGraph(plan, {name: metadata for name in self.proposer._draft_attn_layer_names})
 
     def _run(self, graph: _LevelGraph, total: int) -> torch.Tensor:
-        """The captured region: the draft model over the buffers' first ``total`` tokens."""
+        """The captured region: the draft model over the buffers' first ``total`` tokens,
+        eagerly inside the capture (``CUDAGraphMode.NONE``: vLLM's pieces run as they are)."""
         proposer = self.proposer
         slots = proposer._get_slot_mapping(total)  # views of the slot buffer, as written
-        with set_forward_context(
-            graph.metadata,
-            proposer.vllm_config,
-            num_tokens=total,
-            cudagraph_runtime_mode=CUDAGraphMode.NONE,
-            slot_mapping=slots,
-        ):
-            hidden = proposer.model(
-                input_ids=proposer.input_ids[:total], positions=proposer.positions[:total], inputs_embeds=None
-            )
-        return hidden[0] if isinstance(hidden, tuple) else hidden
+        inputs = DraftModelInputs(
+            CUDAGraphMode.NONE, total, total, proposer.input_ids[:total], proposer.positions[:total], slots
+        )
+        return run_draft_model(proposer, inputs, graph.metadata)
 
     def _causal_plan(self, level: LevelInputs, reqs: int, width: int) -> TreeAttentionPlan:
         """Causal rows as a plan: each request's W tokens are its last, token t sees
@@ -197,8 +192,3 @@ class DraftLevelGraphs:
             covers_all_rows=True,
             max_context_len=level.max_seq_len - width,
         )
-
-    def _range(self, n: int) -> torch.Tensor:
-        if self._ranges.numel() < n:
-            self._ranges = torch.arange(max(n, 2 * self._ranges.numel()), device=self._ranges.device)
-        return self._ranges[:n]

@@ -54,3 +54,16 @@ class StepBuffer:
     def release(self) -> None:
         """Drop the kept buffer (the next ``get`` allocates a fresh one)."""
         self._flat = None
+
+
+class KeptRange:
+    """0 .. n-1 on ``device`` as views of one range kept across steps (grown to the
+    largest n asked for): index tensors of a step's plans without a launch each."""
+
+    def __init__(self, device: torch.device):
+        self._range = torch.arange(0, device=device)
+
+    def __call__(self, n: int) -> torch.Tensor:
+        if self._range.numel() < n:
+            self._range = torch.arange(max(n, 2 * self._range.numel()), device=self._range.device)
+        return self._range[:n]

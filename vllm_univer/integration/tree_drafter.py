@@ -36,7 +36,7 @@ from .draft_inputs import DraftRoots, LevelInputs, build_draft_step_inputs, new_
 from .draft_level_graphs import DraftLevelGraphs
 from .host_to_device import upload
 from .sampling.target_probs import softmax_, split_greedy
-from .step_buffer import StepBuffer
+from .step_buffer import KeptRange, StepBuffer
 from .tree_state import DraftedTrees, TreeState
 
 
@@ -54,7 +54,7 @@ class TreeDrafter:
         # ``cuda_graphs: full``: the level forwards whose requests all run as many
         # tokens replay full graphs (``DraftLevelGraphs``, set by ``TreeSpeculation``).
         self.level_graphs: DraftLevelGraphs | None = None
-        self._kept_range = torch.arange(0, device=runner.device)
+        self._range = KeptRange(runner.device)  # 0 .. n-1, views of one kept range (no launch per level)
 
     def _use(self, tree: TreeSpec) -> None:
         """Draft ``tree`` from now on (``tree: auto`` switches among width cuts)."""
@@ -236,12 +236,6 @@ class TreeDrafter:
             # Views of the first n rows: the draws land in ``tokens`` itself.
             self._draw_children(d, tokens[:n], rows, greedy.first(n), generators, active[:n])
         return tokens, q, None  # one shape for every request: no parents of their own
-
-    def _range(self, n: int) -> torch.Tensor:
-        """0 .. n-1 on the device: a view of one range kept across steps (no launch per level)."""
-        if self._kept_range.numel() < n:
-            self._kept_range = torch.arange(max(n, 2 * self._kept_range.numel()), device=self.runner.device)
-        return self._kept_range[:n]
 
     def _level_rows(self, q, depth: int, logits: torch.Tensor, temp: torch.Tensor, banned) -> torch.Tensor:
         """What the children of the depth-``depth`` nodes are drawn from, [R, width, V]:

@@ -16,7 +16,7 @@ from ..core.tree_batch import LevelLayout
 from .attention.kv_cache_views import check_cpu_isa, layer_kv_views
 from .attention.tree_attention_plan import TreeAttentionPlan, backend_kind, check_layer_supported
 from .attention.tree_graph_plans import TreeGraphPlans, uniform_batch_plan
-from .draft_level_graphs import DraftLevelGraphs, cuda_graph_capture
+from .draft_level_graphs import Capture, DraftLevelGraphs, cuda_graph_capture
 from .dynamic_tree_drafter import DynamicTreeDrafter
 from .host_to_device import upload, upload_packed
 from .sampling.request_options import has_structured_output
@@ -67,17 +67,22 @@ class TreeSpeculation:
         if config.cuda_graphs == "full" and torch.device(runner.device).type == "cuda":
             self.graph_plans = TreeGraphPlans(self.tree.num_nodes + 1, runner.max_model_len)
             capture = cuda_graph_capture()
-            self.drafter.level_graphs = DraftLevelGraphs(
-                runner.drafter, runner.max_model_len, runner.scheduler_config.max_num_seqs, capture
-            )
-            self.use_verify_graphs(VerifyGraphs(config.verifier, capture))
+            self.use_draft_level_graphs(capture)
+            self.use_verify_graphs(capture)
 
-    def use_verify_graphs(self, graphs: VerifyGraphs) -> None:
-        """Replay sampled steps' verification from ``graphs``. The graphs read the
-        target probabilities' and the draft rows' buffers where they lie (the rows
-        reordered for a batch in another order too): kept from step to step (on
-        CUDA a fresh tensor per step is the default)."""
-        self.sampler.verify_graphs = graphs
+    def use_draft_level_graphs(self, capture: Capture) -> None:
+        """Replay the drafter's uniform level forwards from graphs made by ``capture``
+        (``DraftLevelGraphs``; the CPU tests pass ``rerun_capture``)."""
+        runner = self.runner
+        max_reqs = runner.scheduler_config.max_num_seqs
+        self.drafter.level_graphs = DraftLevelGraphs(runner.drafter, runner.max_model_len, max_reqs, capture)
+
+    def use_verify_graphs(self, capture: Capture) -> None:
+        """Replay sampled steps' verification from graphs made by ``capture``
+        (``VerifyGraphs``). The graphs read the target probabilities' and the draft
+        rows' buffers where they lie (the rows reordered for a batch in another order
+        too): kept from step to step (on CUDA a fresh tensor per step is the default)."""
+        self.sampler.verify_graphs = VerifyGraphs(self.sampler.method, capture)
         self.sampler.probs_buffer.keep = self.drafter.q_rows.keep = self.state.reordered_q.keep = True
 
     # ------------------------------------------------------------ KV caches

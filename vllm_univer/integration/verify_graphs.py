@@ -19,9 +19,11 @@ One graph per (tree, batch size, the two kept buffers' addresses and strides):
 q lies in the drafter's buffer, or in the state's reordering buffer when the
 batch's requests come in another order (``TreeState.gather``); a buffer that
 grew moved. A size met at more than ``MAX_CAPTURES_PER_SIZE`` addresses is not
-captured again at new ones (buffers that keep moving: it runs eagerly there). Random draws use the device's default
-generator, which a CUDA graph advances at every replay. Steps with what the
-region cannot replay run eagerly (the sampler decides: ``TreeVerificationSampler``):
+captured again at new ones (buffers that keep moving: it runs eagerly there).
+
+Random draws use the device's default generator, which a CUDA graph advances at
+every replay. Steps with what the region cannot replay run eagerly (the sampler
+decides: ``TreeVerificationSampler``):
 seeded requests (their own generators), min_p, path transforms (penalties,
 masks, logit bias), per-request trees, ``tree: auto`` (its chain estimates read p),
 and top-k / top-p: vLLM's Triton top-k / top-p kernel keeps a scratch buffer per
