@@ -285,10 +285,13 @@ def verify_graphs_correctness(device: torch.device, lines: list[str], capture=No
     """A sampled step's verification captured in a CUDA graph (``VerifyGraphs``, what
     ``"cuda_graphs": "full"`` replays) against ``outcome_law``: 4 trees of 2x2 over 6
     tokens, each repeated LAW_DRAWS / GRAPH_REPLAYS times in the batch, the graph replayed
-    GRAPH_REPLAYS times (each replay must draw afresh: the graph advances the generator).
+    GRAPH_REPLAYS times (each replay must draw afresh: the graph advances the generator);
+    without and with top-k / top-p (vLLM's Triton kernel inside the graph; the law is
+    ``outcome_law`` of the probabilities vLLM's eager functions give).
     capture: None for a CUDA graph (``draft_level_graphs.rerun_capture`` runs the harness on a CPU)."""
     try:
         from vllm_univer.integration.draft_level_graphs import cuda_graph_capture
+        from vllm_univer.integration.sampling.target_probs import probs_from_scaled
         from vllm_univer.integration.verify_graphs import VerifyGraphs
     except ImportError as exc:  # vLLM not installed: gpu_check.sh runs without it
         lines.append(f"| verify `univer` replayed from a CUDA graph vs outcome_law | not run (vLLM: {exc}) |")
@@ -300,36 +303,46 @@ def verify_graphs_correctness(device: torch.device, lines: list[str], capture=No
     )
     p, q = (torch.softmax(3 * torch.randn(4, tree.num_nodes + 1, vocab, generator=gen), -1) for _ in range(2))
     tokens, p, q = tokens.to(device), p.to(device), q.to(device)
-    ok, detail = True, ""
-    try:
-        law = outcome_law("univer", tree, tokens, p, q)
-        graphs = VerifyGraphs("univer", capture or cuda_graph_capture())
-        scaled = p.log().repeat_interleave(reps, 0)  # softmax(log p) = p
-        batch_q, batch_tokens = q.repeat_interleave(reps, 0), tokens.repeat_interleave(reps, 0)
-        greedy = torch.zeros(4 * reps, dtype=torch.bool, device=device)
-        counts = torch.zeros(law.numel(), dtype=torch.long, device=device)
-        row = torch.arange(4, device=device).repeat_interleave(reps)
-        previous = None
-        for _ in range(GRAPH_REPLAYS):
-            out = graphs.verify(tree, batch_tokens, scaled, batch_q, greedy)
-            y = out.output_token_ids.gather(1, out.num_accepted.unsqueeze(1)).squeeze(1)
-            cells = row * law[0].numel() + out.end_node * law.shape[-1] + y
-            counts += torch.bincount(cells, minlength=law.numel())
-            fresh = previous is None or not torch.equal(previous, cells)
-            ok &= fresh
-            previous = cells.clone()
-        counts, flat = counts.cpu().view(4, -1), law.reshape(4, -1).cpu()
-        impossible = int(counts[flat == 0].sum())
-        pvals = [chi_square_pvalue(counts[t].numpy(), flat[t].numpy()) for t in range(4)]
-        ok &= impossible == 0 and min(pvals) > 1e-4 and graphs.replays == GRAPH_REPLAYS and len(graphs.graphs) == 1
-        detail = f"min p = {min(pvals):.3g}, impossible outcomes = {impossible}, draws fresh at every replay: {ok}"
-    except Exception as exc:  # noqa: BLE001 - reported; the next check still runs
-        ok, detail = False, f"{type(exc).__name__}: {str(exc)[:300]}"
-    lines.append(
-        f"| verify `univer` replayed from a CUDA graph ({GRAPH_REPLAYS} replays x 4 trees x {reps}) vs outcome_law "
-        f"| {'ok' if ok else 'FAIL'}: {detail} |".replace("\n", " ")
-    )
-    print(lines[-1], flush=True)
+    # Per tree: top-k 4 / top-p 0.8, top-k only, top-p only, neither (k = the vocabulary).
+    top_k = torch.tensor([4, 3, vocab, vocab], dtype=torch.int32, device=device).repeat_interleave(reps)
+    top_p = torch.tensor([0.8, 1.0, 0.7, 1.0], device=device).repeat_interleave(reps)
+    ok = True
+    for label, k, top in (("", None, None), (" with top-k / top-p", top_k, top_p)):
+        good, detail = True, ""
+        try:
+            scaled = p.log().repeat_interleave(reps, 0)  # softmax(log p) = p
+            target = probs_from_scaled(scaled.clone(), k, top)[::reps]
+            law = outcome_law("univer", tree, tokens, target, q)
+            graphs = VerifyGraphs("univer", capture or cuda_graph_capture())
+            batch_q, batch_tokens = q.repeat_interleave(reps, 0), tokens.repeat_interleave(reps, 0)
+            greedy = torch.zeros(4 * reps, dtype=torch.bool, device=device)
+            counts = torch.zeros(law.numel(), dtype=torch.long, device=device)
+            row = torch.arange(4, device=device).repeat_interleave(reps)
+            previous = None
+            for _ in range(GRAPH_REPLAYS):
+                out = graphs.verify(tree, batch_tokens, scaled, batch_q, greedy, k, top)
+                y = out.output_token_ids.gather(1, out.num_accepted.unsqueeze(1)).squeeze(1)
+                cells = row * law[0].numel() + out.end_node * law.shape[-1] + y
+                counts += torch.bincount(cells, minlength=law.numel())
+                fresh = previous is None or not torch.equal(previous, cells)
+                good &= fresh
+                previous = cells.clone()
+            counts, flat = counts.cpu().view(4, -1), law.reshape(4, -1).cpu()
+            impossible = int(counts[flat == 0].sum())
+            pvals = [chi_square_pvalue(counts[t].numpy(), flat[t].numpy()) for t in range(4)]
+            good &= impossible == 0 and min(pvals) > 1e-4 and graphs.replays == GRAPH_REPLAYS
+            good &= len(graphs.graphs) == 1
+            detail = (
+                f"min p = {min(pvals):.3g}, impossible outcomes = {impossible}, draws fresh at every replay: {good}"
+            )
+        except Exception as exc:  # noqa: BLE001 - reported; the next check still runs
+            good, detail = False, f"{type(exc).__name__}: {str(exc)[:300]}"
+        ok &= good
+        lines.append(
+            f"| verify `univer`{label} replayed from a CUDA graph ({GRAPH_REPLAYS} replays x 4 trees x {reps}) "
+            f"vs outcome_law | {'ok' if good else 'FAIL'}: {detail} |".replace("\n", " ")
+        )
+        print(lines[-1], flush=True)
     return ok
 
 

@@ -67,3 +67,23 @@ def test_writing_boolean_values_by_integer_index_is_no_sync():
     with GraphDiscipline() as checked:
         target[target[:, 0]] = False
     assert any(v.startswith("aten.index_put") for v in checked.violations), checked.violations
+
+
+def test_a_scalar_assigned_by_indexing_is_a_constant_fill():
+    """``x[:, -1] = False`` lifts the scalar to a 0-dim host tensor and fills with it:
+    allowed with ``constant_fills`` (and its host tensor, new every run, is no input);
+    a tensor lifted from a list is not."""
+    target = torch.ones(3, 4, dtype=torch.bool)
+    reads = []
+    for _ in range(2):
+        with GraphDiscipline(constant_fills=True) as checked:
+            target[:, -1] = False
+        assert checked.violations == [] and not target[:, -1].any()
+        reads.append(checked.inputs)
+    assert reads[0] == reads[1] == [(target.untyped_storage().data_ptr(), target.untyped_storage().nbytes())]
+    with GraphDiscipline() as checked:
+        target[:, -1] = False
+    assert any(v.startswith("aten.lift_fresh") for v in checked.violations), checked.violations
+    with GraphDiscipline(constant_fills=True) as checked:
+        torch.tensor([1, 2])
+    assert any(v.startswith("aten.lift_fresh") for v in checked.violations), checked.violations

@@ -186,7 +186,9 @@ class TreeVerificationSampler:
             scaled, greedy = scaled_logits(tree_logits, temperature, transforms, out)
         if self._replayable(tree, q, q_missing, transforms, sampling_metadata, batch):
             with self.timers.measure("verifier"):
-                result = self.verify_graphs.verify(tree, tokens, scaled, q, greedy)
+                result = self.verify_graphs.verify(
+                    tree, tokens, scaled, q, greedy, sampling_metadata.top_k, sampling_metadata.top_p
+                )
             if result is not None:
                 return result, None
         with self.timers.measure("target_probs"):
@@ -220,8 +222,8 @@ class TreeVerificationSampler:
     def _replayable(self, tree, q, q_missing, transforms, sampling_metadata, batch: int) -> bool:
         """Whether this step's verification may replay a graph (``verify_graphs``): one
         shape for the batch, q for every tree, nothing per step the graph cannot hold
-        (path transforms, min_p, top-k / top-p, seeded requests' generators, ``tree:
-        auto``'s chain estimates, which read p)."""
+        (path transforms, min_p, seeded requests' generators, ``tree: auto``'s chain
+        estimates, which read p)."""
         return (
             self.verify_graphs is not None
             and isinstance(tree, TreeSpec)
@@ -229,8 +231,6 @@ class TreeVerificationSampler:
             and q_missing is None
             and not transforms
             and self.bias_and_min_p.min_p is None
-            and sampling_metadata.top_k is None
-            and sampling_metadata.top_p is None
             and self.sizer is None
             and not any(row < batch for row in sampling_metadata.generators)
         )

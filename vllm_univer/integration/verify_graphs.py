@@ -12,8 +12,17 @@ What the region reads stays put between replays:
   reads them only: the warm-up run before the capture must leave its inputs as
   the replay finds them, so the softmax writes the graph's own memory);
 * q, the drafter's kept buffer of draft rows (read where it lies);
-* the draft tokens and greedy flags, copied into the graph's own buffers before
-  each replay (a few bytes per request).
+* the draft tokens, greedy flags and (where the batch sets them) top-k / top-p
+  values, copied into the graph's own buffers before each replay (a few bytes
+  per request).
+
+Top-k / top-p run inside the region with vLLM's own function (its Triton kernel
+on CUDA, as the eager sampler does; on CPU its sort-based path, which needs no
+host sync), on a copy of the scaled logits. That kernel works in scratch
+buffers vLLM keeps in module-level caches, one per vocabulary, which vLLM's
+sampler replaces when a larger batch needs more rows: each graph keeps a
+reference to the buffers it was captured with, so a replaced one stays alive
+for the graph alone (the scratch holds nothing from one call to the next).
 
 One graph per (tree, batch size, the two kept buffers' addresses and strides):
 q lies in the drafter's buffer, or in the state's reordering buffer when the
@@ -25,10 +34,7 @@ Random draws use the device's default generator, which a CUDA graph advances at
 every replay. Steps with what the region cannot replay run eagerly (the sampler
 decides: ``TreeVerificationSampler``):
 seeded requests (their own generators), min_p, path transforms (penalties,
-masks, logit bias), per-request trees, ``tree: auto`` (its chain estimates read p),
-and top-k / top-p: vLLM's Triton top-k / top-p kernel keeps a scratch buffer per
-vocabulary that its own sampler replaces when a larger batch needs more rows, and
-a graph would go on writing the freed one.
+masks, logit bias), per-request trees, ``tree: auto`` (its chain estimates read p).
 """
 
 from __future__ import annotations
@@ -36,11 +42,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from vllm.triton_utils import HAS_TRITON
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, apply_top_k_top_p_pytorch
 
 from .. import verify
 from ..core.api import VerifyOutput
 from ..core.tree import TreeSpec
 from .draft_level_graphs import Capture
+from .sampling.target_probs import softmax_
 
 # Graphs of one size (its buffers at other addresses) before it is left to run eagerly.
 MAX_CAPTURES_PER_SIZE = 4
@@ -48,13 +57,17 @@ MAX_CAPTURES_PER_SIZE = 4
 
 class _VerifyGraph:
     """One captured size: the buffers it reads, its replay, its output [B, D+3]
-    (the output rows, the accepted count, the end node)."""
+    (the output rows, the accepted count, the end node), and vLLM's top-k / top-p
+    scratch buffers it was captured with (kept alive for its replays)."""
 
-    def __init__(self, tokens: torch.Tensor, greedy: torch.Tensor):
+    def __init__(self, tokens: torch.Tensor, greedy: torch.Tensor, top_k, top_p):
         self.tokens = torch.empty_like(tokens)
         self.greedy = torch.empty_like(greedy)
+        self.top_k = None if top_k is None else torch.empty_like(top_k)
+        self.top_p = None if top_p is None else torch.empty_like(top_p)
         self.replay: Callable[[], None] | None = None
         self.output: torch.Tensor | None = None
+        self.scratch: list[torch.Tensor] = []
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -81,12 +94,17 @@ class VerifyGraphs:
         scaled: torch.Tensor,
         q: torch.Tensor,
         greedy: torch.Tensor,
+        top_k: torch.Tensor | None = None,
+        top_p: torch.Tensor | None = None,
     ) -> VerifyOutput | None:
-        """``verify(method, tree, tokens, p, q, greedy)`` with p the softmax of
-        ``scaled`` (left as it is); None where this size runs eagerly (the caller verifies).
+        """``verify(method, tree, tokens, p, q, greedy)`` with p the target's
+        probabilities from ``scaled`` (left as it is): top-k / top-p, then the
+        softmax (``probs_from_scaled``); None where this size runs eagerly (the
+        caller verifies).
 
-        tokens [B, N+1] int64; scaled [B, N+1, V] float32; q [B, N+1, V]; greedy [B] bool."""
-        size = (tree, tokens.shape[0])
+        tokens [B, N+1] int64; scaled [B, N+1, V] float32; q [B, N+1, V]; greedy [B] bool;
+        top_k [B] int, top_p [B] float32: vLLM's per-request values, or None (none set)."""
+        size = (tree, tokens.shape[0], top_k is not None, top_p is not None)
         key = (*size, _layout(scaled), _layout(q))
         graph = self.graphs.get(key)
         if graph is None:
@@ -94,11 +112,16 @@ class VerifyGraphs:
             if captured >= MAX_CAPTURES_PER_SIZE:  # buffers that keep moving: eager
                 return None
             self.captures[size] = captured + 1
-            graph = self.graphs[key] = _VerifyGraph(tokens, greedy)
+            graph = self.graphs[key] = _VerifyGraph(tokens, greedy, top_k, top_p)
         graph.tokens.copy_(tokens)
         graph.greedy.copy_(greedy)
+        if top_k is not None:
+            graph.top_k.copy_(top_k)
+        if top_p is not None:
+            graph.top_p.copy_(top_p)
         if graph.replay is None:
             graph.replay, graph.output = self.capture(lambda: self._region(graph, tree, scaled, q))
+            graph.scratch = _top_k_top_p_scratch() if top_k is not None or top_p is not None else []
         graph.replay()
         self.replays += 1
         depth = tree.max_depth
@@ -107,7 +130,43 @@ class VerifyGraphs:
     def _region(self, graph: _VerifyGraph, tree: TreeSpec, scaled: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """The captured region: the probabilities (out of place: ``scaled`` is an
         input of every replay), then the verification."""
-        p = torch.softmax(scaled, dim=-1)
+        if graph.top_k is None and graph.top_p is None:
+            p = torch.softmax(scaled, dim=-1)
+        else:
+            batch, rows, vocab = scaled.shape
+            p = scaled.clone()
+            flat = p.view(batch * rows, vocab)
+            # Per-request values to rows; expand + reshape, not repeat_interleave, which
+            # reads its output size from the device.
+            k = None if graph.top_k is None else graph.top_k.view(batch, 1).expand(batch, rows).reshape(-1)
+            top_p = None if graph.top_p is None else graph.top_p.view(batch, 1).expand(batch, rows).reshape(-1)
+            softmax_(_top_k_top_p_without_sync(flat, k, top_p))
         result = verify(self.method, tree, graph.tokens, p, q, greedy=graph.greedy, validate=False, fused=self.fused)
         counts = torch.stack([result.num_accepted, result.end_node], 1)
         return torch.cat([result.output_token_ids, counts], 1)
+
+
+def _top_k_top_p_without_sync(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's ``apply_top_k_top_p`` (in place on [rows, V] logits) where it reads
+    nothing back to the host: its Triton kernel where vLLM has Triton (what the
+    eager sampler runs there), else its sorting path (the same masks as the
+    top-k-only path vLLM takes on CPU, which reads the largest k back)."""
+    if HAS_TRITON:
+        return apply_top_k_top_p(logits, k, p)
+    return apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=False)
+
+
+def _top_k_top_p_scratch() -> list[torch.Tensor]:
+    """The scratch buffers and tables vLLM's Triton top-k / top-p kernel keeps in
+    module-level caches (vLLM 0.32: ``topk_topp_triton``), as a graph captured
+    now reads them; empty without Triton."""
+    if not HAS_TRITON:
+        return []
+    from vllm.v1.sample.ops import topk_topp_triton as caches
+
+    tensors = list(caches._TRITON_BUFFER_CACHE.values())
+    for tables in caches._TRITON_TABLE_CACHE.values():
+        tensors.extend(tables)
+    for workspace in caches._TRITON_SPLIT_CACHE.values():
+        tensors.extend(workspace.values())
+    return tensors

@@ -78,6 +78,10 @@ ALLOCATION_OPS = frozenset(
 CONSTANT_FILL_OPS = frozenset({"aten.full", "aten.full_like", "aten.new_full", "aten.scalar_tensor"})
 
 
+# Tensors made from host data (``torch.tensor(...)``, a Python scalar assigned by indexing).
+LIFTED_SCALAR_OPS = frozenset({"aten.lift_fresh", "aten.lift_fresh_copy"})
+
+
 # Indexing by a boolean mask: the result's size is the mask's count (a sync on CUDA).
 BOOL_INDEX_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
 
@@ -89,7 +93,8 @@ class GraphDiscipline(TorchDispatchMode):
     every ATen op). ``allow_allocations``: an allocation whose contents device ops
     write (``ALLOCATION_OPS``) is no violation (a region that runs a model's
     forward); ``constant_fills``: nor a fill with one host value
-    (``CONSTANT_FILL_OPS``), for a region whose host values are fixed per graph."""
+    (``CONSTANT_FILL_OPS``, or a Python scalar assigned by indexing), for a region
+    whose host values are fixed per graph."""
 
     def __init__(self, allow_allocations: bool = False, constant_fills: bool = False):
         super().__init__()
@@ -108,7 +113,12 @@ class GraphDiscipline(TorchDispatchMode):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if name in HOST_SYNC_OPS or (name in BOOL_INDEX_OPS and _bool_index(args)):
             self.violations.append(f"{name}: reads a device value on the host")
-        if name in FACTORY_OPS and name not in self.allowed:
+        if name in LIFTED_SCALAR_OPS and "aten.scalar_tensor" in self.allowed and inputs[0].dim() == 0:
+            # ``x[i] = 1.0``: PyTorch lifts the Python scalar to a 0-dim host tensor
+            # and fills with it (``copy_to``): a constant fill. The lifted host tensor
+            # is new every run, so it is no input either.
+            inputs = []
+        elif name in FACTORY_OPS and name not in self.allowed:
             self.violations.append(f"{name}: creates a tensor inside the region")
         if (
             name in ("aten._to_copy", "aten.copy_", "aten.to")
