@@ -286,8 +286,8 @@ def verify_graphs_correctness(device: torch.device, lines: list[str], capture=No
     ``"cuda_graphs": "full"`` replays) against ``outcome_law``: 4 trees of 2x2 over 6
     tokens, each repeated LAW_DRAWS / GRAPH_REPLAYS times in the batch, the graph replayed
     GRAPH_REPLAYS times (each replay must draw afresh: the graph advances the generator);
-    without and with top-k / top-p (vLLM's Triton kernel inside the graph; the law is
-    ``outcome_law`` of the probabilities vLLM's eager functions give).
+    without and with top-k / top-p / min_p (vLLM's Triton top-k / top-p kernel inside
+    the graph; the law is ``outcome_law`` of the eager ``probs_from_scaled``).
     capture: None for a CUDA graph (``draft_level_graphs.rerun_capture`` runs the harness on a CPU)."""
     try:
         from vllm_univer.integration.draft_level_graphs import cuda_graph_capture
@@ -303,15 +303,16 @@ def verify_graphs_correctness(device: torch.device, lines: list[str], capture=No
     )
     p, q = (torch.softmax(3 * torch.randn(4, tree.num_nodes + 1, vocab, generator=gen), -1) for _ in range(2))
     tokens, p, q = tokens.to(device), p.to(device), q.to(device)
-    # Per tree: top-k 4 / top-p 0.8, top-k only, top-p only, neither (k = the vocabulary).
+    # Per tree: top-k 4 / top-p 0.8, top-k only, top-p only, min_p only (k = the vocabulary: none).
     top_k = torch.tensor([4, 3, vocab, vocab], dtype=torch.int32, device=device).repeat_interleave(reps)
     top_p = torch.tensor([0.8, 1.0, 0.7, 1.0], device=device).repeat_interleave(reps)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.2], device=device).repeat_interleave(reps)
     ok = True
-    for label, k, top in (("", None, None), (" with top-k / top-p", top_k, top_p)):
+    for label, options in (("", (None, None, None)), (" with top-k / top-p / min_p", (top_k, top_p, min_p))):
         good, detail = True, ""
         try:
             scaled = p.log().repeat_interleave(reps, 0)  # softmax(log p) = p
-            target = probs_from_scaled(scaled.clone(), k, top)[::reps]
+            target = probs_from_scaled(scaled.clone(), *options)[::reps]
             law = outcome_law("univer", tree, tokens, target, q)
             graphs = VerifyGraphs("univer", capture or cuda_graph_capture())
             batch_q, batch_tokens = q.repeat_interleave(reps, 0), tokens.repeat_interleave(reps, 0)
@@ -320,7 +321,7 @@ def verify_graphs_correctness(device: torch.device, lines: list[str], capture=No
             row = torch.arange(4, device=device).repeat_interleave(reps)
             previous = None
             for _ in range(GRAPH_REPLAYS):
-                out = graphs.verify(tree, batch_tokens, scaled, batch_q, greedy, k, top)
+                out = graphs.verify(tree, batch_tokens, scaled, batch_q, greedy, *options)
                 y = out.output_token_ids.gather(1, out.num_accepted.unsqueeze(1)).squeeze(1)
                 cells = row * law[0].numel() + out.end_node * law.shape[-1] + y
                 counts += torch.bincount(cells, minlength=law.numel())

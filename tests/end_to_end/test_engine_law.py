@@ -307,14 +307,14 @@ def test_full_graph_steps_law_equals_target_law(small_models):
     """``"cuda_graphs": "full"``'s replays (emulated on CPU: each graph reruns its
     region on the graph's buffers, ``engine_job.checked_capture``): the draft
     levels from ``DraftLevelGraphs``, the sampled steps' verification from
-    ``VerifyGraphs`` (top-k / top-p and the softmax of the sampler's scaled logits,
-    the drafter's q where it lies, tokens, greedy flags and top-k / top-p values
-    copied in), at T = 1 and at T = 0.8 with top-k 8 and top-p 0.9: the law of the
-    first three tokens and of (t3, t4) is the target's."""
+    ``VerifyGraphs`` (min_p, top-k / top-p and the softmax of the sampler's scaled
+    logits, the drafter's q where it lies, tokens, greedy flags and the requests'
+    option values copied in), at T = 1 and at T = 0.8 with min_p 0.05, top-k 8 and
+    top-p 0.9: the law of the first three tokens and of (t3, t4) is the target's."""
     target, draft = small_models
     prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
     spec = {"method": "univer", "model": draft, "tree": "2x2", "verifier": "univer"}
-    cases = [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 8, "top_p": 0.9}]
+    cases = [{"temperature": 1.0}, {"temperature": 0.8, "min_p": 0.05, "top_k": 8, "top_p": 0.9}]
     engines = [
         {
             **law_engine(target, spec, prompts, {**params, "max_tokens": 4, "ignore_eos": True}),

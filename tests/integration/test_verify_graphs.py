@@ -10,8 +10,8 @@ and each replay gives exactly the eager ``verify`` of the same inputs with the
 same random draws (the device generator at the same state),
 the first step's too: the warm-up run before the capture leaves the inputs as
 the replay finds them (a softmax in place of the scaled logits did not). With
-top-k / top-p set (per request, one request with neither) the region runs them
-too, and equals the eager probabilities vLLM's own functions give.
+top-k, top-p and / or min_p set (per request, one request with none) the region
+runs them too, and equals the eager probabilities (``probs_from_scaled``).
 Then the bookkeeping: a buffer at another address gets its own graph, up to a
 bound per size; past it, new addresses run eagerly and known ones still replay.
 """
@@ -34,17 +34,21 @@ from vllm_univer.tools.graph_discipline import GraphDiscipline
 
 B = 3
 TOP_K, TOP_P = torch.tensor([5, 32, 3], dtype=torch.int32), torch.tensor([0.8, 1.0, 0.6])
+MIN_P = torch.tensor([0.0, 0.3, 0.1])
 # (univer_wor's kernels take vocabularies above 64 tokens; top-k 32 = the vocabulary: none)
 CASES = [
-    ("univer", "2x3", 32, None, None),
-    ("traversal", "2x3", 32, None, None),
-    ("univer_wor", "2x2", 80, None, None),
-    ("token", "1x4", 32, None, None),
-    ("univer", "2x3", 32, TOP_K, TOP_P),
-    ("univer", "2x2", 32, TOP_K, None),
-    ("univer_wor", "2x2", 80, None, TOP_P),
+    ("univer", "2x3", 32, None, None, None),
+    ("traversal", "2x3", 32, None, None, None),
+    ("univer_wor", "2x2", 80, None, None, None),
+    ("token", "1x4", 32, None, None, None),
+    ("univer", "2x3", 32, TOP_K, TOP_P, None),
+    ("univer", "2x2", 32, TOP_K, None, None),
+    ("univer_wor", "2x2", 80, None, TOP_P, None),
+    ("univer", "2x2", 32, None, None, MIN_P),
+    ("traversal", "2x2", 32, TOP_K, TOP_P, MIN_P),
 ]
-for method, shape, V, top_k, top_p in CASES:
+for method, shape, V, top_k, top_p, min_p in CASES:
+    options = (top_k, top_p, min_p)
     tree = TreeSpec.parse(shape)
     n1 = tree.num_nodes + 1
     runs = []
@@ -74,13 +78,13 @@ for method, shape, V, top_k, top_p in CASES:
         greedy = torch.tensor([False, step % 2 == 1, False])
         scaled.copy_(logits)
         torch.manual_seed(100 + step)
-        got = graphs.verify(tree, tokens, scaled, q, greedy, top_k, top_p)
+        got = graphs.verify(tree, tokens, scaled, q, greedy, *options)
         # The eager step on the same inputs and draws (the first step's replay follows
         # the warm-up and the captured run, which drew from the same generator).
         torch.manual_seed(100 + step)
         for _ in range(3 if step == 0 else 1):
-            p = probs_from_scaled(logits.clone(), top_k, top_p)
-            if top_k is not None or top_p is not None:  # the options cut something
+            p = probs_from_scaled(logits.clone(), *options)
+            if any(option is not None for option in options):  # the options cut something
                 assert (p == 0).any() and not (torch.softmax(logits, -1) == 0).any()
             want = verify(method, tree, tokens, p, q, greedy=greedy, validate=False, fused=True)
         assert torch.equal(got.output_token_ids, want.output_token_ids), (method, step)
@@ -90,7 +94,7 @@ for method, shape, V, top_k, top_p in CASES:
     assert len(runs) == 1 + 4, (method, len(runs))  # the captured run, then every replay
     assert all(v == [] for v, _ in runs), (method, runs[0][0])
     assert all(inputs == runs[0][1] for _, inputs in runs), method
-    print(method, shape, top_k is not None, top_p is not None, "ok")
+    print(method, shape, [option is not None for option in options], "ok")
 
 # Buffers at new addresses: a graph each, up to the bound; then eager, and known ones still replay.
 tree = TreeSpec.parse("2x2")

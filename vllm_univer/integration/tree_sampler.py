@@ -187,7 +187,14 @@ class TreeVerificationSampler:
         if self._replayable(tree, q, q_missing, transforms, sampling_metadata, batch):
             with self.timers.measure("verifier"):
                 result = self.verify_graphs.verify(
-                    tree, tokens, scaled, q, greedy, sampling_metadata.top_k, sampling_metadata.top_p
+                    tree,
+                    tokens,
+                    scaled,
+                    q,
+                    greedy,
+                    sampling_metadata.top_k,
+                    sampling_metadata.top_p,
+                    self.bias_and_min_p.min_p,
                 )
             if result is not None:
                 return result, None
@@ -222,7 +229,7 @@ class TreeVerificationSampler:
     def _replayable(self, tree, q, q_missing, transforms, sampling_metadata, batch: int) -> bool:
         """Whether this step's verification may replay a graph (``verify_graphs``): one
         shape for the batch, q for every tree, nothing per step the graph cannot hold
-        (path transforms, min_p, seeded requests' generators, ``tree: auto``'s chain
+        (path transforms, seeded requests' generators, ``tree: auto``'s chain
         estimates, which read p)."""
         return (
             self.verify_graphs is not None
@@ -230,7 +237,6 @@ class TreeVerificationSampler:
             and q is not None
             and q_missing is None
             and not transforms
-            and self.bias_and_min_p.min_p is None
             and self.sizer is None
             and not any(row < batch for row in sampling_metadata.generators)
         )

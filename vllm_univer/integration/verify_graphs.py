@@ -12,13 +12,14 @@ What the region reads stays put between replays:
   reads them only: the warm-up run before the capture must leave its inputs as
   the replay finds them, so the softmax writes the graph's own memory);
 * q, the drafter's kept buffer of draft rows (read where it lies);
-* the draft tokens, greedy flags and (where the batch sets them) top-k / top-p
-  values, copied into the graph's own buffers before each replay (a few bytes
+* the draft tokens, greedy flags and (where the batch sets them) top-k, top-p
+  and min_p values, copied into the graph's own buffers before each replay (a few bytes
   per request).
 
-Top-k / top-p run inside the region with vLLM's own function (its Triton kernel
-on CUDA, as the eager sampler does; on CPU its sort-based path, which needs no
-host sync), on a copy of the scaled logits. That kernel works in scratch
+min_p, top-k / top-p run inside the region on a copy of the scaled logits, as
+the eager sampler runs them (``probs_from_scaled``: top-k / top-p with vLLM's
+own function, its Triton kernel on CUDA; without Triton its sorting path, which
+needs no host sync). That kernel works in scratch
 buffers vLLM keeps in module-level caches, one per vocabulary, which vLLM's
 sampler replaces when a larger batch needs more rows: each graph keeps a
 reference to the buffers it was captured with, so a replaced one stays alive
@@ -33,7 +34,7 @@ captured again at new ones (buffers that keep moving: it runs eagerly there).
 Random draws use the device's default generator, which a CUDA graph advances at
 every replay. Steps with what the region cannot replay run eagerly (the sampler
 decides: ``TreeVerificationSampler``):
-seeded requests (their own generators), min_p, path transforms (penalties,
+seeded requests (their own generators), path transforms (penalties,
 masks, logit bias), per-request trees, ``tree: auto`` (its chain estimates read p).
 """
 
@@ -43,13 +44,12 @@ from collections.abc import Callable
 
 import torch
 from vllm.triton_utils import HAS_TRITON
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, apply_top_k_top_p_pytorch
 
 from .. import verify
 from ..core.api import VerifyOutput
 from ..core.tree import TreeSpec
 from .draft_level_graphs import Capture
-from .sampling.target_probs import softmax_
+from .sampling.target_probs import probs_from_scaled
 
 # Graphs of one size (its buffers at other addresses) before it is left to run eagerly.
 MAX_CAPTURES_PER_SIZE = 4
@@ -60,11 +60,10 @@ class _VerifyGraph:
     (the output rows, the accepted count, the end node), and vLLM's top-k / top-p
     scratch buffers it was captured with (kept alive for its replays)."""
 
-    def __init__(self, tokens: torch.Tensor, greedy: torch.Tensor, top_k, top_p):
+    def __init__(self, tokens: torch.Tensor, greedy: torch.Tensor, options: dict[str, torch.Tensor | None]):
         self.tokens = torch.empty_like(tokens)
         self.greedy = torch.empty_like(greedy)
-        self.top_k = None if top_k is None else torch.empty_like(top_k)
-        self.top_p = None if top_p is None else torch.empty_like(top_p)
+        self.options = {name: None if value is None else torch.empty_like(value) for name, value in options.items()}
         self.replay: Callable[[], None] | None = None
         self.output: torch.Tensor | None = None
         self.scratch: list[torch.Tensor] = []
@@ -96,15 +95,18 @@ class VerifyGraphs:
         greedy: torch.Tensor,
         top_k: torch.Tensor | None = None,
         top_p: torch.Tensor | None = None,
+        min_p: torch.Tensor | None = None,
     ) -> VerifyOutput | None:
         """``verify(method, tree, tokens, p, q, greedy)`` with p the target's
-        probabilities from ``scaled`` (left as it is): top-k / top-p, then the
+        probabilities from ``scaled`` (left as it is): min_p, top-k / top-p, the
         softmax (``probs_from_scaled``); None where this size runs eagerly (the
         caller verifies).
 
         tokens [B, N+1] int64; scaled [B, N+1, V] float32; q [B, N+1, V]; greedy [B] bool;
-        top_k [B] int, top_p [B] float32: vLLM's per-request values, or None (none set)."""
-        size = (tree, tokens.shape[0], top_k is not None, top_p is not None)
+        top_k [B] int, top_p [B] float32, min_p [B] float32: the requests' values, or
+        None where no request of the batch sets them."""
+        options = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
+        size = (tree, tokens.shape[0], *(value is not None for value in options.values()))
         key = (*size, _layout(scaled), _layout(q))
         graph = self.graphs.get(key)
         if graph is None:
@@ -112,13 +114,12 @@ class VerifyGraphs:
             if captured >= MAX_CAPTURES_PER_SIZE:  # buffers that keep moving: eager
                 return None
             self.captures[size] = captured + 1
-            graph = self.graphs[key] = _VerifyGraph(tokens, greedy, top_k, top_p)
+            graph = self.graphs[key] = _VerifyGraph(tokens, greedy, options)
         graph.tokens.copy_(tokens)
         graph.greedy.copy_(greedy)
-        if top_k is not None:
-            graph.top_k.copy_(top_k)
-        if top_p is not None:
-            graph.top_p.copy_(top_p)
+        for name, value in options.items():
+            if value is not None:
+                graph.options[name].copy_(value)
         if graph.replay is None:
             graph.replay, graph.output = self.capture(lambda: self._region(graph, tree, scaled, q))
             graph.scratch = _top_k_top_p_scratch() if top_k is not None or top_p is not None else []
@@ -130,30 +131,13 @@ class VerifyGraphs:
     def _region(self, graph: _VerifyGraph, tree: TreeSpec, scaled: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """The captured region: the probabilities (out of place: ``scaled`` is an
         input of every replay), then the verification."""
-        if graph.top_k is None and graph.top_p is None:
-            p = torch.softmax(scaled, dim=-1)
+        if any(value is not None for value in graph.options.values()):
+            p = probs_from_scaled(scaled.clone(), **graph.options, host_reads=False)
         else:
-            batch, rows, vocab = scaled.shape
-            p = scaled.clone()
-            flat = p.view(batch * rows, vocab)
-            # Per-request values to rows; expand + reshape, not repeat_interleave, which
-            # reads its output size from the device.
-            k = None if graph.top_k is None else graph.top_k.view(batch, 1).expand(batch, rows).reshape(-1)
-            top_p = None if graph.top_p is None else graph.top_p.view(batch, 1).expand(batch, rows).reshape(-1)
-            softmax_(_top_k_top_p_without_sync(flat, k, top_p))
+            p = torch.softmax(scaled, dim=-1)
         result = verify(self.method, tree, graph.tokens, p, q, greedy=graph.greedy, validate=False, fused=self.fused)
         counts = torch.stack([result.num_accepted, result.end_node], 1)
         return torch.cat([result.output_token_ids, counts], 1)
-
-
-def _top_k_top_p_without_sync(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """vLLM's ``apply_top_k_top_p`` (in place on [rows, V] logits) where it reads
-    nothing back to the host: its Triton kernel where vLLM has Triton (what the
-    eager sampler runs there), else its sorting path (the same masks as the
-    top-k-only path vLLM takes on CPU, which reads the largest k back)."""
-    if HAS_TRITON:
-        return apply_top_k_top_p(logits, k, p)
-    return apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=False)
 
 
 def _top_k_top_p_scratch() -> list[torch.Tensor]:

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 
 import torch
 from vllm.model_executor.layers.utils import apply_penalties
+from vllm.triton_utils import HAS_TRITON
 from vllm.utils.torch_utils import make_tensor_with_pad
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, apply_top_k_top_p_pytorch
 
 from .bias_and_min_p import apply_min_p_
 
@@ -72,16 +73,24 @@ def probs_from_scaled(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    host_reads: bool = True,
 ) -> torch.Tensor:
     """``tree_target_probs``' second half: scaled [B, T, V] float32 (``scaled_logits``,
-    overwritten) -> probs [B, T, V] after min_p, top-k / top-p and the softmax."""
+    overwritten) -> probs [B, T, V] after min_p, top-k / top-p and the softmax.
+    host_reads=False: nothing read back to the host (a region a graph captures)."""
     batch, rows, vocab = scaled.shape
     flat = scaled.view(batch * rows, vocab)
     if min_p is not None:
-        apply_min_p_(flat, min_p.repeat_interleave(rows))
+        apply_min_p_(flat, min_p.repeat_interleave(rows))  # (an int repeat: an expand, no sync)
     k = top_k.repeat_interleave(rows) if top_k is not None else None
     p = top_p.repeat_interleave(rows) if top_p is not None else None
-    flat = apply_top_k_top_p(flat, k, p)
+    if host_reads or HAS_TRITON or (k is None and p is None):
+        flat = apply_top_k_top_p(flat, k, p)
+    else:
+        # vLLM's top-k-only path without Triton reads the largest k back: its
+        # sorting path (the same masks) reads nothing. (With Triton, as on CUDA,
+        # ``apply_top_k_top_p`` runs its kernel, which reads nothing back either.)
+        flat = apply_top_k_top_p_pytorch(flat, k, p, allow_cpu_sync=False)
     return softmax_(flat).view(batch, rows, vocab)
 
 
