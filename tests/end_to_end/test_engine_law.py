@@ -309,26 +309,35 @@ def test_full_graph_steps_law_equals_target_law(small_models):
     levels from ``DraftLevelGraphs``, the sampled steps' verification from
     ``VerifyGraphs`` (min_p, top-k / top-p and the softmax of the sampler's scaled
     logits, the drafter's q where it lies, tokens, greedy flags and the requests'
-    option values copied in), at T = 1 and at T = 0.8 with min_p 0.05, top-k 8 and
-    top-p 0.9: the law of the first three tokens and of (t3, t4) is the target's."""
+    option values copied in; per-request trees' parents too), for 2x2 at T = 1 and
+    at T = 0.8 with min_p 0.05, top-k 8 and top-p 0.9, and for dynamic trees at
+    T = 1: the law of the first three tokens and of (t3, t4) is the target's."""
     target, draft = small_models
     prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
-    spec = {"method": "univer", "model": draft, "tree": "2x2", "verifier": "univer"}
-    cases = [{"temperature": 1.0}, {"temperature": 0.8, "min_p": 0.05, "top_k": 8, "top_p": 0.9}]
+    static = {"method": "univer", "model": draft, "tree": "2x2", "verifier": "univer"}
+    dynamic = {**static, "tree": "dynamic", "max_nodes": 6, "max_depth": 3, "expand": 1, "max_children": 2}
+    cases = [
+        (static, {"temperature": 1.0}),
+        (static, {"temperature": 0.8, "min_p": 0.05, "top_k": 8, "top_p": 0.9}),
+        (dynamic, {"temperature": 1.0}),
+    ]
     engines = [
         {
             **law_engine(target, spec, prompts, {**params, "max_tokens": 4, "ignore_eos": True}),
             "draft_graphs": "emulate",
             "verify_graphs": "emulate",
         }
-        for params in cases
+        for spec, params in cases
     ]
-    for params, result in zip(cases, run_engines(engines)):
-        assert "error" not in result, result.get("error")
-        assert result["verify_graphs"]["replays"] >= 100, result["verify_graphs"]
-        assert result["draft_graphs"]["replays"] >= 100, result["draft_graphs"]
+    for (spec, params), result in zip(cases, run_engines(engines)):
+        label = ("full graphs", spec["tree"], params)
+        assert "error" not in result, (label, result.get("error"))
+        assert result["verify_graphs"]["replays"] >= 100, (label, result["verify_graphs"])
+        assert result["draft_graphs"]["replays"] >= 100, (label, result["draft_graphs"])
+        for graphs in ("verify_graphs", "draft_graphs"):  # capturable: no sync, inputs that stay put
+            assert result[graphs]["violations"] == [] and result[graphs]["unstable_inputs"] == 0, (label, result)
         assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
-        assert_follows_target_law(result["calls"][0]["outputs"], target, params, ("full graphs", params))
+        assert_follows_target_law(result["calls"][0]["outputs"], target, params, label)
 
 
 def test_dynamic_trees_law_equals_target_law(small_models):

@@ -12,6 +12,7 @@ the first step's too: the warm-up run before the capture leaves the inputs as
 the replay finds them (a softmax in place of the scaled logits did not). With
 top-k, top-p and / or min_p set (per request, one request with none) the region
 runs them too, and equals the eager probabilities (``probs_from_scaled``).
+Per-request trees (``TreeBatch``, other parents at every step): the same checks.
 Then the bookkeeping: a buffer at another address gets its own graph, up to a
 bound per size; past it, new addresses run eagerly and known ones still replay.
 """
@@ -95,6 +96,56 @@ for method, shape, V, top_k, top_p, min_p in CASES:
     assert all(v == [] for v, _ in runs), (method, runs[0][0])
     assert all(inputs == runs[0][1] for _, inputs in runs), method
     print(method, shape, [option is not None for option in options], "ok")
+
+# Per-request trees (tree "dynamic"): a TreeBatch on shared levels, other parents at
+# every step; the parents copied in, the tables built inside the region.
+from vllm_univer.core.tree_batch import LevelLayout, TreeBatch
+
+layout, V = LevelLayout((1, 2, 3, 2), 2), 32
+PARENTS = [
+    [[-1, 0, 0, 1, 1, 2, 3, -1], [-1, 0, 0, 2, 2, -1, 3, 4], [-1, 0, -1, 1, 1, -1, 3, 3]],
+    [[-1, 0, 0, 1, 2, 2, 5, 5], [-1, 0, 0, 1, 1, 2, 3, 4], [-1, 0, 0, 2, -1, -1, 3, -1]],
+]
+for method in ("univer", "target_only"):
+    runs = []
+
+    def capture(fn):
+        first = []
+
+        def checked():
+            if not first:
+                first.append(None)
+                return fn()
+            with GraphDiscipline(allow_allocations=True, constant_fills=True) as region:
+                out = fn()
+            runs.append((region.violations, region.inputs))
+            return out
+
+        return rerun_capture(checked)
+
+    graphs = VerifyGraphs(method, capture, fused=True)
+    scaled, q = torch.empty(B, 8, V), torch.empty(B, 8, V)
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 + step)
+        trees = TreeBatch(torch.tensor(PARENTS[step % 2]), layout.level_sizes, layout.max_children)
+        logits = torch.randn(B, 8, V, generator=g) * 2
+        q.copy_(torch.softmax(torch.randn(B, 8, V, generator=g), -1))
+        tokens = torch.randint(0, V, (B, 8), generator=g).masked_fill(trees.parent < 0, -1)
+        tokens[:, 0] = 0
+        greedy = torch.tensor([False, False, step == 2])
+        scaled.copy_(logits)
+        torch.manual_seed(200 + step)
+        got = graphs.verify(trees, tokens, scaled, q, greedy, None, TOP_P, None)
+        torch.manual_seed(200 + step)
+        for _ in range(3 if step == 0 else 1):
+            p = probs_from_scaled(logits.clone(), None, TOP_P)
+            want = verify(method, trees, tokens, p, q, greedy=greedy, validate=False, fused=True)
+        assert torch.equal(got.output_token_ids, want.output_token_ids), (method, step)
+        assert torch.equal(got.end_node, want.end_node) and torch.equal(got.num_accepted, want.num_accepted)
+    assert graphs.replays == 4 and len(graphs.graphs) == 1, method
+    assert all(v == [] for v, _ in runs), (method, runs[0][0])
+    assert all(inputs == runs[0][1] for _, inputs in runs), method
+    print(method, "per-request trees ok")
 
 # Buffers at new addresses: a graph each, up to the bound; then eager, and known ones still replay.
 tree = TreeSpec.parse("2x2")

@@ -76,6 +76,17 @@ class LevelLayout:
         """LongTensor [N+1] (CPU): each position's depth."""
         return torch.repeat_interleave(torch.arange(len(self.level_sizes)), torch.tensor(self.level_sizes))
 
+    def depth_on(self, device: torch.device) -> torch.Tensor:
+        """``depth`` on ``device``, copied there once per layout (a tree batch built
+        inside a captured region must not copy from the host)."""
+        if device not in self._depths:
+            self._depths[device] = self.depth.to(device)
+        return self._depths[device]
+
+    @cached_property
+    def _depths(self) -> dict[torch.device, torch.Tensor]:
+        return {}
+
     @cached_property
     def spans(self) -> tuple[slice, ...]:
         """Per depth 0..D: the slice of its positions."""
@@ -109,18 +120,25 @@ class TreeBatch:
 
     parent: LongTensor [B, N+1]; parent[:, 0] = -1 (the root); a position of depth
     d >= 1 has its parent among the positions of depth d-1, or -1 (no node).
-    level_sizes: positions per depth 0..D (level_sizes[0] = 1, the root).
+    level_sizes: positions per depth 0..D (level_sizes[0] = 1, the root), or their
+    ``LevelLayout``.
     max_children: C, the most children any node may have (the child tables' width).
     """
 
-    def __init__(self, parent: torch.Tensor, level_sizes: Sequence[int], max_children: int, validate: bool = True):
-        self.layout = LevelLayout(tuple(level_sizes), int(max_children))  # checks the levels
+    def __init__(
+        self, parent: torch.Tensor, level_sizes: Sequence[int] | LevelLayout, max_children: int, validate: bool = True
+    ):
+        # (A layout given as such is reused: its depth is on the device already.)
+        layout = level_sizes if isinstance(level_sizes, LevelLayout) else None
+        self.layout = layout or LevelLayout(tuple(level_sizes), int(max_children))  # checks the levels
+        if self.layout.max_children != max_children:
+            raise ValueError(f"max_children {max_children} differs from the layout's {self.layout.max_children}")
         self.level_sizes, self.max_children = self.layout.level_sizes, self.layout.max_children
         self.num_nodes, self.max_depth, self.spans = self.layout.num_nodes, self.layout.max_depth, self.layout.spans
         if parent.dim() != 2 or parent.shape[1] != self.num_nodes + 1:
             raise ValueError(f"parent must be [B, N+1] = [B, {self.num_nodes + 1}], got {tuple(parent.shape)}")
         self.parent = parent.long()
-        self.depth = self.layout.depth.to(parent.device)
+        self.depth = self.layout.depth_on(parent.device)
         if validate:
             self.validate()
         self.slot = self._slots()

@@ -228,12 +228,13 @@ class TreeVerificationSampler:
 
     def _replayable(self, tree, q, q_missing, transforms, sampling_metadata, batch: int) -> bool:
         """Whether this step's verification may replay a graph (``verify_graphs``): one
-        shape for the batch, q for every tree, nothing per step the graph cannot hold
+        shape for the batch or per-request trees on shared levels, q for every tree,
+        nothing per step the graph cannot hold
         (path transforms, seeded requests' generators, ``tree: auto``'s chain
         estimates, which read p)."""
         return (
             self.verify_graphs is not None
-            and isinstance(tree, TreeSpec)
+            and isinstance(tree, (TreeSpec, TreeBatch))
             and q is not None
             and q_missing is None
             and not transforms

