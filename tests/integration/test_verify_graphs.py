@@ -33,6 +33,29 @@ from vllm_univer.integration.sampling.target_probs import probs_from_scaled
 from vllm_univer.integration.verify_graphs import VerifyGraphs
 from vllm_univer.tools.graph_discipline import GraphDiscipline
 
+
+
+def checked_capture(runs):
+    """``rerun_capture`` whose runs after the warm-up (the captured run and every
+    replay) are checked: (violations, inputs) appended to ``runs``."""
+
+    def capture(fn):
+        first = []
+
+        def checked():
+            if not first:  # the warm-up: outside the capture on CUDA
+                first.append(None)
+                return fn()
+            with GraphDiscipline(allow_allocations=True, constant_fills=True) as region:
+                out = fn()
+            runs.append((region.violations, region.inputs))
+            return out
+
+        return rerun_capture(checked)
+
+    return capture
+
+
 B = 3
 TOP_K, TOP_P = torch.tensor([5, 32, 3], dtype=torch.int32), torch.tensor([0.8, 1.0, 0.6])
 MIN_P = torch.tensor([0.0, 0.3, 0.1])
@@ -54,21 +77,7 @@ for method, shape, V, top_k, top_p, min_p in CASES:
     n1 = tree.num_nodes + 1
     runs = []
 
-    def capture(fn):
-        first = []
-
-        def checked():
-            if not first:  # the warm-up: outside the capture on CUDA
-                first.append(None)
-                return fn()
-            with GraphDiscipline(allow_allocations=True, constant_fills=True) as region:
-                out = fn()
-            runs.append((region.violations, region.inputs))
-            return out
-
-        return rerun_capture(checked)
-
-    graphs = VerifyGraphs(method, capture, fused=True)
+    graphs = VerifyGraphs(method, checked_capture(runs), fused=True)
     scaled, q = torch.empty(B, n1, V), torch.empty(B, n1, V)  # the sampler's and the drafter's kept buffers
     for step in range(4):
         g = torch.Generator().manual_seed(step)
@@ -109,21 +118,7 @@ PARENTS = [
 for method in ("univer", "target_only"):
     runs = []
 
-    def capture(fn):
-        first = []
-
-        def checked():
-            if not first:
-                first.append(None)
-                return fn()
-            with GraphDiscipline(allow_allocations=True, constant_fills=True) as region:
-                out = fn()
-            runs.append((region.violations, region.inputs))
-            return out
-
-        return rerun_capture(checked)
-
-    graphs = VerifyGraphs(method, capture, fused=True)
+    graphs = VerifyGraphs(method, checked_capture(runs), fused=True)
     scaled, q = torch.empty(B, 8, V), torch.empty(B, 8, V)
     for step in range(4):
         g = torch.Generator().manual_seed(10 + step)
