@@ -35,9 +35,9 @@ from vllm_univer.tools.graph_discipline import GraphDiscipline
 
 
 
+# rerun_capture whose runs after the warm-up (the captured run and every replay) are
+# checked: (violations, inputs) appended to runs.
 def checked_capture(runs):
-    """``rerun_capture`` whose runs after the warm-up (the captured run and every
-    replay) are checked: (violations, inputs) appended to ``runs``."""
 
     def capture(fn):
         first = []
