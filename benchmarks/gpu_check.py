@@ -321,7 +321,7 @@ def verify_graphs_correctness(device: torch.device, lines: list[str], capture=No
             row = torch.arange(4, device=device).repeat_interleave(reps)
             previous = None
             for _ in range(GRAPH_REPLAYS):
-                out = graphs.verify(tree, batch_tokens, scaled, batch_q, greedy, *options)
+                out, _ = graphs.verify(tree, batch_tokens, scaled, batch_q, greedy, *options)
                 y = out.output_token_ids.gather(1, out.num_accepted.unsqueeze(1)).squeeze(1)
                 cells = row * law[0].numel() + out.end_node * law.shape[-1] + y
                 counts += torch.bincount(cells, minlength=law.numel())

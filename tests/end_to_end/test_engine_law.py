@@ -309,17 +309,26 @@ def test_full_graph_steps_law_equals_target_law(small_models):
     levels from ``DraftLevelGraphs``, the sampled steps' verification from
     ``VerifyGraphs`` (min_p, top-k / top-p and the softmax of the sampler's scaled
     logits, the drafter's q where it lies, tokens, greedy flags and the requests'
-    option values copied in; per-request trees' parents too), for 2x2 at T = 1 and
-    at T = 0.8 with min_p 0.05, top-k 8 and top-p 0.9, and for dynamic trees at
-    T = 1: the law of the first three tokens and of (t3, t4) is the target's."""
+    option values copied in; per-request trees' parents too). Each region clean
+    and its inputs stable over > 100 replays, and the law of the first three
+    tokens and of (t3, t4) the target's, for 2x2 at T = 1; at T = 0.8 with min_p,
+    top-k and top-p; at T = 1.2 with logit_bias, a presence penalty and min_p
+    (path transforms, applied before the replay); dynamic trees at T = 1; and
+    tree "auto" with cuts that change between steps and requests (depths 2, 0,
+    1; 2x2, its chain and dynamic trees), whose chain estimates read the
+    probabilities the replays leave."""
     target, draft = small_models
     prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
     static = {"method": "univer", "model": draft, "tree": "2x2", "verifier": "univer"}
     dynamic = {**static, "tree": "dynamic", "max_nodes": 6, "max_depth": 3, "expand": 1, "max_children": 2}
+    auto = {**static, "tree": "auto", "max_tree": "2x2", "expand": 1, "max_children": 2}
+    path_options = {"min_p": 0.08, "logit_bias": {"4": 2.5, "9": -3.0, "20": 1.5}, "presence_penalty": 0.5}
     cases = [
         (static, {"temperature": 1.0}),
         (static, {"temperature": 0.8, "min_p": 0.05, "top_k": 8, "top_p": 0.9}),
+        (static, {"temperature": 1.2, **path_options}),
         (dynamic, {"temperature": 1.0}),
+        (auto, {"temperature": 1.0}),
     ]
     engines = [
         {
@@ -329,7 +338,9 @@ def test_full_graph_steps_law_equals_target_law(small_models):
         }
         for spec, params in cases
     ]
-    for (spec, params), result in zip(cases, run_engines(engines)):
+    # (The schedules drive the auto engine's cuts; the others have no sizer.)
+    results = run_engines(engines, env={"VLLM_UNIVER_AUTO_DEPTHS": "2,0,1", "VLLM_UNIVER_AUTO_WIDTHS": "1,0,2,0,2"})
+    for (spec, params), result in zip(cases, results):
         label = ("full graphs", spec["tree"], params)
         assert "error" not in result, (label, result.get("error"))
         assert result["verify_graphs"]["replays"] >= 100, (label, result["verify_graphs"])

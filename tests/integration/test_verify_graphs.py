@@ -88,7 +88,7 @@ for method, shape, V, top_k, top_p, min_p in CASES:
         greedy = torch.tensor([False, step % 2 == 1, False])
         scaled.copy_(logits)
         torch.manual_seed(100 + step)
-        got = graphs.verify(tree, tokens, scaled, q, greedy, *options)
+        got, got_p = graphs.verify(tree, tokens, scaled, q, greedy, *options)
         # The eager step on the same inputs and draws (the first step's replay follows
         # the warm-up and the captured run, which drew from the same generator).
         torch.manual_seed(100 + step)
@@ -100,6 +100,7 @@ for method, shape, V, top_k, top_p, min_p in CASES:
         assert torch.equal(got.output_token_ids, want.output_token_ids), (method, step)
         assert torch.equal(got.end_node, want.end_node) and torch.equal(got.num_accepted, want.num_accepted)
         assert torch.equal(scaled, logits), (method, step)  # an input of every replay: left as it is
+        assert torch.equal(got_p, p), (method, step)  # the probabilities verified against, for auto's estimates
     assert graphs.replays == 4 and len(graphs.graphs) == 1, method
     assert len(runs) == 1 + 4, (method, len(runs))  # the captured run, then every replay
     assert all(v == [] for v, _ in runs), (method, runs[0][0])
@@ -130,11 +131,12 @@ for method in ("univer", "target_only"):
         greedy = torch.tensor([False, False, step == 2])
         scaled.copy_(logits)
         torch.manual_seed(200 + step)
-        got = graphs.verify(trees, tokens, scaled, q, greedy, None, TOP_P, None)
+        got, got_p = graphs.verify(trees, tokens, scaled, q, greedy, None, TOP_P, None)
         torch.manual_seed(200 + step)
         for _ in range(3 if step == 0 else 1):
             p = probs_from_scaled(logits.clone(), None, TOP_P)
             want = verify(method, trees, tokens, p, q, greedy=greedy, validate=False, fused=True)
+        assert torch.equal(got_p, p), (method, step)
         assert torch.equal(got.output_token_ids, want.output_token_ids), (method, step)
         assert torch.equal(got.end_node, want.end_node) and torch.equal(got.num_accepted, want.num_accepted)
     assert graphs.replays == 4 and len(graphs.graphs) == 1, method

@@ -184,9 +184,9 @@ class TreeVerificationSampler:
         with self.timers.measure("target_probs"):
             out = self.probs_buffer.get(tuple(tree_logits.shape))
             scaled, greedy = scaled_logits(tree_logits, temperature, transforms, out)
-        if self._replayable(tree, q, q_missing, transforms, sampling_metadata, batch):
+        if self._replayable(tree, q, q_missing, sampling_metadata, batch):
             with self.timers.measure("verifier"):
-                result = self.verify_graphs.verify(
+                replayed = self.verify_graphs.verify(
                     tree,
                     tokens,
                     scaled,
@@ -196,8 +196,9 @@ class TreeVerificationSampler:
                     sampling_metadata.top_p,
                     self.bias_and_min_p.min_p,
                 )
-            if result is not None:
-                return result, None
+            if replayed is not None:
+                result, p = replayed
+                return result, (p, q, greedy)
         with self.timers.measure("target_probs"):
             p = probs_from_scaled(scaled, sampling_metadata.top_k, sampling_metadata.top_p, self.bias_and_min_p.min_p)
         # Trees drafted in an all-greedy step have no q; they belong to greedy
@@ -226,19 +227,15 @@ class TreeVerificationSampler:
             result.output_token_ids[row], result.end_node[row] = one.output_token_ids[0], one.end_node[0]
         return result, (p, q, greedy)
 
-    def _replayable(self, tree, q, q_missing, transforms, sampling_metadata, batch: int) -> bool:
-        """Whether this step's verification may replay a graph (``verify_graphs``): one
-        shape for the batch or per-request trees on shared levels, q for every tree,
-        nothing per step the graph cannot hold
-        (path transforms, seeded requests' generators, ``tree: auto``'s chain
-        estimates, which read p)."""
+    def _replayable(self, tree, q, q_missing, sampling_metadata, batch: int) -> bool:
+        """Whether this step's verification may replay a graph (``verify_graphs``): q
+        for every tree, no seeded request (its own generator, which a graph cannot
+        advance); path transforms were applied before (``scaled_logits``)."""
         return (
             self.verify_graphs is not None
             and isinstance(tree, (TreeSpec, TreeBatch))
             and q is not None
             and q_missing is None
-            and not transforms
-            and self.sizer is None
             and not any(row < batch for row in sampling_metadata.generators)
         )
 

@@ -10,7 +10,9 @@ What the region reads stays put between replays:
 * the scaled logits (``scaled_logits``: path transforms and temperature, written
   by the sampler into its kept probability buffer before the replay; the region
   reads them only: the warm-up run before the capture must leave its inputs as
-  the replay finds them, so the softmax writes the graph's own memory);
+  the replay finds them, so the probabilities go to a buffer of their own, kept
+  for every graph, where ``tree: auto``'s chain estimates read them after the
+  replay);
 * q, the drafter's kept buffer of draft rows (read where it lies);
 * the draft tokens, greedy flags and (where the batch sets them) top-k, top-p
   and min_p values, copied into the graph's own buffers before each replay (a
@@ -28,7 +30,7 @@ reference to the buffers it was captured with, so a replaced one stays alive
 for the graph alone (the scratch holds nothing from one call to the next).
 
 One graph per (tree, or the levels of per-request trees; batch size; which
-options the batch sets; the two kept buffers' addresses and strides):
+options the batch sets; the three kept buffers' addresses and strides):
 q lies in the drafter's buffer, or in the state's reordering buffer when the
 batch's requests come in another order (``TreeState.gather``); a buffer that
 grew moved. A size met at more than ``MAX_CAPTURES_PER_SIZE`` addresses is not
@@ -38,7 +40,7 @@ Random draws use the device's default generator, which a CUDA graph advances at
 every replay. Steps with what the region cannot replay run eagerly (the sampler
 decides: ``TreeVerificationSampler``):
 seeded requests (their own generators), path transforms (penalties,
-masks, logit bias), ``tree: auto`` (its chain estimates read p).
+masks, logit bias).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from ..core.tree import TreeSpec
 from ..core.tree_batch import LevelLayout, TreeBatch
 from .draft_level_graphs import Capture
 from .sampling.target_probs import probs_from_scaled
+from .step_buffer import StepBuffer
 
 # Graphs of one size (its buffers at other addresses) before it is left to run eagerly.
 MAX_CAPTURES_PER_SIZE = 4
@@ -88,6 +91,8 @@ class VerifyGraphs:
         self.method = method
         self.fused = fused
         self.capture = capture
+        # Where the replays write the target's probabilities (one buffer for every graph).
+        self.probs: StepBuffer | None = None
         self.graphs: dict[tuple, _VerifyGraph] = {}
         self.captures: dict[tuple, int] = {}
         self.replays = 0
@@ -102,11 +107,11 @@ class VerifyGraphs:
         top_k: torch.Tensor | None = None,
         top_p: torch.Tensor | None = None,
         min_p: torch.Tensor | None = None,
-    ) -> VerifyOutput | None:
-        """``verify(method, tree, tokens, p, q, greedy)`` with p the target's
-        probabilities from ``scaled`` (left as it is): min_p, top-k / top-p, the
-        softmax (``probs_from_scaled``); None where this size runs eagerly (the
-        caller verifies).
+    ) -> tuple[VerifyOutput, torch.Tensor] | None:
+        """(``verify(method, tree, tokens, p, q, greedy)``, p) with p [B, N+1, V] the
+        target's probabilities from ``scaled`` (left as it is): min_p, top-k / top-p,
+        the softmax (``probs_from_scaled``), in a buffer kept for the replays (valid
+        until the next call); None where this size runs eagerly (the caller verifies).
 
         tree: one shape for the batch, or per-request trees (``TreeBatch``: a graph per
         layout, the parents copied in);
@@ -116,7 +121,10 @@ class VerifyGraphs:
         options = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
         shape = tree.layout if isinstance(tree, TreeBatch) else tree
         size = (shape, tokens.shape[0], *(value is not None for value in options.values()))
-        key = (*size, _layout(scaled), _layout(q))
+        if self.probs is None:
+            self.probs = StepBuffer(scaled.device, keep=True)
+        probs = self.probs.get(tuple(scaled.shape))
+        key = (*size, _layout(scaled), _layout(q), _layout(probs))
         graph = self.graphs.get(key)
         if graph is None:
             captured = self.captures.get(size, 0)
@@ -132,26 +140,27 @@ class VerifyGraphs:
             if value is not None:
                 graph.options[name].copy_(value)
         if graph.replay is None:
-            graph.replay, graph.output = self.capture(lambda: self._region(graph, shape, scaled, q))
+            graph.replay, graph.output = self.capture(lambda: self._region(graph, shape, scaled, q, probs))
             graph.scratch = _top_k_top_p_scratch() if top_k is not None or top_p is not None else []
         graph.replay()
         self.replays += 1
         depth = tree.max_depth
-        return VerifyOutput(graph.output[:, : depth + 1], graph.output[:, depth + 1], graph.output[:, depth + 2])
+        output = VerifyOutput(graph.output[:, : depth + 1], graph.output[:, depth + 1], graph.output[:, depth + 2])
+        return output, probs
 
     def _region(
-        self, graph: _VerifyGraph, shape: TreeSpec | LevelLayout, scaled: torch.Tensor, q: torch.Tensor
+        self, graph: _VerifyGraph, shape: TreeSpec | LevelLayout, scaled: torch.Tensor, q: torch.Tensor, p: torch.Tensor
     ) -> torch.Tensor:
         """The captured region: per-request trees' tables from their parents, the
-        probabilities (out of place: ``scaled`` is an input of every replay), then
-        the verification."""
+        probabilities into p (not in place: ``scaled`` is an input of every replay),
+        then the verification."""
         tree = shape
         if graph.parent is not None:
             tree = TreeBatch(graph.parent, shape, shape.max_children, validate=False)
         if any(value is not None for value in graph.options.values()):
-            p = probs_from_scaled(scaled.clone(), **graph.options, host_reads=False)
+            probs_from_scaled(p.copy_(scaled), **graph.options, host_reads=False)  # in place in p
         else:
-            p = torch.softmax(scaled, dim=-1)
+            torch.ops.aten._softmax.out(scaled, -1, False, out=p)
         result = verify(self.method, tree, graph.tokens, p, q, greedy=graph.greedy, validate=False, fused=self.fused)
         counts = torch.stack([result.num_accepted, result.end_node], 1)
         return torch.cat([result.output_token_ids, counts], 1)
