@@ -156,6 +156,12 @@ for moved, scaled in enumerate(buffers):
     assert (result is None) == (moved >= 4), moved
     assert len(graphs.graphs) == min(moved + 1, 4)
 assert graphs.verify(tree, tokens, buffers[1], q, greedy) is not None and graphs.replays == 5
+# Probabilities past what a kept buffer holds: eager (a new buffer every step), nothing captured.
+from vllm_univer.integration.step_buffer import StepBuffer
+
+graphs = VerifyGraphs("univer", rerun_capture, fused=True)
+graphs.probs = StepBuffer(torch.device("cpu"), keep=True, max_kept_bytes=4 * 7 * V - 1)
+assert graphs.verify(tree, tokens, buffers[0], q, greedy) is None and not graphs.graphs
 print("VERIFY GRAPHS OK")
 """
 

@@ -184,7 +184,7 @@ class TreeVerificationSampler:
         with self.timers.measure("target_probs"):
             out = self.probs_buffer.get(tuple(tree_logits.shape))
             scaled, greedy = scaled_logits(tree_logits, temperature, transforms, out)
-        if self._replayable(tree, q, q_missing, sampling_metadata, batch):
+        if self._replayable(tree, scaled, q, q_missing, sampling_metadata, batch):
             with self.timers.measure("verifier"):
                 replayed = self.verify_graphs.verify(
                     tree,
@@ -227,12 +227,14 @@ class TreeVerificationSampler:
             result.output_token_ids[row], result.end_node[row] = one.output_token_ids[0], one.end_node[0]
         return result, (p, q, greedy)
 
-    def _replayable(self, tree, q, q_missing, sampling_metadata, batch: int) -> bool:
-        """Whether this step's verification may replay a graph (``verify_graphs``): q
-        for every tree, no seeded request (its own generator, which a graph cannot
-        advance); path transforms were applied before (``scaled_logits``)."""
+    def _replayable(self, tree, scaled, q, q_missing, sampling_metadata, batch: int) -> bool:
+        """Whether this step's verification may replay a graph (``verify_graphs``): the
+        scaled logits in the kept buffer (not a fresh one past its size), q for every
+        tree, no seeded request (its own generator, which a graph cannot advance);
+        path transforms were applied before (``scaled_logits``)."""
         return (
             self.verify_graphs is not None
+            and self.probs_buffer.holds(scaled)
             and isinstance(tree, (TreeSpec, TreeBatch))
             and q is not None
             and q_missing is None

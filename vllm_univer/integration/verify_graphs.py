@@ -34,7 +34,10 @@ options the batch sets; the three kept buffers' addresses and strides):
 q lies in the drafter's buffer, or in the state's reordering buffer when the
 batch's requests come in another order (``TreeState.gather``); a buffer that
 grew moved. A size met at more than ``MAX_CAPTURES_PER_SIZE`` addresses is not
-captured again at new ones (buffers that keep moving: it runs eagerly there).
+captured again at new ones (buffers that keep moving: it runs eagerly there);
+nor is a step whose probabilities exceed what a kept buffer holds
+(``StepBuffer.max_kept_bytes``), nor one whose scaled logits the sampler could
+not keep (``TreeVerificationSampler._replayable``).
 
 Random draws use the device's default generator, which a CUDA graph advances at
 every replay. Steps with what the region cannot replay run eagerly (the sampler
@@ -124,6 +127,8 @@ class VerifyGraphs:
         if self.probs is None:
             self.probs = StepBuffer(scaled.device, keep=True)
         probs = self.probs.get(tuple(scaled.shape))
+        if not self.probs.holds(probs):  # past what a buffer keeps: a new one each step, eager
+            return None
         key = (*size, _layout(scaled), _layout(q), _layout(probs))
         graph = self.graphs.get(key)
         if graph is None:
