@@ -8,7 +8,7 @@ after another.
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
 "params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool, "rank_decisions": bool,
 "draft_padding": int, "blind_drafting": bool, "run_every_node": bool, "tree_kinds": bool,
-"draft_graphs": "emulate" | "report", "verify_graphs": "emulate"}]}. A prompt is a string or a
+"draft_graphs": "emulate" | "report", "verify_graphs": "emulate" | "report"}]}. A prompt is a string or a
 list of token ids. Result (the last stdout line, after ``RESULT``): per engine {"error": str} or
 {"calls": [{"outputs": [[token ids], ...], "logprobs": [[{token: logprob}]] per output, when asked
 for, "margins" and "top2" with ``margins``} | {"error": str, "traceback": str}], "spec": {counter:
@@ -24,8 +24,8 @@ value}, and with the options:
 - "draft_graphs" with ``draft_graphs``: {"replays", "sizes"}: the drafter's level forwards replayed from
   ``DraftLevelGraphs`` (``"cuda_graphs": "full"`` on CUDA); with ``"draft_graphs": "emulate"`` attached on
   any device, each graph a rerun checked by ``GraphDiscipline``: also "runs", "violations", "unstable_inputs";
-- "verify_graphs" with ``verify_graphs`` ("emulate" as above): {"replays", "sizes", "runs", "violations",
-  "unstable_inputs"}: sampled steps' verification replayed from ``VerifyGraphs``;
+- "verify_graphs" with ``verify_graphs`` ("report" | "emulate" as above): {"replays", "sizes"} (and with
+  "emulate" "runs", "violations", "unstable_inputs"): sampled steps' verification replayed from ``VerifyGraphs``;
 - ``run_every_node``: the dynamic drafter runs every node of its levels (no result of its own);
 - "tree_kinds" in each call's result with ``tree_kinds``: {"static": steps, "dynamic": steps}, the
   call's steps that drafted one shape for the batch or per-request trees (``LevelLayout``)}.
@@ -250,7 +250,10 @@ def _verify_graphs(worker) -> None:
 def _verify_graph_checks(worker) -> dict:
     univer = worker.model_runner.tree_speculation
     graphs = univer.sampler.verify_graphs
-    return {**univer.verify_graph_checks, "replays": graphs.replays, "sizes": len(graphs.graphs)}
+    if graphs is None:
+        return {"replays": 0, "sizes": 0}
+    checks = getattr(univer, "verify_graph_checks", {})  # "emulate" only
+    return {**checks, "replays": graphs.replays, "sizes": len(graphs.graphs)}
 
 
 def _draft_graph_checks(worker) -> dict:

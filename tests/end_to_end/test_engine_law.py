@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_job import run_engines  # noqa: E402
+from engine_job import CUDA_GRAPHS, run_engines  # noqa: E402
 from tiny_models import build_perturbed_draft, build_tiny_llama  # noqa: E402
 
 from vllm_univer.tools.goodness_of_fit import chi_square_pvalue  # noqa: E402
@@ -227,6 +227,12 @@ def assert_follows_target_law(outputs: list[list[int]], target: str, params: dic
             assert pvalue > 1e-3, (label, i, axes, pvalue)
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def law_engine(target: str, spec: dict, prompts: list, sampling: dict) -> dict:
     """An engine job of the law tests: every prompt sampled once with ``sampling``."""
     return {
@@ -348,6 +354,36 @@ def test_full_graph_steps_law_equals_target_law(small_models):
         for graphs in ("verify_graphs", "draft_graphs"):  # capturable: no sync, inputs that stay put
             assert result[graphs]["violations"] == [] and result[graphs]["unstable_inputs"] == 0, (label, result)
         assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+        assert_follows_target_law(result["calls"][0]["outputs"], target, params, label)
+
+
+@pytest.mark.skipif(not _cuda_available(), reason="real CUDA graphs need a GPU (benchmarks/gpu_engine.sh laws)")
+def test_real_cuda_graphs_law_equals_target_law(small_models):
+    """On a GPU, ``"cuda_graphs": "full"`` with real capture: vLLM's full graphs of
+    batches of whole trees, the draft levels' and the verification's own graphs.
+    The law of the first three tokens and of (t3, t4) is the target's for 2x2 at
+    T = 1, at T = 0.8 with min_p, top-k and top-p (vLLM's Triton top-k / top-p
+    kernel inside the verification graph) and for dynamic trees at T = 1; the
+    draft levels and the verification replayed graphs (> 100 replays each)."""
+    target, draft = small_models
+    prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
+    static = {"method": "univer", "model": draft, "tree": "2x2", "verifier": "univer", "cuda_graphs": "full"}
+    dynamic = {**static, "tree": "dynamic", "max_nodes": 6, "max_depth": 3, "expand": 1, "max_children": 2}
+    cases = [
+        (static, {"temperature": 1.0}),
+        (static, {"temperature": 0.8, "min_p": 0.05, "top_k": 8, "top_p": 0.9}),
+        (dynamic, {"temperature": 1.0}),
+    ]
+    engines = []
+    for spec, params in cases:
+        job = law_engine(target, spec, prompts, {**params, "max_tokens": 4, "ignore_eos": True})
+        job["kwargs"].update(CUDA_GRAPHS)
+        engines.append({**job, "draft_graphs": "report", "verify_graphs": "report"})
+    for (spec, params), result in zip(cases, run_engines(engines)):
+        label = ("real CUDA graphs", spec["tree"], params)
+        assert "error" not in result, (label, result.get("error"))
+        assert result["verify_graphs"]["replays"] >= 100, (label, result["verify_graphs"])
+        assert result["draft_graphs"]["replays"] >= 100, (label, result["draft_graphs"])
         assert_follows_target_law(result["calls"][0]["outputs"], target, params, label)
 
 
