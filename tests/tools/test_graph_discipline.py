@@ -87,3 +87,7 @@ def test_a_scalar_assigned_by_indexing_is_a_constant_fill():
     with GraphDiscipline(constant_fills=True) as checked:
         torch.tensor([1, 2])
     assert any(v.startswith("aten.lift_fresh") for v in checked.violations), checked.violations
+    # Tensors whose values follow from host constants (the sizes a graph is keyed on).
+    with GraphDiscipline(constant_fills=True) as checked:
+        torch.arange(4), torch.ones(2, 2, dtype=torch.bool).tril(), torch.full((3,), -1)
+    assert checked.violations == [], checked.violations

@@ -40,10 +40,10 @@ nor is a step whose probabilities exceed what a kept buffer holds
 not keep (``TreeVerificationSampler._replayable``).
 
 Random draws use the device's default generator, which a CUDA graph advances at
-every replay. Steps with what the region cannot replay run eagerly (the sampler
-decides: ``TreeVerificationSampler``):
-seeded requests (their own generators), path transforms (penalties,
-masks, logit bias).
+every replay. Steps with a seeded request (its own generator) run eagerly, as do
+all-greedy steps, which need no probabilities (the sampler decides:
+``TreeVerificationSampler``). Path transforms (penalties, masks, logit bias)
+are in the scaled logits already.
 """
 
 from __future__ import annotations
