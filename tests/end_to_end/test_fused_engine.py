@@ -63,10 +63,12 @@ SCRIPT = textwrap.dedent("""
     params = [SamplingParams(temperature=t, max_tokens=12, ignore_eos=True) for t in temperatures]
     params[3] = SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
 
-    def run():
+    greedy = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * len(prompts)
+
+    def run(params=params):
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    cpu_paths = run()
+    cpu_paths, cpu_greedy = run(), run(greedy)
     launches = {"draft": 0, "verify": 0}
     draft_fused = triton_draft_children.draft_children_fused
     verify_entry = "fused_wor_step" if verifier == "univer_wor" else "fused_node_weights"
@@ -170,10 +172,12 @@ GRAPHS_SCRIPT = textwrap.dedent("""
     temperatures = [0.0, 1.0, 0.0, 0.7]
     params = [SamplingParams(temperature=t, max_tokens=12, ignore_eos=True) for t in temperatures]
 
-    def run():
+    greedy = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * len(prompts)
+
+    def run(params=params):
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    cpu_paths = run()
+    cpu_paths, cpu_greedy = run(), run(greedy)
     fused_tree_pass.triton_reads = lambda *rows: all(r.stride(-1) == 1 for r in rows)
     tree_drafter.triton_reads = draft_inputs.triton_reads = fused_tree_pass.triton_reads
 
@@ -194,7 +198,10 @@ GRAPHS_SCRIPT = textwrap.dedent("""
         assert len(b) == 12
         if t == 0.0:
             assert a == b, (a, b)
+    sampled = llm.collective_rpc(checks)[0]["verify"]["replays"]
+    assert run(greedy) == cpu_greedy  # all-greedy steps: argmax matching replayed (verify_greedy)
     found = llm.collective_rpc(checks)[0]
+    assert found["verify"]["replays"] >= sampled + 5, (sampled, found)
     print(found)
     for kind, c in found.items():
         assert c["violations"] == [] and c["unstable_inputs"] == 0, (kind, c)
@@ -208,10 +215,11 @@ def test_full_graph_steps_on_the_fused_paths(tiny_pair, verifier):
     """``"cuda_graphs": "full"``'s replays on the CUDA code paths (Triton's
     interpreter; each graph emulated by rerunning its region under
     ``GraphDiscipline``): the draft levels (``DraftLevelGraphs``) and the sampled
-    steps' verification (``VerifyGraphs``, the fused kernels) show no host sync,
-    no copy between devices, no tensor filled from host values (but constants,
-    for the verification), the same storages read at every replay; greedy
-    requests in a mixed batch get the CPU paths' tokens."""
+    steps' verification (``VerifyGraphs``, the fused kernels; all-greedy steps'
+    argmax matching too) show no host sync, no copy between devices, no tensor
+    filled from host values (but constants, for the verification), the same
+    storages read at every replay; greedy requests in a mixed batch, and an
+    all-greedy batch, get the CPU paths' tokens."""
     from engine_job import ENV
 
     out = run_interpreted(GRAPHS_SCRIPT, "GRAPH STEPS OK", *tiny_pair, verifier, env=ENV, timeout=1500)

@@ -12,7 +12,8 @@ the first step's too: the warm-up run before the capture leaves the inputs as
 the replay finds them (a softmax in place of the scaled logits did not). With
 top-k, top-p and / or min_p set (per request, one request with none) the region
 runs them too, and equals the eager probabilities (``probs_from_scaled``).
-Per-request trees (``TreeBatch``, other parents at every step): the same checks.
+Per-request trees (``TreeBatch``, other parents at every step): the same checks;
+all-greedy steps' argmax matching (``verify_greedy``) too.
 Then the bookkeeping: a buffer at another address gets its own graph, up to a
 bound per size; past it, new addresses run eagerly and known ones still replay.
 """
@@ -143,6 +144,29 @@ for method in ("univer", "target_only"):
     assert all(v == [] for v, _ in runs), (method, runs[0][0])
     assert all(inputs == runs[0][1] for _, inputs in runs), method
     print(method, "per-request trees ok")
+
+# All-greedy steps: argmax matching replayed (tokens and argmax copied in), one shape
+# and per-request trees.
+from vllm_univer import verify_greedy
+
+PER_REQUEST = [TreeBatch(torch.tensor(parents), layout.level_sizes, 2) for parents in PARENTS]
+for trees_of_step in ([TreeSpec.parse("2x3")] * 2, PER_REQUEST):
+    runs = []
+    graphs = VerifyGraphs("univer", checked_capture(runs), fused=True)
+    n1 = trees_of_step[0].num_nodes + 1
+    for step in range(4):
+        trees = trees_of_step[step % 2]
+        g = torch.Generator().manual_seed(30 + step)
+        tokens = torch.randint(0, 4, (B, n1), generator=g)
+        argmax = torch.randint(0, 4, (B, n1), generator=g)  # 4 tokens: many matches
+        got = graphs.verify_greedy(trees, tokens, argmax)
+        want = verify_greedy(trees, tokens, argmax)
+        assert torch.equal(got.output_token_ids, want.output_token_ids), step
+        assert torch.equal(got.end_node, want.end_node) and torch.equal(got.num_accepted, want.num_accepted)
+    assert graphs.replays == 4 and len(graphs.graphs) == 1
+    assert len(runs) == 1 + 4 and all(v == [] for v, _ in runs), runs[0][0]
+    assert all(inputs == runs[0][1] for _, inputs in runs)
+    print("greedy", type(trees).__name__, "ok")
 
 # Buffers at new addresses: a graph each, up to the bound; then eager, and known ones still replay.
 tree = TreeSpec.parse("2x2")

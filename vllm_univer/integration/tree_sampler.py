@@ -121,7 +121,11 @@ class TreeVerificationSampler:
                     tree_logits, transforms, out=self.probs_buffer.get(tuple(tree_logits.shape))
                 )
             argmax = tree_logits.argmax(-1)
-            result, rows_for_chain = verify_greedy(trees, tokens, argmax), None
+            if self.verify_graphs is not None and isinstance(trees, (TreeSpec, TreeBatch)):
+                result = self.verify_graphs.verify_greedy(trees, tokens, argmax)
+            else:
+                result = verify_greedy(trees, tokens, argmax)
+            rows_for_chain = None
         else:
             result, rows_for_chain = self._verify_sampled(
                 trees, tokens, q, q_missing, tree_logits, temperature, transforms, sampling_metadata, batch

@@ -39,11 +39,15 @@ nor is a step whose probabilities exceed what a kept buffer holds
 (``StepBuffer.max_kept_bytes``), nor one whose scaled logits the sampler could
 not keep (``TreeVerificationSampler._replayable``).
 
+An all-greedy step's argmax matching (``verify_greedy``, ~27 launches) replays
+a graph of its own per (tree, batch size): the argmax of the processed logits is
+taken outside (vLLM's logits are a new tensor each step) and copied in with the
+draft tokens.
+
 Random draws use the device's default generator, which a CUDA graph advances at
-every replay. Steps with a seeded request (its own generator) run eagerly, as do
-all-greedy steps, which need no probabilities (the sampler decides:
-``TreeVerificationSampler``). Path transforms (penalties, masks, logit bias)
-are in the scaled logits already.
+every replay. Steps with a seeded request (its own generator) run eagerly (the
+sampler decides: ``TreeVerificationSampler``). Path transforms (penalties,
+masks, logit bias) are in the scaled logits already.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from collections.abc import Callable
 import torch
 from vllm.triton_utils import HAS_TRITON
 
-from .. import verify
+from .. import verify, verify_greedy
 from ..core.api import VerifyOutput
 from ..core.tree import TreeSpec
 from ..core.tree_batch import LevelLayout, TreeBatch
@@ -66,19 +70,41 @@ MAX_CAPTURES_PER_SIZE = 4
 
 
 class _VerifyGraph:
-    """One captured size: the buffers it reads, its replay, its output [B, D+3]
-    (the output rows, the accepted count, the end node), and vLLM's top-k / top-p
-    scratch buffers it was captured with (kept alive for its replays)."""
+    """One captured size: the buffers its inputs are copied into before each replay
+    (per-request trees' parents among them), its replay, its output [B, D+3] (the
+    output rows, the accepted count, the end node), and vLLM's top-k / top-p scratch
+    buffers it was captured with (kept alive for its replays)."""
 
-    def __init__(self, tree, tokens: torch.Tensor, greedy: torch.Tensor, options: dict[str, torch.Tensor | None]):
-        # Per-request trees: their parents, the tables built from them inside the region.
-        self.parent = torch.empty_like(tree.parent) if isinstance(tree, TreeBatch) else None
-        self.tokens = torch.empty_like(tokens)
-        self.greedy = torch.empty_like(greedy)
-        self.options = {name: None if value is None else torch.empty_like(value) for name, value in options.items()}
+    def __init__(self, tree, inputs: dict[str, torch.Tensor | None]):
+        if isinstance(tree, TreeBatch):  # the tables are built from them inside the region
+            inputs = {"parent": tree.parent, **inputs}
+        self.inputs = {name: None if value is None else torch.empty_like(value) for name, value in inputs.items()}
         self.replay: Callable[[], None] | None = None
         self.output: torch.Tensor | None = None
         self.scratch: list[torch.Tensor] = []
+
+    def load(self, tree, inputs: dict[str, torch.Tensor | None]) -> None:
+        """Copy this step's inputs (and per-request trees' parents) into the buffers."""
+        if isinstance(tree, TreeBatch):
+            self.inputs["parent"].copy_(tree.parent)
+        for name, value in inputs.items():
+            if value is not None:
+                self.inputs[name].copy_(value)
+
+    def tree(self, shape: TreeSpec | LevelLayout) -> TreeSpec | TreeBatch:
+        """Inside the region: the step's trees, per-request ones from the parents' buffer."""
+        parent = self.inputs.get("parent")
+        return shape if parent is None else TreeBatch(parent, shape, shape.max_children, validate=False)
+
+    def result(self, depth: int) -> VerifyOutput:
+        output = self.output
+        return VerifyOutput(output[:, : depth + 1], output[:, depth + 1], output[:, depth + 2])
+
+
+def _packed(result: VerifyOutput) -> torch.Tensor:
+    """A verification's result as one [B, D+3] tensor (a graph's output)."""
+    counts = torch.stack([result.num_accepted, result.end_node], 1)
+    return torch.cat([result.output_token_ids, counts], 1)
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -131,27 +157,40 @@ class VerifyGraphs:
             return None
         key = (*size, _layout(scaled), _layout(q), _layout(probs))
         graph = self.graphs.get(key)
+        inputs = {"tokens": tokens, "greedy": greedy, **options}
         if graph is None:
             captured = self.captures.get(size, 0)
             if captured >= MAX_CAPTURES_PER_SIZE:  # buffers that keep moving: eager
                 return None
             self.captures[size] = captured + 1
-            graph = self.graphs[key] = _VerifyGraph(tree, tokens, greedy, options)
-        if graph.parent is not None:
-            graph.parent.copy_(tree.parent)
-        graph.tokens.copy_(tokens)
-        graph.greedy.copy_(greedy)
-        for name, value in options.items():
-            if value is not None:
-                graph.options[name].copy_(value)
+            graph = self.graphs[key] = _VerifyGraph(tree, inputs)
+        graph.load(tree, inputs)
         if graph.replay is None:
             graph.replay, graph.output = self.capture(lambda: self._region(graph, shape, scaled, q, probs))
             graph.scratch = _top_k_top_p_scratch() if top_k is not None or top_p is not None else []
         graph.replay()
         self.replays += 1
-        depth = tree.max_depth
-        output = VerifyOutput(graph.output[:, : depth + 1], graph.output[:, depth + 1], graph.output[:, depth + 2])
-        return output, probs
+        return graph.result(tree.max_depth), probs
+
+    def verify_greedy(self, tree: TreeSpec | TreeBatch, tokens: torch.Tensor, argmax: torch.Tensor) -> VerifyOutput:
+        """``verify_greedy(tree, tokens, argmax)`` (an all-greedy step's argmax
+        matching) replayed: tokens, argmax [B, N+1] int64, copied in (the argmax is
+        taken outside, from logits that are vLLM's own tensor each step)."""
+        shape = tree.layout if isinstance(tree, TreeBatch) else tree
+        key = ("greedy", shape, tokens.shape[0])
+        inputs = {"tokens": tokens, "argmax": argmax}
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = _VerifyGraph(tree, inputs)
+        graph.load(tree, inputs)
+        if graph.replay is None:
+            buffers = graph.inputs
+            graph.replay, graph.output = self.capture(
+                lambda: _packed(verify_greedy(graph.tree(shape), buffers["tokens"], buffers["argmax"]))
+            )
+        graph.replay()
+        self.replays += 1
+        return graph.result(tree.max_depth)
 
     def _region(
         self, graph: _VerifyGraph, shape: TreeSpec | LevelLayout, scaled: torch.Tensor, q: torch.Tensor, p: torch.Tensor
@@ -159,16 +198,14 @@ class VerifyGraphs:
         """The captured region: per-request trees' tables from their parents, the
         probabilities into p (not in place: ``scaled`` is an input of every replay),
         then the verification."""
-        tree = shape
-        if graph.parent is not None:
-            tree = TreeBatch(graph.parent, shape, shape.max_children, validate=False)
-        if any(value is not None for value in graph.options.values()):
-            probs_from_scaled(p.copy_(scaled), **graph.options, host_reads=False)  # in place in p
+        buffers = graph.inputs
+        options = {name: buffers[name] for name in ("top_k", "top_p", "min_p")}
+        if any(value is not None for value in options.values()):
+            probs_from_scaled(p.copy_(scaled), **options, host_reads=False)  # in place in p
         else:
             torch.ops.aten._softmax.out(scaled, -1, False, out=p)
-        result = verify(self.method, tree, graph.tokens, p, q, greedy=graph.greedy, validate=False, fused=self.fused)
-        counts = torch.stack([result.num_accepted, result.end_node], 1)
-        return torch.cat([result.output_token_ids, counts], 1)
+        tree, tokens, greedy = graph.tree(shape), buffers["tokens"], buffers["greedy"]
+        return _packed(verify(self.method, tree, tokens, p, q, greedy=greedy, validate=False, fused=self.fused))
 
 
 def _top_k_top_p_scratch() -> list[torch.Tensor]:
