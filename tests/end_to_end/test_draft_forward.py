@@ -188,7 +188,8 @@ def test_whole_trees_under_full_cuda_graphs(tiny_pair, tree):
     """``"cuda_graphs": "full"``: batches of whole trees replay one full graph of the
     target forward (tree attention over the captured size's buffers), mixed batches
     the piecewise graphs; the draft's uniform level forwards replay full graphs of
-    the draft model (``DraftLevelGraphs``). Greedy tokens are the target's alone, and
+    the draft model (``DraftLevelGraphs``), the argmax matching its own
+    (``VerifyGraphs.verify_greedy``). Greedy tokens are the target's alone, and
     trees are accepted as often as under piecewise graphs (a replay on stale plan
     buffers would reject them)."""
     target, draft = tiny_pair
@@ -197,13 +198,18 @@ def test_whole_trees_under_full_cuda_graphs(tiny_pair, tree):
     results = run_engines(
         [
             reference(target, [job], **CUDA_GRAPHS),
-            {**engine(target, [job], {**spec, "cuda_graphs": "full"}, **CUDA_GRAPHS), "draft_graphs": "report"},
+            {
+                **engine(target, [job], {**spec, "cuda_graphs": "full"}, **CUDA_GRAPHS),
+                "draft_graphs": "report",
+                "verify_graphs": "report",
+            },
             engine(target, [job], spec, **CUDA_GRAPHS),
         ]
     )
     full, piecewise = results[1], results[2]
     assert "error" not in full, full.get("error")
     assert full["draft_graphs"]["replays"] > 100, full["draft_graphs"]
+    assert full["verify_graphs"]["replays"] > 20, full["verify_graphs"]  # argmax matching (all greedy)
     assert_greedy_identical(full["calls"][0]["outputs"], results[0]["calls"][0], f"univer {tree} under full graphs")
 
     def accepted_per_draft(result):
