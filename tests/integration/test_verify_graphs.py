@@ -32,29 +32,8 @@ from vllm_univer.core.tree import TreeSpec
 from vllm_univer.integration.draft_level_graphs import rerun_capture
 from vllm_univer.integration.sampling.target_probs import probs_from_scaled
 from vllm_univer.integration.verify_graphs import VerifyGraphs
-from vllm_univer.tools.graph_discipline import GraphDiscipline
+from engine_job import checked_capture
 
-
-
-# rerun_capture whose runs after the warm-up (the captured run and every replay) are
-# checked: (violations, inputs) appended to runs.
-def checked_capture(runs):
-
-    def capture(fn):
-        first = []
-
-        def checked():
-            if not first:  # the warm-up: outside the capture on CUDA
-                first.append(None)
-                return fn()
-            with GraphDiscipline(allow_allocations=True, constant_fills=True) as region:
-                out = fn()
-            runs.append((region.violations, region.inputs))
-            return out
-
-        return rerun_capture(checked)
-
-    return capture
 
 
 B = 3
@@ -76,9 +55,9 @@ for method, shape, V, top_k, top_p, min_p in CASES:
     options = (top_k, top_p, min_p)
     tree = TreeSpec.parse(shape)
     n1 = tree.num_nodes + 1
-    runs = []
+    checks = {}
 
-    graphs = VerifyGraphs(method, checked_capture(runs), fused=True)
+    graphs = VerifyGraphs(method, checked_capture(checks, constant_fills=True), fused=True)
     scaled, q = torch.empty(B, n1, V), torch.empty(B, n1, V)  # the sampler's and the drafter's kept buffers
     for step in range(4):
         g = torch.Generator().manual_seed(step)
@@ -103,9 +82,8 @@ for method, shape, V, top_k, top_p, min_p in CASES:
         assert torch.equal(scaled, logits), (method, step)  # an input of every replay: left as it is
         assert torch.equal(got_p, p), (method, step)  # the probabilities verified against, for auto's estimates
     assert graphs.replays == 4 and len(graphs.graphs) == 1, method
-    assert len(runs) == 1 + 4, (method, len(runs))  # the captured run, then every replay
-    assert all(v == [] for v, _ in runs), (method, runs[0][0])
-    assert all(inputs == runs[0][1] for _, inputs in runs), method
+    assert checks["runs"] == 1 + 4, (method, checks)  # the captured run, then every replay
+    assert checks["violations"] == [] and checks["unstable_inputs"] == 0, (method, checks)
     print(method, shape, [option is not None for option in options], "ok")
 
 # Per-request trees (tree "dynamic"): a TreeBatch on shared levels, other parents at
@@ -118,9 +96,9 @@ PARENTS = [
     [[-1, 0, 0, 1, 2, 2, 5, 5], [-1, 0, 0, 1, 1, 2, 3, 4], [-1, 0, 0, 2, -1, -1, 3, -1]],
 ]
 for method in ("univer", "target_only"):
-    runs = []
+    checks = {}
 
-    graphs = VerifyGraphs(method, checked_capture(runs), fused=True)
+    graphs = VerifyGraphs(method, checked_capture(checks, constant_fills=True), fused=True)
     scaled, q = torch.empty(B, 8, V), torch.empty(B, 8, V)
     for step in range(4):
         g = torch.Generator().manual_seed(10 + step)
@@ -141,8 +119,8 @@ for method in ("univer", "target_only"):
         assert torch.equal(got.output_token_ids, want.output_token_ids), (method, step)
         assert torch.equal(got.end_node, want.end_node) and torch.equal(got.num_accepted, want.num_accepted)
     assert graphs.replays == 4 and len(graphs.graphs) == 1, method
-    assert all(v == [] for v, _ in runs), (method, runs[0][0])
-    assert all(inputs == runs[0][1] for _, inputs in runs), method
+    assert checks["runs"] == 1 + 4, (method, checks)
+    assert checks["violations"] == [] and checks["unstable_inputs"] == 0, (method, checks)
     print(method, "per-request trees ok")
 
 # All-greedy steps: argmax matching replayed (tokens and argmax copied in), one shape
@@ -151,8 +129,8 @@ from vllm_univer import verify_greedy
 
 PER_REQUEST = [TreeBatch(torch.tensor(parents), layout.level_sizes, 2) for parents in PARENTS]
 for trees_of_step in ([TreeSpec.parse("2x3")] * 2, PER_REQUEST):
-    runs = []
-    graphs = VerifyGraphs("univer", checked_capture(runs), fused=True)
+    checks = {}
+    graphs = VerifyGraphs("univer", checked_capture(checks, constant_fills=True), fused=True)
     n1 = trees_of_step[0].num_nodes + 1
     for step in range(4):
         trees = trees_of_step[step % 2]
@@ -164,8 +142,8 @@ for trees_of_step in ([TreeSpec.parse("2x3")] * 2, PER_REQUEST):
         assert torch.equal(got.output_token_ids, want.output_token_ids), step
         assert torch.equal(got.end_node, want.end_node) and torch.equal(got.num_accepted, want.num_accepted)
     assert graphs.replays == 4 and len(graphs.graphs) == 1
-    assert len(runs) == 1 + 4 and all(v == [] for v, _ in runs), runs[0][0]
-    assert all(inputs == runs[0][1] for _, inputs in runs)
+    assert checks["runs"] == 1 + 4, checks
+    assert checks["violations"] == [] and checks["unstable_inputs"] == 0, checks
     print("greedy", type(trees).__name__, "ok")
 
 # Buffers at new addresses: a graph each, up to the bound; then eager, and known ones still replay.

@@ -121,7 +121,7 @@ class TreeVerificationSampler:
                     tree_logits, transforms, out=self.probs_buffer.get(tuple(tree_logits.shape))
                 )
             argmax = tree_logits.argmax(-1)
-            if self.verify_graphs is not None and isinstance(trees, (TreeSpec, TreeBatch)):
+            if self.verify_graphs is not None:
                 result = self.verify_graphs.verify_greedy(trees, tokens, argmax)
             else:
                 result = verify_greedy(trees, tokens, argmax)
@@ -239,7 +239,6 @@ class TreeVerificationSampler:
         return (
             self.verify_graphs is not None
             and self.probs_buffer.holds(scaled)
-            and isinstance(tree, (TreeSpec, TreeBatch))
             and q is not None
             and q_missing is None
             and not any(row < batch for row in sampling_metadata.generators)
