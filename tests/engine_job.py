@@ -8,11 +8,11 @@ after another.
 Job (stdin): {"engines": [{"kwargs": {...LLM kwargs}, "calls": [{"prompts": [...],
 "params": [{...SamplingParams kwargs}, ...]}], "margins": bool, "sizer": bool, "rank_decisions": bool,
 "draft_padding": int, "blind_drafting": bool, "run_every_node": bool, "tree_kinds": bool,
-"draft_graphs": "emulate" | "report", "verify_graphs": "emulate" | "report"}]}. A prompt is a string or a
-list of token ids. Result (the last stdout line, after ``RESULT``): per engine {"error": str} or
-{"calls": [{"outputs": [[token ids], ...], "logprobs": [[{token: logprob}]] per output, when asked
-for, "margins" and "top2" with ``margins``} | {"error": str, "traceback": str}], "spec": {counter:
-value}, and with the options:
+"draft_graphs": "emulate" | "report", "verify_graphs": "emulate" | "report", "target_graphs": bool}]}.
+A prompt is a string or a list of token ids. Result (the last stdout line, after ``RESULT``): per
+engine {"error": str} or {"calls": [{"outputs": [[token ids], ...], "logprobs": [[{token: logprob}]]
+per output, when asked for, "margins" and "top2" with ``margins``} | {"error": str, "traceback":
+str}], "spec": {counter: value}, and with the options:
 
 - "rank_decisions": [{"steps", "digest", "level0_tokens", "draft_rows"}] per worker (level0_tokens:
   per step, the tokens the draft's level 0 ran and the requests drafted; draft_rows: per step, the
@@ -26,6 +26,8 @@ value}, and with the options:
   any device, each graph a rerun checked by ``GraphDiscipline``: also "runs", "violations", "unstable_inputs";
 - "verify_graphs" with ``verify_graphs`` ("report" | "emulate" as above): {"replays", "sizes"} (and with
   "emulate" "runs", "violations", "unstable_inputs"): sampled steps' verification replayed from ``VerifyGraphs``;
+- "target_graphs" with ``"target_graphs": true``: {query tokens per request: forwards}, the target's
+  forwards of real batches under a full CUDA graph (``"cuda_graphs": "full"`` on CUDA);
 - ``run_every_node``: the dynamic drafter runs every node of its levels (no result of its own);
 - "tree_kinds" in each call's result with ``tree_kinds``: {"static": steps, "dynamic": steps}, the
   call's steps that drafted one shape for the batch or per-request trees (``LevelLayout``)}.
@@ -256,6 +258,13 @@ def _verify_graph_checks(worker) -> dict:
     return {**checks, "replays": graphs.replays, "sizes": len(graphs.graphs)}
 
 
+def _target_graph_forwards(worker) -> dict:
+    """{query tokens per request: the target's forwards of real batches under a full
+    CUDA graph} (vLLM's own for whole trees, this package's for ``tree: auto``'s cuts)."""
+    forwards = worker.model_runner.tree_speculation.full_graph_forwards
+    return {str(length): count for length, count in sorted(forwards.items())}
+
+
 def _draft_graph_checks(worker) -> dict:
     univer = worker.model_runner.tree_speculation
     graphs = univer.drafter.level_graphs
@@ -386,6 +395,8 @@ def _run_engine(engine: dict) -> dict:
         result["draft_graphs"] = llm.collective_rpc(_draft_graph_checks)[0]
     if engine.get("verify_graphs"):
         result["verify_graphs"] = llm.collective_rpc(_verify_graph_checks)[0]
+    if engine.get("target_graphs"):
+        result["target_graphs"] = llm.collective_rpc(_target_graph_forwards)[0]
     if engine.get("blind_drafting"):
         result["blind_drafts"] = llm.collective_rpc(_blind_drafts)[0]
     if engine.get("sizer"):  # tree "auto": the depths it chose and what it learnt

@@ -363,27 +363,39 @@ def test_real_cuda_graphs_law_equals_target_law(small_models):
     batches of whole trees, the draft levels' and the verification's own graphs.
     The law of the first three tokens and of (t3, t4) is the target's for 2x2 at
     T = 1, at T = 0.8 with min_p, top-k and top-p (vLLM's Triton top-k / top-p
-    kernel inside the verification graph) and for dynamic trees at T = 1; the
-    draft levels and the verification replayed graphs (> 100 replays each)."""
+    kernel inside the verification graph), for dynamic trees and for ``tree: auto``
+    cut per step at T = 1; the draft levels and the verification replayed graphs
+    (> 100 replays each), the target its full graphs: of whole trees, and with
+    auto of each cut's length (``full_graph_lengths``)."""
     target, draft = small_models
     prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
     static = {"method": "univer", "model": draft, "tree": "2x2", "verifier": "univer", "cuda_graphs": "full"}
     dynamic = {**static, "tree": "dynamic", "max_nodes": 6, "max_depth": 3, "expand": 1, "max_children": 2}
+    auto = {**static, "tree": "auto", "max_tree": "2x2"}
     cases = [
         (static, {"temperature": 1.0}),
         (static, {"temperature": 0.8, "min_p": 0.05, "top_k": 8, "top_p": 0.9}),
         (dynamic, {"temperature": 1.0}),
+        (auto, {"temperature": 1.0}),
     ]
     engines = []
     for spec, params in cases:
         job = law_engine(target, spec, prompts, {**params, "max_tokens": 4, "ignore_eos": True})
         job["kwargs"].update(CUDA_GRAPHS)
-        engines.append({**job, "draft_graphs": "report", "verify_graphs": "report"})
-    for (spec, params), result in zip(cases, run_engines(engines)):
+        engines.append({**job, "draft_graphs": "report", "verify_graphs": "report", "target_graphs": True})
+    # The auto engine's cuts: depths 2, 0, 1 of 2x2 and its chain, the same for every request of a step
+    # (VLLM_UNIVER_AUTO_ONE_DEPTH), so its uniform batches replay the target's graphs of each cut's length.
+    env = {"VLLM_UNIVER_AUTO_DEPTHS": "2,0,1", "VLLM_UNIVER_AUTO_WIDTHS": "1,2", "VLLM_UNIVER_AUTO_ONE_DEPTH": "1"}
+    for (spec, params), result in zip(cases, run_engines(engines, env=env)):
         label = ("real CUDA graphs", spec["tree"], params)
         assert "error" not in result, (label, result.get("error"))
         assert result["verify_graphs"]["replays"] >= 100, (label, result["verify_graphs"])
         assert result["draft_graphs"]["replays"] >= 100, (label, result["draft_graphs"])
+        forwards = result["target_graphs"]
+        if spec["tree"] == "auto":  # 1 + the nodes of 2x2 and of its chain cut to depths 0, 1, 2
+            assert set(forwards) >= {"1", "2", "3", "7"}, (label, forwards)
+        else:  # whole trees alone: vLLM's own graphs
+            assert len(forwards) == 1 and sum(forwards.values()) >= 10, (label, forwards)
         assert_follows_target_law(result["calls"][0]["outputs"], target, params, label)
 
 

@@ -726,6 +726,23 @@ def test_the_sizer_hands_each_request_its_band_depth(monkeypatch):
         assert sizer.requests_at_depth == {0: 2, int(depth[0]): 2}
 
 
+def test_scheduled_depths_per_row_or_one_per_step(monkeypatch):
+    """The test schedule of depth cuts: row i at decision k gets depths[(k + i) % n]
+    (cuts that differ within a batch), and with ``ONE_DEPTH_ENV`` every row
+    depths[k % n] (uniform batches of each cut, what full CUDA graphs per cut replay)."""
+    from vllm_univer.integration.tree_sizer import ONE_DEPTH_ENV, SCHEDULE_ENV
+
+    monkeypatch.setenv(SCHEDULE_ENV, "2,0,1")
+    for one_depth in ("0", "1"):
+        monkeypatch.setenv(ONE_DEPTH_ENV, one_depth)
+        sizer, _ = sizer_on_a_fake_runner([1.0] * 3)
+        steps = [np.broadcast_to(sizer.choose(3)[1], (3,)).tolist() for _ in range(3)]
+        if one_depth == "1":
+            assert sorted(map(tuple, steps)) == [(0, 0, 0), (1, 1, 1), (2, 2, 2)], steps
+        else:
+            assert all(sorted(row) == [0, 1, 2] for row in steps), steps
+
+
 def test_each_request_learns_its_own_acceptance_from_its_band():
     """Requests of one band: a request's hazards are its band's until its own trees
     are seen, then move towards what they accepted (the band's worth

@@ -339,6 +339,103 @@ def patch_worker_warm_up() -> None:
             _wraps_once(worker, "compile_or_warm_up_model", make)
 
 
+def patch_full_graphs_per_tree_length() -> None:
+    """``CudagraphDispatcher.initialize_cudagraph_keys``,
+    ``GPUModelRunner._determine_batch_execution_and_padding`` and
+    ``GPUModelRunner._warmup_and_capture``: FULL graphs of uniform batches for
+    every query length ``tree: auto``'s cuts give (``full_graph_lengths``), beside
+    vLLM's own for the whole tree, under ``"cuda_graphs": "full"``.
+
+    The target runner's dispatcher carries the lengths (``univer_tree_lengths``,
+    set by ``TreeSpeculation``; the drafter's dispatcher has none): its FULL keys
+    gain the added graphs, so vLLM profiles their memory before sizing the KV
+    cache and captures them with its own; each is warmed up and captured with
+    vLLM's dummy batches of its length (``uniform_decode_query_len`` set for that
+    call); a uniform batch of such a length is dispatched to its graph, padded to
+    the next captured batch size, where vLLM's dispatcher would send it piecewise.
+    Data-parallel, LoRA and encoder batches keep vLLM's dispatching."""
+    from vllm.compilation.cuda_graph import CUDAGraphStat
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from .full_graph_lengths import FullGraphLengths
+
+    def make_initialize_keys(original):
+        def initialize_cudagraph_keys(self, cudagraph_mode, *args, **kwargs):
+            original(self, cudagraph_mode, *args, **kwargs)
+            lengths = getattr(self, "univer_tree_lengths", None)
+            self.univer_full_graphs = None
+            if not lengths or not (
+                cudagraph_mode.decode_mode() == CUDAGraphMode.FULL and cudagraph_mode.separate_routine()
+            ):
+                return
+            graphs = FullGraphLengths(
+                lengths,
+                self.uniform_decode_query_len,
+                self.compilation_config.max_cudagraph_capture_size,
+                self.vllm_config.scheduler_config.max_num_seqs,
+            )
+            self.univer_full_graphs = graphs
+            for desc in graphs.descriptors():
+                self.add_cudagraph_key(CUDAGraphMode.FULL, desc)
+
+        return initialize_cudagraph_keys
+
+    def make_determine(original):
+        def _determine_batch_execution_and_padding(
+            self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, *args, **kwargs
+        ):
+            graphs = getattr(self.cudagraph_dispatcher, "univer_full_graphs", None)
+            desc = None
+            if (
+                graphs is not None
+                and kwargs.get("force_uniform_decode") is not False
+                and not kwargs.get("force_eager", False)
+                and not kwargs.get("force_has_lora", False)
+                and not kwargs.get("num_encoder_reqs", 0)
+                and self.lora_config is None
+                and self.vllm_config.parallel_config.data_parallel_size == 1
+            ):
+                desc = graphs.descriptor(num_tokens, num_reqs, max_num_scheduled_tokens)
+            if desc is None:
+                return original(
+                    self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, *args, **kwargs
+                )
+            stats = None
+            if self.vllm_config.observability_config.cudagraph_metrics:
+                padding = desc.num_tokens - num_tokens
+                stats = CUDAGraphStat(num_tokens, desc.num_tokens, padding, str(CUDAGraphMode.FULL))
+            return CUDAGraphMode.FULL, desc, False, None, stats
+
+        return _determine_batch_execution_and_padding
+
+    def make_warmup_and_capture(original):
+        def _warmup_and_capture(self, desc, *args, **kwargs):
+            graphs = getattr(self.cudagraph_dispatcher, "univer_full_graphs", None)
+            length = desc.num_tokens // desc.num_reqs if desc.uniform and desc.num_reqs else None
+            if graphs is None or length not in graphs.batch_sizes:
+                return original(self, desc, *args, **kwargs)
+            vllm_length, self.uniform_decode_query_len = self.uniform_decode_query_len, length
+            # The draft's dummy forwards (one per tree level, eager under a FULL capture)
+            # warm nothing the target's graph needs: skipped on this instance.
+            drafter = getattr(self, "drafter", None)
+            if drafter is not None:
+                drafter.dummy_run = lambda *args, **kwargs: None
+            try:
+                return original(self, desc, *args, **kwargs)
+            finally:
+                self.uniform_decode_query_len = vllm_length
+                if drafter is not None:
+                    del drafter.dummy_run
+
+        return _warmup_and_capture
+
+    _wraps_once(CudagraphDispatcher, "initialize_cudagraph_keys", make_initialize_keys)
+    _wraps_once(GPUModelRunner, "_determine_batch_execution_and_padding", make_determine)
+    _wraps_once(GPUModelRunner, "_warmup_and_capture", make_warmup_and_capture)
+
+
 def patch_cpu_expand_kernel() -> None:
     """``vllm.utils.cpu_triton_utils._expand_kernel_impl``: vLLM 0.32.0's CPU stand-in
     for its Triton expand kernel hands the C++ op an int64 copy of a float output,
@@ -428,6 +525,7 @@ ALL_PATCHES = (
     patch_structured_output_manager,
     patch_proposer_dummy_run,
     patch_worker_warm_up,
+    patch_full_graphs_per_tree_length,
     patch_cpu_expand_kernel,
     patch_spec_decoding_prom,
     patch_aot_artifact_finalize_loading,

@@ -58,8 +58,9 @@ from .sampling.request_options import has_structured_output
 logger = init_logger(__name__)
 
 # Test hook: a fixed cycle of depth cuts, "2,0,3" -> batch row i at decision k is
-# cut to depths[(k + i) % 3] (cuts that change between steps and within a batch),
-# in place of the choice; the measurements still run.
+# cut to depths[(k + i) % 3] (cuts that change between steps and within a batch;
+# with ONE_DEPTH_ENV, depths[k % 3] for every row), in place of the choice; the
+# measurements still run.
 SCHEDULE_ENV = "VLLM_UNIVER_AUTO_DEPTHS"
 # Test hook: a fixed cycle of width cuts, "1,2" -> decision k drafts max_tree.width_cut(widths[k % 2])
 # (0: the dynamic trees, where a budget makes them a candidate)
@@ -70,8 +71,9 @@ WIDTH_SCHEDULE_ENV = "VLLM_UNIVER_AUTO_WIDTHS"
 # every band's acceptance model starts there and learns nothing (random-weight models
 # accept nothing; ``benchmarks/gpu_engine.py`` gives the choice the real pair's acceptance).
 FIXED_HAZARDS_ENV = "VLLM_UNIVER_AUTO_HAZARDS"
-# Benchmark hook: "1" gives every request of a step the chosen cut's depth (no depths of their own,
-# per group of requests): ``benchmarks/engine_ab.py``'s row "univer auto one depth".
+# Benchmark and test hook: "1" gives every request of a step the chosen (or scheduled) cut's depth
+# (no depths of their own, per group of requests): ``benchmarks/engine_ab.py``'s row "univer auto
+# one depth"; uniform batches of each cut under full CUDA graphs (``full_graph_lengths``).
 ONE_DEPTH_ENV = "VLLM_UNIVER_AUTO_ONE_DEPTH"
 # Forwards are timed at start-up up to this many query tokens (compute-bound beyond: linear).
 CALIBRATION_MAX_TOKENS = 128
@@ -297,7 +299,8 @@ class TreeSizer:
             depth = self.chooser.request_depths
         if self._schedule is not None:
             cycle = np.asarray(self._schedule)
-            depth = cycle[(self._decisions + np.arange(batch)) % len(cycle)]
+            rows = np.arange(batch) if self._own_depths else np.zeros(batch, dtype=np.int64)
+            depth = cycle[(self._decisions + rows) % len(cycle)]
         if self._tp_group is not None:
             cut, depth = self._tp_group.broadcast_object((cut, depth), src=0)
         shape = self.shapes[cut.shape]

@@ -8,6 +8,8 @@ consecutive cache slots) and the tree attention plan for their rows.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 
@@ -18,6 +20,7 @@ from .attention.tree_attention_plan import TreeAttentionPlan, backend_kind, chec
 from .attention.tree_graph_plans import TreeGraphPlans, uniform_batch_plan
 from .draft_level_graphs import Capture, DraftLevelGraphs, cuda_graph_capture
 from .dynamic_tree_drafter import DynamicTreeDrafter
+from .full_graph_lengths import cut_query_lengths
 from .host_to_device import upload, upload_packed
 from .sampling.request_options import has_structured_output
 from .step_buffer import StepBuffer
@@ -63,9 +66,14 @@ class TreeSpeculation:
         self._kv_views = None
         # Full CUDA graphs of batches of whole trees (opt-in; CUDA only).
         self.graph_plans = None
+        self.full_graph_forwards: Counter[int] = Counter()  # real batches under full graphs, per query length
         self._graph_batch: np.ndarray | None = None  # cached tokens per request of the batch being prepared
         if config.cuda_graphs == "full" and torch.device(runner.device).type == "cuda":
-            self.graph_plans = TreeGraphPlans(self.tree.num_nodes + 1, runner.max_model_len)
+            query_lens = {self.tree.num_nodes + 1}
+            if self.sizer is not None:  # full graphs of the target for auto's cuts too
+                runner.cudagraph_dispatcher.univer_tree_lengths = cut_query_lengths(config.tree_shapes)
+                query_lens |= runner.cudagraph_dispatcher.univer_tree_lengths
+            self.graph_plans = TreeGraphPlans(query_lens, runner.max_model_len)
             capture = cuda_graph_capture()
             self.use_draft_level_graphs(capture)
             self.use_verify_graphs(capture)
@@ -207,23 +215,24 @@ class TreeSpeculation:
             metadata.tree_plan = plan
 
     def _full_graph_plan(self, plan, computed, num_tokens_padded: int, max_query_len: int, attn_metadata):
-        """A forward under a full CUDA graph: a uniform batch of N + 1 tokens per
-        request reads the captured size's buffers, every request's rows written in
-        (``computed``: their cached tokens; None for vLLM's dummy forwards); any other
-        batch carries no tree (vLLM dispatches trees cut short to piecewise graphs)."""
-        num_tree_tokens = self.graph_plans.num_tree_tokens
-        if max_query_len != num_tree_tokens:
+        """A forward under a full CUDA graph: a uniform batch of trees (N + 1 tokens
+        per request, or with ``tree: auto`` a cut's length) reads the captured
+        graph's buffers, every request's rows written in (``computed``: their cached
+        tokens; None for vLLM's dummy forwards); any other batch carries no tree
+        (vLLM dispatches mixed batches to piecewise graphs)."""
+        if max_query_len not in self.graph_plans.query_lens:
             if plan is not None:
                 raise RuntimeError(
-                    f"a full CUDA graph forward of up to {max_query_len} tokens per request carries trees of "
-                    f"{num_tree_tokens} positions"
+                    f"a full CUDA graph forward of up to {max_query_len} tokens per request carries trees; "
+                    f"graphs of trees have {sorted(self.graph_plans.query_lens)} positions"
                 )
             return None
         if computed is not None:
             context = upload(computed, self.runner.device)
-            plan = uniform_batch_plan(plan, context, int(computed.max()), num_tree_tokens)
+            plan = uniform_batch_plan(plan, context, int(computed.max()), max_query_len)
+            self.full_graph_forwards[max_query_len] += 1
         table = next(iter(attn_metadata.values())).block_table
-        return self.graph_plans.for_forward(num_tokens_padded, plan, table)
+        return self.graph_plans.for_forward(num_tokens_padded, max_query_len, plan, table)
 
     def calibrate(self) -> None:
         """After vLLM's warm-up: time the forwards ``tree: auto`` chooses with."""

@@ -181,10 +181,10 @@ GRAPH_REPLAY = RECORDER + textwrap.dedent("""
     layers = [torch.randn(64, KV_HEADS, 16, 2 * DH, generator=gen) for _ in range(2)]  # vLLM's CUDA cache layout
     query = torch.zeros(PADDED_REQS * N1, HEADS * DH)  # the graph's static tensors
     output = torch.zeros_like(query)
-    graphs = TreeGraphPlans(N1, MAX_LEN)
+    graphs = TreeGraphPlans({N1}, MAX_LEN)
 
     table = torch.randperm(64, generator=gen)[:48].view(6, 8).int()
-    captured = graphs.for_forward(PADDED_REQS * N1, None, table)  # the dummy forward of capture
+    captured = graphs.for_forward(PADDED_REQS * N1, N1, None, table)  # the dummy forward of capture
     with recorded_launches() as launches:
         for kv in layers:
             meta = SimpleNamespace(block_table=table)
@@ -210,7 +210,7 @@ GRAPH_REPLAY = RECORDER + textwrap.dedent("""
     ]
     for plan, mask in steps:
         reqs = mask.shape[0]
-        assert graphs.for_forward(PADDED_REQS * N1, plan, table) is captured
+        assert graphs.for_forward(PADDED_REQS * N1, N1, plan, table) is captured
         rows = torch.arange(reqs * N1).view(reqs, N1)
         for (name, grid, args), kv in zip(launches, layers):  # the replay, layer by layer (one static output here)
             query.copy_(torch.randn(query.shape, generator=gen))
@@ -244,18 +244,45 @@ def test_graph_plans_are_written_without_a_host_sync():
     from vllm_univer.integration.attention.tree_graph_plans import TreeGraphPlans, uniform_batch_plan
     from vllm_univer.tools.graph_discipline import GraphDiscipline
 
-    graphs = TreeGraphPlans(6, 128)
+    graphs = TreeGraphPlans({6}, 128)
     table = torch.arange(48, dtype=torch.int32).view(6, 8)
     tree_plan = _plan(2)
     tree_plan.request_index = torch.tensor([0, 2])
     with GraphDiscipline() as host:
         plan = uniform_batch_plan(tree_plan, torch.tensor([10, 3, 10]), 10, 6)
-        graph_plan = graphs.for_forward(24, plan, table)
+        graph_plan = graphs.for_forward(24, 6, plan, table)
     assert not [v for v in host.violations if "host" in v or "between devices" in v], host.violations
     buffers = graph_plan.buffers
     assert buffers.row_valid[:3].all() and not buffers.row_valid[3:].any()
     assert torch.equal(buffers.mask[1].bool(), torch.ones(6, 6, dtype=torch.bool).tril())  # the prompt chunk
     assert torch.equal(buffers.mask[2].bool(), tree_plan.mask[1])
     assert torch.equal(buffers.query_rows[:3], torch.arange(18).view(3, 6))
-    assert graphs.for_forward(24, None, table) is graph_plan and not buffers.row_valid.any()
-    assert graphs.for_forward(12, None, table) is not graph_plan
+    assert graphs.for_forward(24, 6, None, table) is graph_plan and not buffers.row_valid.any()
+    assert graphs.for_forward(12, 6, None, table) is not graph_plan
+
+
+def test_graph_plans_per_query_length():
+    """``tree: auto``'s cuts under full graphs: one plan per (padded tokens, query
+    tokens per request), each of its own length; a length without graphs fails
+    clearly; a tree of fewer positions than the batch's length (drafted for a larger
+    shape, not verified this step) keeps causal rows past its own."""
+    from vllm_univer.integration.attention.tree_graph_plans import TreeGraphPlans, uniform_batch_plan
+
+    graphs = TreeGraphPlans({3, 6}, 128)
+    table = torch.arange(48, dtype=torch.int32).view(6, 8)
+    whole = graphs.for_forward(12, 6, uniform_batch_plan(_plan(2), torch.tensor([10, 10]), 10, 6), table)
+    cut = graphs.for_forward(12, 3, uniform_batch_plan(_plan(4, queries=3), torch.tensor([10] * 4), 10, 3), table)
+    assert cut is not whole and cut.buffers.mask.shape == (4, 3, 3) and whole.buffers.mask.shape == (2, 6, 6)
+    assert torch.equal(cut.buffers.mask[3].bool(), _plan(1, queries=3).mask[0])
+    assert graphs.for_forward(12, 3, None, table) is cut
+    with pytest.raises(ValueError, match="no full-graph tree plan for 4 tokens per request"):
+        graphs.for_forward(12, 4, None, table)
+
+    smaller = _plan(1, queries=4)
+    smaller.request_index = torch.tensor([1])
+    mask = uniform_batch_plan(smaller, torch.tensor([5, 7]), 7, 6).mask
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert torch.equal(mask[0], causal)
+    expected = causal.clone()
+    expected[:4, :4] = smaller.mask[0]
+    assert torch.equal(mask[1], expected)

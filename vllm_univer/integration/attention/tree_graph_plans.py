@@ -3,9 +3,10 @@
 Under ``FULL_AND_PIECEWISE`` vLLM captures, per padded token count, one graph
 of the whole target forward for uniform decode batches: every request with
 1 + num_speculative_tokens query tokens, which for tree speculation is a batch
-of whole trees (N + 1 positions each). Mixed batches (prompts, trees cut
-short, ``tree: auto``'s cuts) keep the piecewise graphs and the per-step
-``TreeAttentionPlan``.
+of whole trees (N + 1 positions each); with ``tree: auto``, this package adds
+graphs of uniform batches of each cut's length (``full_graph_lengths``). Mixed
+batches (prompts, trees cut short by the scheduler, requests cut to different
+depths) keep the piecewise graphs and the per-step ``TreeAttentionPlan``.
 
 A graph replays the launches of its capture, so such a forward's attention
 layers get a ``GraphTreePlan`` instead: the captured size's ``TreePlanBuffers``
@@ -19,7 +20,7 @@ padding row's output is never read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,36 +74,38 @@ class GraphTreePlan:
 
 
 class TreeGraphPlans:
-    """One ``GraphTreePlan`` per padded token count vLLM captures a graph for.
+    """One ``GraphTreePlan`` per graph vLLM captures of uniform batches of trees:
+    per (padded token count, query tokens per request).
 
-    num_tree_tokens: N + 1, the query tokens of each request in a uniform batch;
-    max_model_len: the engine's (fixes every launch's key splits).
-    """
+    query_lens: the query tokens of each request in a uniform batch a full graph
+    may run: N + 1 (the whole tree), and with ``tree: auto`` the lengths of its
+    cuts (``full_graph_lengths``); max_model_len: the engine's (fixes every
+    launch's key splits)."""
 
-    def __init__(self, num_tree_tokens: int, max_model_len: int):
-        self.num_tree_tokens = num_tree_tokens
+    def __init__(self, query_lens: Iterable[int], max_model_len: int):
+        self.query_lens = frozenset(query_lens)
         self.max_model_len = max_model_len
-        self.plans: dict[int, GraphTreePlan] = {}
+        self.plans: dict[tuple[int, int], GraphTreePlan] = {}
 
     def for_forward(
-        self, num_tokens_padded: int, plan: TreeAttentionPlan | None, block_table: torch.Tensor
+        self, num_tokens_padded: int, query_len: int, plan: TreeAttentionPlan | None, block_table: torch.Tensor
     ) -> GraphTreePlan:
         """The plan of a forward of uniform batch vLLM runs under a full graph,
-        padded to ``num_tokens_padded`` tokens: that size's buffers with ``plan``
-        written in (every request of the batch, ``uniform_batch_plan``), or cleared
-        (None: a dummy forward). block_table: the forward's [B, blocks] table."""
-        graph_plan = self.plans.get(num_tokens_padded)
-        if graph_plan is None:
-            max_reqs = -(-num_tokens_padded // self.num_tree_tokens)
-            buffers = TreePlanBuffers(
-                max_reqs,
-                self.num_tree_tokens,
-                self.num_tree_tokens,
-                block_table.shape[1],
-                self.max_model_len,
-                block_table.device,
+        ``query_len`` tokens per request, padded to ``num_tokens_padded`` tokens:
+        that graph's buffers with ``plan`` written in (every request of the batch,
+        ``uniform_batch_plan``), or cleared (None: a dummy forward).
+        block_table: the forward's [B, blocks] table."""
+        if query_len not in self.query_lens:
+            raise ValueError(
+                f"no full-graph tree plan for {query_len} tokens per request (have {sorted(self.query_lens)})"
             )
-            graph_plan = self.plans[num_tokens_padded] = GraphTreePlan(buffers)
+        graph_plan = self.plans.get((num_tokens_padded, query_len))
+        if graph_plan is None:
+            max_reqs = -(-num_tokens_padded // query_len)
+            buffers = TreePlanBuffers(
+                max_reqs, query_len, query_len, block_table.shape[1], self.max_model_len, block_table.device
+            )
+            graph_plan = self.plans[num_tokens_padded, query_len] = GraphTreePlan(buffers)
         if plan is None:
             graph_plan.clear()
         else:
@@ -113,8 +116,8 @@ class TreeGraphPlans:
 def uniform_batch_plan(
     tree_plan: TreeAttentionPlan | None, context_lens: torch.Tensor, max_context_len: int, num_tree_tokens: int
 ) -> TreeAttentionPlan:
-    """Every request of a uniform batch (each with T = N + 1 query tokens, in batch
-    order) as a plan row: the trees' rows from ``tree_plan`` (their ancestor masks),
+    """Every request of a uniform batch (each with T query tokens, in batch order)
+    as a plan row: the trees' rows from ``tree_plan`` (their ancestor masks),
     every other request (a prompt chunk of exactly T tokens, which vLLM's
     dispatcher counts as uniform too) causal: token t sees the chunk's tokens up to t.
 
@@ -124,7 +127,12 @@ def uniform_batch_plan(
     device = context_lens.device
     mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(batch, t, t).clone()
     if tree_plan is not None:
-        mask[tree_plan.request_index] = tree_plan.mask.to(torch.bool).expand(len(tree_plan.request_index), t, t)
+        # A tree of fewer positions than T (a request drafted for a larger shape than
+        # this step's, whose tree is not verified): its rows past the tree stay causal,
+        # as vLLM's own kernel computes them outside full graphs.
+        m = tree_plan.mask.shape[-1]
+        reqs = tree_plan.request_index
+        mask[reqs, :m, :m] = tree_plan.mask.to(torch.bool).expand(len(reqs), m, m)
     return TreeAttentionPlan(
         query_rows=torch.arange(batch * t, device=device).view(batch, t),
         row_valid=None,
