@@ -112,6 +112,9 @@ ROWS = [
     # tree auto (max_tree 2x5): its choice runs on this machine's costs and on the study's
     # acceptance (fixed hazards, ``auto_hazards``); tau: the study's, over the cuts it drafted.
     ("univer auto", {"method": "univer", "tree": "auto"}, ("auto", "univer")),
+    # The same under full CUDA graphs: the target's own graphs for each cut's length (full_graph_lengths),
+    # so a step cut to a chain or a shallower tree replays a graph as the whole tree does.
+    ("univer auto full graphs", {"method": "univer", "tree": "auto", "cuda_graphs": "full"}, ("auto", "univer")),
     ("vLLM chain k=5", {"method": "draft_model", "num_speculative_tokens": 5}, ("1x5", "token")),
     ("univer 2x5", {"method": "univer", "tree": "2x5"}, ("2x5", "univer")),
     ("univer 3x3", {"method": "univer", "tree": "3x3"}, ("3x3", "univer")),

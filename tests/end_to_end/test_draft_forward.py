@@ -183,18 +183,20 @@ def test_trees_drafted_under_cuda_graphs(tiny_pair):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (benchmarks/gpu_engine.sh graphs)")
-@pytest.mark.parametrize("tree", ["2x3", "dynamic"])
+@pytest.mark.parametrize("tree", ["2x3", "dynamic", "auto"])
 def test_whole_trees_under_full_cuda_graphs(tiny_pair, tree):
     """``"cuda_graphs": "full"``: batches of whole trees replay one full graph of the
     target forward (tree attention over the captured size's buffers), mixed batches
     the piecewise graphs; the draft's uniform level forwards replay full graphs of
     the draft model (``DraftLevelGraphs``), the argmax matching its own
-    (``VerifyGraphs.verify_greedy``). Greedy tokens are the target's alone, and
-    trees are accepted as often as under piecewise graphs (a replay on stale plan
-    buffers would reject them)."""
+    (``VerifyGraphs.verify_greedy``). ``tree: auto`` cut per step (depths 3, 0, 2,
+    1 of 2x3 and its chain, one depth per step): each cut's uniform batches replay
+    the target's graph of its length (``full_graph_lengths``). Greedy tokens are the
+    target's alone, and trees are accepted as often as under piecewise graphs (a
+    replay on stale plan buffers would reject them)."""
     target, draft = tiny_pair
     job = call(prompts(6, seed=3), temperature=0.0, max_tokens=60, ignore_eos=True)
-    spec = univer(draft, tree)
+    spec = auto(draft, "2x3") if tree == "auto" else univer(draft, tree)
     results = run_engines(
         [
             reference(target, [job], **CUDA_GRAPHS),
@@ -202,14 +204,20 @@ def test_whole_trees_under_full_cuda_graphs(tiny_pair, tree):
                 **engine(target, [job], {**spec, "cuda_graphs": "full"}, **CUDA_GRAPHS),
                 "draft_graphs": "report",
                 "verify_graphs": "report",
+                "target_graphs": True,
             },
             engine(target, [job], spec, **CUDA_GRAPHS),
-        ]
+        ],
+        env={**AUTO_SCHEDULE, "VLLM_UNIVER_AUTO_ONE_DEPTH": "1"},  # auto: every cut of 2x3 and 1x3 in turn
     )
     full, piecewise = results[1], results[2]
     assert "error" not in full, full.get("error")
     assert full["draft_graphs"]["replays"] > 100, full["draft_graphs"]
     assert full["verify_graphs"]["replays"] > 20, full["verify_graphs"]  # argmax matching (all greedy)
+    if tree == "auto":  # 1 + the nodes of 2x3 cut to depths 0..3 and of its chain 1x3 cut to 1..3
+        assert set(full["target_graphs"]) >= {"1", "2", "3", "4", "7", "15"}, full["target_graphs"]
+    else:
+        assert sum(full["target_graphs"].values()) > 20, full["target_graphs"]
     assert_greedy_identical(full["calls"][0]["outputs"], results[0]["calls"][0], f"univer {tree} under full graphs")
 
     def accepted_per_draft(result):
