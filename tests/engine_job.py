@@ -249,6 +249,37 @@ def _verify_graphs(worker) -> None:
     univer.use_verify_graphs(checked_capture(univer.verify_graph_checks, constant_fills=True))
 
 
+def _target_graphs(worker) -> None:
+    """Make this worker's runner dispatch uniform batches as under vLLM's
+    FULL_DECODE_ONLY CUDA graphs (as ``"cuda_graphs": "full"`` does on CUDA, where
+    the mode is FULL_AND_PIECEWISE): vLLM's keys for whole trees and, with
+    ``tree: auto``, this package's for each cut's length (``full_graph_lengths``).
+    Nothing is captured on CPU: such a forward runs eagerly but as a replay would,
+    padded to the graph's batch size, its attention metadata padded, the tree rows
+    planned in the graph's buffers (``TreeGraphPlans``). Mixed batches run as
+    before (no piecewise graphs on CPU)."""
+    from vllm.config import CUDAGraphMode
+
+    from vllm_univer.integration.attention.tree_graph_plans import TreeGraphPlans
+    from vllm_univer.integration.full_graph_lengths import cut_query_lengths
+
+    runner = worker.model_runner
+    univer = runner.tree_speculation
+    config = runner.speculative_config.univer
+    main = runner.uniform_decode_query_len
+    lengths = {main}
+    if config.auto:
+        lengths |= cut_query_lengths(config.tree_shapes)
+    compilation = runner.compilation_config
+    max_tokens = main * runner.scheduler_config.max_num_seqs
+    compilation.cudagraph_capture_sizes = [main * b for b in range(1, runner.scheduler_config.max_num_seqs + 1)]
+    compilation.max_cudagraph_capture_size = max_tokens
+    dispatcher = runner.cudagraph_dispatcher
+    dispatcher.univer_tree_lengths = lengths
+    dispatcher.initialize_cudagraph_keys(CUDAGraphMode.FULL_DECODE_ONLY, main)
+    univer.graph_plans = TreeGraphPlans(lengths, runner.max_model_len)
+
+
 def _verify_graph_checks(worker) -> dict:
     univer = worker.model_runner.tree_speculation
     graphs = univer.sampler.verify_graphs
@@ -361,6 +392,8 @@ def _run_engine(engine: dict) -> dict:
         llm.collective_rpc(_draft_graphs)
     if engine.get("verify_graphs") == "emulate":
         llm.collective_rpc(_verify_graphs)
+    if engine.get("target_graphs") == "emulate":
+        llm.collective_rpc(_target_graphs)
     calls = []
     for call in engine["calls"]:
         try:

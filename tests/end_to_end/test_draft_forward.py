@@ -149,6 +149,57 @@ def test_level_forwards_under_full_graphs(tiny_pair):
         assert plain["rank_decisions"][0]["digest"] == graphs["rank_decisions"][0]["digest"], label
 
 
+def test_whole_full_graph_path_emulated(tiny_pair):
+    """``"cuda_graphs": "full"`` as a whole, emulated on CPU: the target's uniform
+    batches dispatched as under full CUDA graphs (``engine_job._target_graphs``:
+    vLLM's FULL keys for whole trees and, with ``tree: auto``, this package's for
+    each cut's length, ``full_graph_lengths``; padded to the graph's batch size,
+    attention metadata padded, tree rows planned in the graph's buffers), the draft
+    levels and the verification replayed from their graphs' buffers. Greedy tokens
+    are the target's alone, trees are accepted as often as without graphs (rows
+    planned on stale buffers would reject them); 2x3, dynamic trees and ``tree:
+    auto`` cut per step (one cut for every request), whose uniform batches ran the
+    target's forwards of each cut's length (a cut's tree rows planned causal, as a
+    chain's, fails it)."""
+    target, draft = tiny_pair
+    job = call(prompts(6, seed=3), temperature=0.0, max_tokens=40, ignore_eos=True)
+    configs = [
+        univer(draft, "2x3"),
+        {**univer(draft, "dynamic"), "max_nodes": 8, "max_depth": 4, "expand": 2, "max_children": 2},
+        auto(draft, "2x3"),
+    ]
+    graphs = {"draft_graphs": "emulate", "verify_graphs": "emulate", "target_graphs": "emulate"}
+    engines = [reference(target, [job])]
+    for config in configs:
+        engines += [engine(target, [job], config), {**engine(target, [job], config), **graphs}]
+    # tree auto, one cut per step: 2x3 to depth 2, 1, 0, its chain to 3, 2x3 whole; 3 steps in 5 trees.
+    schedule = {"VLLM_UNIVER_AUTO_DEPTHS": "2,1,0,3,3", "VLLM_UNIVER_AUTO_WIDTHS": "2,2,2,1,2"}
+    results = run_engines(engines, env={**schedule, "VLLM_UNIVER_AUTO_ONE_DEPTH": "1"})
+    for config, plain, full in zip(configs, results[1::2], results[2::2]):
+        label = f"univer {config['tree']} under emulated full graphs"
+        assert "error" not in full and "error" not in full["calls"][0], (label, full)
+        assert_greedy_identical(full["calls"][0]["outputs"], results[0]["calls"][0], label)
+        forwards = {int(length): count for length, count in full["target_graphs"].items()}
+        if config["tree"] == "auto":  # 1 + the nodes of 2x3 cut to depths 0, 1, 2, 3 and of its chain cut to 3
+            assert set(forwards) == {1, 3, 4, 7, 15}, (label, forwards)
+        else:  # whole trees: vLLM's own graphs (2x3: 15 positions; the dynamic trees' levels: 9)
+            assert len(forwards) == 1 and sum(forwards.values()) > 20, (label, forwards)
+        for kind in ("draft_graphs", "verify_graphs"):
+            checks = full[kind]
+            assert checks["violations"] == [] and checks["unstable_inputs"] == 0, (label, kind, checks)
+            assert checks["replays"] > 10, (label, kind, checks)
+
+        def accepted_per_draft(result):
+            spec = result["spec"]
+            return spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_drafts"]
+
+        assert abs(accepted_per_draft(full) - accepted_per_draft(plain)) <= 0.05 * accepted_per_draft(plain), (
+            label,
+            full["spec"],
+            plain["spec"],
+        )
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (benchmarks/gpu_engine.sh graphs)")
 def test_trees_drafted_under_cuda_graphs(tiny_pair):
     """Target and draft replaying CUDA graphs: greedy tokens are the target's alone

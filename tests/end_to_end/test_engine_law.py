@@ -322,7 +322,11 @@ def test_full_graph_steps_law_equals_target_law(small_models):
     (path transforms, applied before the replay); dynamic trees at T = 1; and
     tree "auto" with cuts that change between steps and requests (depths 2, 0,
     1; 2x2, its chain and dynamic trees), whose chain estimates read the
-    probabilities the replays leave."""
+    probabilities the replays leave; and auto with one cut per step. The target's
+    uniform batches are dispatched as under full graphs too
+    (``engine_job._target_graphs``: padded to the graph's batch size, tree rows
+    planned in its buffers), whole trees and, for auto one cut per step, each
+    cut's length (``full_graph_lengths``)."""
     target, draft = small_models
     prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
     static = {"method": "univer", "model": draft, "tree": "2x2", "verifier": "univer"}
@@ -336,25 +340,46 @@ def test_full_graph_steps_law_equals_target_law(small_models):
         (dynamic, {"temperature": 1.0}),
         (auto, {"temperature": 1.0}),
     ]
-    engines = [
-        {
-            **law_engine(target, spec, prompts, {**params, "max_tokens": 4, "ignore_eos": True}),
-            "draft_graphs": "emulate",
-            "verify_graphs": "emulate",
-        }
-        for spec, params in cases
-    ]
+    full_graphs = {"draft_graphs": "emulate", "verify_graphs": "emulate", "target_graphs": "emulate"}
+
+    def engines(cases):
+        # Calls of max_num_seqs requests each: every decode step of a call is a uniform batch (no prompt
+        # joins it), the batches a full graph runs.
+        jobs = []
+        for spec, params in cases:
+            job = {**law_engine(target, spec, prompts, {**params, "max_tokens": 4, "ignore_eos": True}), **full_graphs}
+            (call,) = job["calls"]
+            wave = job["kwargs"]["max_num_seqs"]
+            job["calls"] = [
+                {"prompts": call["prompts"][i : i + wave], "params": call["params"][i : i + wave]}
+                for i in range(0, len(prompts), wave)
+            ]
+            jobs.append(job)
+        return jobs
+
     # (The schedules drive the auto engine's cuts; the others have no sizer.)
-    results = run_engines(engines, env={"VLLM_UNIVER_AUTO_DEPTHS": "2,0,1", "VLLM_UNIVER_AUTO_WIDTHS": "1,0,2,0,2"})
+    env = {"VLLM_UNIVER_AUTO_DEPTHS": "2,0,1", "VLLM_UNIVER_AUTO_WIDTHS": "1,0,2,0,2"}
+    results = run_engines(engines(cases), env=env)
+    # tree auto, one cut per step (2x2 to depths 2, 1, 0 and its chain to 2, 1): uniform batches of each cut.
+    one_cut = [({**static, "tree": "auto", "max_tree": "2x2"}, {"temperature": 1.0})]
+    env = {"VLLM_UNIVER_AUTO_DEPTHS": "2,1,0", "VLLM_UNIVER_AUTO_WIDTHS": "2,1", "VLLM_UNIVER_AUTO_ONE_DEPTH": "1"}
+    results += run_engines(engines(one_cut), env=env)
+    cases += one_cut
     for (spec, params), result in zip(cases, results):
         label = ("full graphs", spec["tree"], params)
         assert "error" not in result, (label, result.get("error"))
+        forwards = result["target_graphs"]
+        if spec is one_cut[0][0]:  # the target's graphs of each cut's length: 1 + 2x2's 6, 2, 0 nodes, the chain's
+            assert set(forwards) == {"1", "2", "3", "7"} and min(forwards.values()) >= 5, (label, forwards)
+        elif spec["tree"] != "auto":  # whole trees (vLLM's graphs)
+            assert len(forwards) == 1 and sum(forwards.values()) >= 20, (label, forwards)
         assert result["verify_graphs"]["replays"] >= 100, (label, result["verify_graphs"])
         assert result["draft_graphs"]["replays"] >= 100, (label, result["draft_graphs"])
         for graphs in ("verify_graphs", "draft_graphs"):  # capturable: no sync, inputs that stay put
             assert result[graphs]["violations"] == [] and result[graphs]["unstable_inputs"] == 0, (label, result)
         assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
-        assert_follows_target_law(result["calls"][0]["outputs"], target, params, label)
+        outputs = [output for call in result["calls"] for output in call["outputs"]]
+        assert_follows_target_law(outputs, target, params, label)
 
 
 @pytest.mark.skipif(not _cuda_available(), reason="real CUDA graphs need a GPU (benchmarks/gpu_engine.sh laws)")
