@@ -32,17 +32,29 @@ pytest.importorskip("vllm")
 # tokens on the device from the accepted count (``draft_inputs``, ~25 small ops, and the new-token
 # counts), so the host no longer waits for the verification before launching the draft forwards;
 # 2026-12-06 (later): 90 (draft 71 -> 48): that placement is one Triton launch (``triton_draft_inputs``).
-CUDA_STEP_BUDGET = 93
+# 2026-12-07: 98, the target forward's tree plan counted too ("tree_plan", 9: positions, masks and
+# index tensors uploaded, there before and not counted).
+CUDA_STEP_BUDGET = 101
 # univer_wor (its kernels: one launch per level and one for the draw), 2026-12-05: 139, then 121 with
 # the children written by the drafting kernel (verify 47, draft 44, target_probs 3, verifier 20: the
 # decision, greedy rows and output rows; Triton 6.5); 111 with univer's cuts above.
 # 2026-12-06: 127, the drafter's placement on the device as above; then 105, that placement in one launch.
-CUDA_STEP_BUDGET_WOR = 108
+# 2026-12-07: 113 with the tree plan counted (as above).
+CUDA_STEP_BUDGET_WOR = 116
 # tree "dynamic" (8 nodes on levels 2 / 4 / 2, depth 3), 2026-12-06: 805 with the PyTorch draws
 # (draft 494), 555 with each level's draws and greedy rows in one launch (draft 245: the planning,
 # placement and masks, ~80 ops per level). Then 302: the fused verify kernels read each request's
 # own tree tables (verifier 270 -> 12, verify 29 -> 33, Triton launches 7.0 -> 8.8).
-CUDA_STEP_BUDGET_DYNAMIC = 310
+# 2026-12-07: 383 with the tree plan counted ("tree_plan" 81: the per-request trees' tables, built
+# for the attention masks before the forward and read again by the verifier).
+CUDA_STEP_BUDGET_DYNAMIC = 386
+# The same mixed batch under "cuda_graphs": "full" (the target's, the draft levels' and the
+# verification's graphs emulated): launches outside the graphs plus one per replay.
+# 2026-12-07: univer 95 (verify 13 + 1 replay, drafting 43 + 3 level replays, tree plan 24: the
+# eager path's plan and the graph's buffers written, Triton 6.5), univer_wor 93; the forwards
+# included. Without full graphs: 98 / 113 above, the forwards not included (under piecewise graphs
+# a graph piece and an attention call per layer: ~3 x 28 for a 7B target, ~3 x 24 per draft level).
+FULL_GRAPH_STEP_BUDGET = {"univer": 98, "univer_wor": 96}
 
 SCRIPT = textwrap.dedent("""
     import json
@@ -163,9 +175,9 @@ GRAPHS_SCRIPT = textwrap.dedent("""
     from vllm import LLM, SamplingParams
     from vllm_univer.core import fused_tree_pass
     from vllm_univer.integration import draft_inputs, tree_drafter
-    from engine_job import checked_capture
+    from engine_job import _target_graphs, checked_capture
 
-    target, draft, verifier = sys.argv[1], sys.argv[2], sys.argv[3]
+    target, draft, verifier, FULL_GRAPH_STEP_BUDGET = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     llm = LLM(model=target, max_model_len=256, dtype="float32", enforce_eager=True, block_size=32, seed=0,
               speculative_config={"method": "univer", "model": draft, "verifier": verifier, "tree": "2x3"})
     prompts = ["the tree draft token", "red blue green", "one two three four five", "a cat and a dog run"]
@@ -181,19 +193,74 @@ GRAPHS_SCRIPT = textwrap.dedent("""
     fused_tree_pass.triton_reads = lambda *rows: all(r.stride(-1) == 1 for r in rows)
     tree_drafter.triton_reads = draft_inputs.triton_reads = fused_tree_pass.triton_reads
 
+    # What CUDA would launch per step under full graphs: the package's ATen ops and Triton
+    # launches outside the graphs (the op counter's sections), one per graph replay (the
+    # region's own work hidden from the counter), and the target forward's replay.
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launched = {"triton": 0, "replays": 0, "inside": 0}
+    interpreted_run = InterpretedFunction.run
+
+    def launch(self, *args, **kwargs):
+        launched["triton"] += not launched["inside"]
+        with _disable_current_modes():
+            return interpreted_run(self, *args, **kwargs)
+
+    InterpretedFunction.run = launch
+
+    def one_launch_per_replay(capture):
+        def hidden(run):
+            launched["inside"] += 1
+            try:
+                with _disable_current_modes():
+                    return run()
+            finally:
+                launched["inside"] -= 1
+
+        def counted(fn):
+            replay, output = hidden(lambda: capture(fn))  # the warm-up and the capture: once per size
+
+            def counted_replay():
+                launched["replays"] += 1
+                hidden(replay)
+
+            return counted_replay, output
+
+        return counted
+
     def attach(worker):
         univer = worker.model_runner.tree_speculation
         univer.checks = {"draft": {}, "verify": {}}
-        univer.use_draft_level_graphs(checked_capture(univer.checks["draft"]))
-        univer.use_verify_graphs(checked_capture(univer.checks["verify"], constant_fills=True))
+        univer.use_draft_level_graphs(one_launch_per_replay(checked_capture(univer.checks["draft"])))
+        univer.use_verify_graphs(one_launch_per_replay(checked_capture(univer.checks["verify"], constant_fills=True)))
+        _target_graphs(worker)
 
     def checks(worker):
         univer = worker.model_runner.tree_speculation
         replays = {"draft": univer.drafter.level_graphs.replays, "verify": univer.sampler.verify_graphs.replays}
         return {kind: {**c, "replays": replays[kind]} for kind, c in univer.checks.items()}
 
+    def op_counts(worker):
+        timers = worker.model_runner.tree_speculation.timers
+        counts = timers.op_counts()
+        timers.ops.sections.clear()
+        timers.calls.clear()
+        return counts
+
     llm.collective_rpc(attach)
+    llm.collective_rpc(op_counts)
+    launched.update(triton=0, replays=0)
     graph_paths = run()
+    counts = llm.collective_rpc(op_counts)[0]
+    steps = counts["verify"]["calls"]
+    # KV moves take the CPU path here (the CPU cache layout); on CUDA one launch, outside the graphs.
+    own = {s: c["kernels"] / steps for s, c in counts.items() if s not in ("draft_forward", "kv_moves")}
+    per_step = sum(own.values()) + (launched["triton"] + launched["replays"]) / steps + 1  # + the target's replay
+    print({s: round(v) for s, v in own.items()}, "triton launches per step", launched["triton"] / steps,
+          "replays per step", launched["replays"] / steps)
+    print(f"full graphs: per step {per_step:.0f} launches")
+    assert per_step <= FULL_GRAPH_STEP_BUDGET, per_step
     for t, a, b in zip(temperatures, cpu_paths, graph_paths):
         assert len(b) == 12
         if t == 0.0:
@@ -222,5 +289,14 @@ def test_full_graph_steps_on_the_fused_paths(tiny_pair, verifier):
     all-greedy batch, get the CPU paths' tokens."""
     from engine_job import ENV
 
-    out = run_interpreted(GRAPHS_SCRIPT, "GRAPH STEPS OK", *tiny_pair, verifier, env=ENV, timeout=1500)
+    budget = str(FULL_GRAPH_STEP_BUDGET[verifier])
+    out = run_interpreted(
+        GRAPHS_SCRIPT,
+        "GRAPH STEPS OK",
+        *tiny_pair,
+        verifier,
+        budget,
+        env={**ENV, "VLLM_UNIVER_OP_COUNTS": "1"},
+        timeout=1500,
+    )
     print(out[-800:])

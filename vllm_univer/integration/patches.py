@@ -84,7 +84,8 @@ def patch_model_runner() -> None:
             result = original(self, scheduler_output, num_scheduled_tokens)
             if getattr(self, "tree_speculation", None) is not None:
                 _logits_indices, spec_decode_metadata, _max_num_sampled_tokens = result  # vLLM 0.32's order
-                self.tree_speculation.prepare_tree_tokens(spec_decode_metadata)
+                with self.tree_speculation.timers.counted("tree_plan"):
+                    self.tree_speculation.prepare_tree_tokens(spec_decode_metadata)
             return result
 
         return _prepare_inputs
@@ -94,9 +95,10 @@ def patch_model_runner() -> None:
             attn_metadata, common = original(self, *args, **kwargs)
             if getattr(self, "tree_speculation", None) is not None:
                 # vLLM pads the metadata (num_tokens_padded) exactly when the forward runs under a full graph.
-                self.tree_speculation.attach_plan(
-                    attn_metadata, kwargs.get("num_tokens_padded"), kwargs.get("max_query_len")
-                )
+                with self.tree_speculation.timers.counted("tree_plan"):
+                    self.tree_speculation.attach_plan(
+                        attn_metadata, kwargs.get("num_tokens_padded"), kwargs.get("max_query_len")
+                    )
             return attn_metadata, common
 
         return _build_attention_metadata

@@ -49,6 +49,18 @@ class StepTimers:
             self.totals[name] += time.perf_counter() - start
 
     @contextmanager
+    def counted(self, name: str):
+        """A section counted by the op counter only, never timed: work inside vLLM's
+        preparation of the target forward, where a timer's device syncs would stall
+        what the benchmarks time."""
+        self.calls[name] += 1
+        if self.ops is None:
+            yield
+            return
+        with self._counting(name):
+            yield
+
+    @contextmanager
     def _counting(self, name: str):
         if self._open == 0:
             self.ops.__enter__()
