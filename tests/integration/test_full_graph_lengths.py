@@ -60,7 +60,7 @@ def _dispatcher(mode=CUDAGraphMode.FULL_AND_PIECEWISE, lengths=(1, 2, 3, 4, 7, M
         compilation_config=compilation,
         num_speculative_tokens=MAIN - 1,
         lora_config=None,
-        scheduler_config=SimpleNamespace(max_num_seqs=16),
+        scheduler_config=SimpleNamespace(max_num_seqs=16, max_num_batched_tokens=2048),
         parallel_config=SimpleNamespace(data_parallel_size=1),
         observability_config=SimpleNamespace(cudagraph_metrics=False),
     )

@@ -670,7 +670,7 @@ def test_dynamic_trees_are_a_candidate_of_their_own(monkeypatch):
         TreeSizer(runner, [chain, full], drafter=None).set_schedule(None, "0,2")
 
 
-def sizer_on_a_fake_runner(temperatures) -> tuple:
+def sizer_on_a_fake_runner(temperatures, one_cut_per_step: bool = False) -> tuple:
     """(``TreeSizer`` of 2x3 and its chain on a fake runner whose batch has one request
     per temperature, forwards that cost 1 + 0.02 s per target row and 0.1 s per draft
     forward, exploration off; the batch's request ids)."""
@@ -694,7 +694,7 @@ def sizer_on_a_fake_runner(temperatures) -> tuple:
     )
     drafter = SimpleNamespace(state=SimpleNamespace(draft_kv_len=dict.fromkeys(req_ids, 10)), forward_tokens=[])
     shapes = TreeSpec.parse("2x3").width_cuts()
-    sizer = TreeSizer(runner, shapes, drafter)
+    sizer = TreeSizer(runner, shapes, drafter, one_cut_per_step=one_cut_per_step)
     target = ForwardCost([1, 10_000], [1.02, 1.0 + 10_000 * 0.02])
     draft = ForwardCost([1, 10_000], [0.1, 0.1])
     sizer.chooser = TreeChooser(
@@ -708,18 +708,18 @@ def test_the_sizer_hands_each_request_its_band_depth(monkeypatch):
     """``TreeSizer.choose`` on a fake runner (greedy and T = 1 rows in turn, acceptance
     fixed per band: greedy drafts always kept, sampled ones never; fake forwards):
     the greedy rows get a tree, the sampled ones none, in the same step; with
-    ``ONE_DEPTH_ENV`` one depth for all, as before."""
+    ``ONE_DEPTH_ENV``, or one cut per step (full CUDA graphs), one depth for all."""
     import json
 
     from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV, ONE_DEPTH_ENV
 
     per_band = {str(band): [1.0 if band == 0 else 0.0] * 3 for band in range(4)}
     monkeypatch.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": per_band, "2": per_band}))
-    for one_depth in ("0", "1"):
-        monkeypatch.setenv(ONE_DEPTH_ENV, one_depth)
-        sizer, _ = sizer_on_a_fake_runner([0.0, 1.0] * 2)
+    for one_depth in ("0", "1", "full graphs"):
+        monkeypatch.setenv(ONE_DEPTH_ENV, "0" if one_depth == "full graphs" else one_depth)
+        sizer, _ = sizer_on_a_fake_runner([0.0, 1.0] * 2, one_cut_per_step=one_depth == "full graphs")
         shape, depth = sizer.choose(4)
-        if one_depth == "1":
+        if one_depth != "0":
             assert np.ndim(depth) == 0, depth
             continue
         assert shape in sizer.shapes and depth.tolist() == [depth[0], 0, depth[0], 0] and depth[0] > 0, depth

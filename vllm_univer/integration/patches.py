@@ -372,11 +372,12 @@ def patch_full_graphs_per_tree_length() -> None:
                 cudagraph_mode.decode_mode() == CUDAGraphMode.FULL and cudagraph_mode.separate_routine()
             ):
                 return
+            scheduler = self.vllm_config.scheduler_config
             graphs = FullGraphLengths(
                 lengths,
                 self.uniform_decode_query_len,
-                self.compilation_config.max_cudagraph_capture_size,
-                self.vllm_config.scheduler_config.max_num_seqs,
+                min(self.compilation_config.max_cudagraph_capture_size, scheduler.max_num_batched_tokens),
+                scheduler.max_num_seqs,
             )
             self.univer_full_graphs = graphs
             for desc in graphs.descriptors():

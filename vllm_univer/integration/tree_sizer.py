@@ -142,8 +142,12 @@ def _fixed_hazards(value: str | None, shapes: list[TreeSpec]) -> list[np.ndarray
 
 
 class TreeSizer:
-    def __init__(self, runner, shapes: list[TreeSpec], drafter):
-        """``shapes``: the width cuts of max_tree, narrowest first, max_tree last."""
+    def __init__(self, runner, shapes: list[TreeSpec], drafter, one_cut_per_step: bool = False):
+        """``shapes``: the width cuts of max_tree, narrowest first, max_tree last;
+        one_cut_per_step: every request of a step gets the chosen cut's depth (no
+        depths of their own): under full CUDA graphs, where a batch of one cut
+        replays the target's graph of that cut's length (``full_graph_lengths``)
+        and requests cut to different depths run piecewise."""
         self.runner = runner
         self.shapes = shapes
         self.tree = shapes[-1]
@@ -168,7 +172,7 @@ class TreeSizer:
         self._deferred: list = []  # what verified trees teach, to be learnt (``defer``)
         self.set_schedule(os.environ.get(SCHEDULE_ENV), os.environ.get(WIDTH_SCHEDULE_ENV))
         self._decisions = 0
-        self._own_depths = os.environ.get(ONE_DEPTH_ENV, "0") != "1"
+        self._own_depths = not one_cut_per_step and os.environ.get(ONE_DEPTH_ENV, "0") != "1"
         self._tp_group = _tp_group(runner)
         # (shape's width = max children, depth cut) -> request-steps drafted at it (depth 0: plain steps).
         self.requests_at_cut = Counter()

@@ -55,9 +55,10 @@ class TreeSpeculation:
             self.drafter = TreeDrafter(runner, runner.drafter, self.tree, config.scheme, self.state, self.timers)
         # tree: dynamic drafts this static tree in steps with a structured-output request.
         self._grammar_tree = config.grammar_tree if config.dynamic else None
+        full_graphs = config.cuda_graphs == "full" and torch.device(runner.device).type == "cuda"
         self.sizer = None
-        if config.auto:
-            self.sizer = TreeSizer(runner, config.tree_shapes, self.drafter)
+        if config.auto:  # under full graphs a step's requests share one cut: its uniform batch replays a graph
+            self.sizer = TreeSizer(runner, config.tree_shapes, self.drafter, one_cut_per_step=full_graphs)
         self.sampler = TreeVerificationSampler(
             runner, self.tree, config.verifier, self.state, self.kv_layers, self.timers, self.sizer
         )
@@ -68,7 +69,7 @@ class TreeSpeculation:
         self.graph_plans = None
         self.full_graph_forwards: Counter[int] = Counter()  # real batches under full graphs, per query length
         self._graph_batch: np.ndarray | None = None  # cached tokens per request of the batch being prepared
-        if config.cuda_graphs == "full" and torch.device(runner.device).type == "cuda":
+        if full_graphs:
             query_lens = {self.tree.num_nodes + 1}
             if self.sizer is not None:  # full graphs of the target for auto's cuts too
                 runner.cudagraph_dispatcher.univer_tree_lengths = cut_query_lengths(config.tree_shapes)
