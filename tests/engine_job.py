@@ -98,9 +98,17 @@ def _prompt(p):
     return {"prompt_token_ids": p} if isinstance(p, list) else p
 
 
-def _op_counts(worker) -> dict:
+def _op_counts(worker, clear: bool = False) -> dict:
+    """The package's op counts per section so far (``VLLM_UNIVER_OP_COUNTS=1``); with
+    ``clear``, counting starts again from zero."""
     univer = getattr(worker.model_runner, "tree_speculation", None)
-    return univer.timers.op_counts() if univer is not None else {}
+    if univer is None:
+        return {}
+    counts = univer.timers.op_counts()
+    if clear:
+        univer.timers.ops.sections.clear()
+        univer.timers.calls.clear()
+    return counts
 
 
 def _sizer_summary(worker) -> dict:

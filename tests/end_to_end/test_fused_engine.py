@@ -63,6 +63,7 @@ SCRIPT = textwrap.dedent("""
     from vllm_univer.core import api, fused_tree_pass
     from vllm_univer.integration import draft_inputs, dynamic_tree_drafter, tree_drafter
     from vllm_univer.core.kernels import triton_draft_children
+    from engine_job import _op_counts
 
     target, draft, CUDA_STEP_BUDGET, verifier = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
     tree = json.loads(sys.argv[5])  # the tree fields of the speculative config
@@ -107,14 +108,7 @@ SCRIPT = textwrap.dedent("""
 
     InterpretedFunction.run = launch
 
-    def op_counts(worker):
-        timers = worker.model_runner.tree_speculation.timers
-        counts = timers.op_counts()
-        timers.ops.sections.clear()
-        timers.calls.clear()
-        return counts
-
-    llm.collective_rpc(op_counts)
+    llm.collective_rpc(_op_counts, args=(True,))
     fused_tree_pass.triton_reads = lambda *rows: all(r.stride(-1) == 1 for r in rows)
     tree_drafter.triton_reads = draft_inputs.triton_reads = fused_tree_pass.triton_reads
     dynamic_tree_drafter.triton_reads = fused_tree_pass.triton_reads
@@ -127,7 +121,7 @@ SCRIPT = textwrap.dedent("""
         assert len(b) == 12
         if t == 0.0:
             assert a == b, (a, b)
-    counts = llm.collective_rpc(op_counts)[0]
+    counts = llm.collective_rpc(_op_counts, args=(True,))[0]
     steps = counts["verify"]["calls"]
     # KV moves take the CPU path here (the CPU cache layout); on CUDA one launch.
     own = {s: c["kernels"] / steps for s, c in counts.items() if s not in ("draft_forward", "kv_moves")}
@@ -175,7 +169,7 @@ GRAPHS_SCRIPT = textwrap.dedent("""
     from vllm import LLM, SamplingParams
     from vllm_univer.core import fused_tree_pass
     from vllm_univer.integration import draft_inputs, tree_drafter
-    from engine_job import _target_graphs, checked_capture
+    from engine_job import _op_counts, _target_graphs, checked_capture
 
     target, draft, verifier, FULL_GRAPH_STEP_BUDGET = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     llm = LLM(model=target, max_model_len=256, dtype="float32", enforce_eager=True, block_size=32, seed=0,
@@ -241,18 +235,11 @@ GRAPHS_SCRIPT = textwrap.dedent("""
         replays = {"draft": univer.drafter.level_graphs.replays, "verify": univer.sampler.verify_graphs.replays}
         return {kind: {**c, "replays": replays[kind]} for kind, c in univer.checks.items()}
 
-    def op_counts(worker):
-        timers = worker.model_runner.tree_speculation.timers
-        counts = timers.op_counts()
-        timers.ops.sections.clear()
-        timers.calls.clear()
-        return counts
-
     llm.collective_rpc(attach)
-    llm.collective_rpc(op_counts)
+    llm.collective_rpc(_op_counts, args=(True,))
     launched.update(triton=0, replays=0)
     graph_paths = run()
-    counts = llm.collective_rpc(op_counts)[0]
+    counts = llm.collective_rpc(_op_counts, args=(True,))[0]
     steps = counts["verify"]["calls"]
     # KV moves take the CPU path here (the CPU cache layout); on CUDA one launch, outside the graphs.
     own = {s: c["kernels"] / steps for s, c in counts.items() if s not in ("draft_forward", "kv_moves")}
