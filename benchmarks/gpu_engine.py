@@ -245,12 +245,16 @@ def run_one_engine(job: dict) -> dict:
 
     timed(1, 4)  # warm-up
     auto = job["spec"] is not None and job["spec"].get("tree") == "auto"
+    own_graphs = job["spec"] is not None and job["spec"].get("cuda_graphs") == "full"
     cells = []
     for batch in job["batches"]:
         m = job["max_tokens"]
         # Warm-up at this batch size: Triton specialises kernels on sizes (a multiple of 16,
         # 1), so a new batch size may compile kernels, which must not land in the timings.
-        timed(batch, 4)
+        # With "cuda_graphs": "full" the package captures its own graphs (the draft levels',
+        # the verification's) the first time a size is met: a warm-up as long as the timed
+        # run meets the sizes of its tail too (requests finish at different steps).
+        timed(batch, m if own_graphs else 4)
         wall_1, _, _, _ = timed(batch, 1)  # prefill and the first token
         cuts_before = llm.collective_rpc(_sizer_cuts)[0] if auto else {}
         wall_m, tokens, drafts, accepted = timed(batch, m)
