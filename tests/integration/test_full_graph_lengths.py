@@ -48,7 +48,7 @@ def test_batch_sizes_and_padding():
     assert sorted(groups) == [1, 3, 7] and [d.num_reqs for d in groups[7]] == [17, 16, 12, 8, 4, 2, 1]
 
 
-def _dispatcher(mode=CUDAGraphMode.FULL_AND_PIECEWISE, lengths=(1, 2, 3, 4, 7, MAIN)):
+def _dispatcher(mode=CUDAGraphMode.FULL_AND_PIECEWISE, lengths=(1, 2, 3, 4, 7, MAIN), data_parallel=1):
     compilation = CompilationConfig(
         mode=CompilationMode.VLLM_COMPILE,
         cudagraph_mode=mode,
@@ -61,7 +61,7 @@ def _dispatcher(mode=CUDAGraphMode.FULL_AND_PIECEWISE, lengths=(1, 2, 3, 4, 7, M
         num_speculative_tokens=MAIN - 1,
         lora_config=None,
         scheduler_config=SimpleNamespace(max_num_seqs=16, max_num_batched_tokens=2048),
-        parallel_config=SimpleNamespace(data_parallel_size=1),
+        parallel_config=SimpleNamespace(data_parallel_size=data_parallel),
         observability_config=SimpleNamespace(cudagraph_metrics=False),
     )
     dispatcher = CudagraphDispatcher(config)
@@ -85,8 +85,9 @@ def test_the_target_dispatcher_gains_one_full_graph_per_cut_and_batch_size():
         BatchDescriptor(num_tokens=30, num_reqs=2, uniform=True),
     )
     assert dispatcher.dispatch(14, uniform_decode=False)[0] == CUDAGraphMode.PIECEWISE
-    # The drafter's dispatcher (no lengths) and engines without FULL decode graphs gain nothing.
-    for other in (_dispatcher(lengths=None), _dispatcher(mode=CUDAGraphMode.PIECEWISE)):
+    # The drafter's dispatcher (no lengths), engines without FULL decode graphs and data-parallel
+    # engines (whose batches keep vLLM's dispatching) gain nothing.
+    for other in (_dispatcher(lengths=None), _dispatcher(mode=CUDAGraphMode.PIECEWISE), _dispatcher(data_parallel=2)):
         assert other.univer_full_graphs is None
         full = dict(other.get_capture_descs()).get(CUDAGraphMode.FULL, [])
         assert all(d.num_tokens // d.num_reqs == MAIN for d in full)
@@ -137,7 +138,7 @@ def test_data_parallel_batches_keep_vllms_dispatching(monkeypatch):
     """Ranks agree on one padded size (vLLM's coordination): no graph of ours."""
     import vllm.v1.worker.gpu_model_runner as runner_module
 
-    runner = _runner(_dispatcher())
+    runner = _runner(_dispatcher())  # keys of ours, as if the engine had one rank
     monkeypatch.setattr(runner.vllm_config.parallel_config, "data_parallel_size", 2)
     agreed = []
 

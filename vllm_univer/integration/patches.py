@@ -368,9 +368,10 @@ def patch_full_graphs_per_tree_length() -> None:
             original(self, cudagraph_mode, *args, **kwargs)
             lengths = getattr(self, "univer_tree_lengths", None)
             self.univer_full_graphs = None
-            if not lengths or not (
-                cudagraph_mode.decode_mode() == CUDAGraphMode.FULL and cudagraph_mode.separate_routine()
-            ):
+            full_decode = cudagraph_mode.decode_mode() == CUDAGraphMode.FULL and cudagraph_mode.separate_routine()
+            # LoRA and data-parallel batches keep vLLM's dispatching: no graph of ours would replay.
+            plain = self.vllm_config.lora_config is None and self.vllm_config.parallel_config.data_parallel_size == 1
+            if not lengths or not full_decode or not plain:
                 return
             scheduler = self.vllm_config.scheduler_config
             graphs = FullGraphLengths(
