@@ -704,6 +704,54 @@ def sizer_on_a_fake_runner(temperatures, one_cut_per_step: bool = False) -> tupl
     return sizer, req_ids
 
 
+def test_calibration_times_the_target_graph_a_step_replays():
+    """``TreeSizer.calibrate`` times the target's forward at 1, 2, 4, ... tokens through
+    vLLM's dummy runs: under full CUDA graphs with graphs per cut length
+    (``full_graph_lengths``), as a uniform batch of one-token requests where the
+    graph of that many is captured (what a step of one cut replays), with the runner's
+    length restored after each; piecewise beyond (and without such graphs)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_univer.integration.full_graph_lengths import FullGraphLengths
+    from vllm_univer.integration.tree_sizer import CALIBRATION_PASSES, TreeSizer
+
+    for graphs in (None, FullGraphLengths({1, 3, 7}, 15, max_tokens=512, max_reqs=8)):
+        runs = []
+
+        class Proposer:  # vLLM's: dummy_run a method, shadowed on the instance while the target runs
+            def dummy_run(self, n, runs=runs, **kwargs):
+                runs.append(("draft", n))
+
+        proposer = Proposer()
+        runner = SimpleNamespace(
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=2048, max_num_seqs=8),
+            device=torch.device("cpu"),
+            drafter=proposer,
+            cudagraph_dispatcher=SimpleNamespace(univer_full_graphs=graphs),
+            uniform_decode_query_len=15,
+        )
+
+        def dummy_run(n, uniform_decode=False, runner=runner, runs=runs):
+            runs.append(("target", n, uniform_decode, runner.uniform_decode_query_len))
+            runner.drafter.dummy_run(n)  # as vLLM's dummy run does: shadowed, the target's forward alone
+
+        runner._dummy_run = dummy_run
+        shapes = TreeSpec.parse("2x3").width_cuts()
+        sizer = TreeSizer(runner, shapes, SimpleNamespace(state=None, forward_tokens=[]))
+        sizer.calibrate()
+        assert sizer.calibration["tokens"] == [1, 2, 4, 8, 16, 32, 64, 120]  # up to 8 requests x 15 tokens
+        timed = {(run[1], run[2], run[3]) for run in runs if run[0] == "target"}
+        for n in sizer.calibration["tokens"]:
+            replays = graphs is not None and n <= 8  # graphs of 1, 2, 4, 8 one-token requests
+            assert (n, replays, 1 if replays else 15) in timed, (graphs, n, timed)
+        assert runner.uniform_decode_query_len == 15 and sizer.chooser is not None
+        # The draft's own runs only: a warm-up, then every size per pass.
+        assert sum(run[0] == "draft" for run in runs) == 1 + CALIBRATION_PASSES * len(sizer.calibration["tokens"])
+
+
 def test_the_sizer_hands_each_request_its_band_depth(monkeypatch):
     """``TreeSizer.choose`` on a fake runner (greedy and T = 1 rows in turn, acceptance
     fixed per band: greedy drafts always kept, sampled ones never; fake forwards):

@@ -189,7 +189,10 @@ class TreeSizer:
     def calibrate(self) -> None:
         """Time the target's and the draft's forwards at token counts 1, 2, 4, ...
         up to what one step can schedule, at most ``CALIBRATION_MAX_TOKENS``
-        (beyond, the cost model extends the last slope), through vLLM's dummy runs."""
+        (beyond, the cost model extends the last slope), through vLLM's dummy runs:
+        the target's replaying a full CUDA graph where a step's would (``"cuda_graphs":
+        "full"``); the draft's piecewise (its level graphs are the package's own, an
+        overestimate there that the per-depth correction of the step time absorbs)."""
         runner = self.runner
         cap = min(
             runner.scheduler_config.max_num_batched_tokens,
@@ -207,13 +210,26 @@ class TreeSizer:
             sync()
             return time.perf_counter() - start
 
+        # Under full CUDA graphs a step of one cut replays the target's graph of its length
+        # (``full_graph_lengths``): time n one-token requests' graph where one is captured.
+        dispatcher = getattr(runner, "cudagraph_dispatcher", None)
+        full_graphs = getattr(dispatcher, "univer_full_graphs", None)
+
         def target_run(n):
             # The runner's dummy run also makes the drafter's: shadow it on this instance.
             proposer.dummy_run = lambda *args, **kwargs: None
+            replays = full_graphs is not None and full_graphs.descriptor(n, n, 1) is not None
+            length = runner.uniform_decode_query_len if replays else None
             try:
-                runner._dummy_run(n)
+                if replays:
+                    runner.uniform_decode_query_len = 1
+                    runner._dummy_run(n, uniform_decode=True)
+                else:
+                    runner._dummy_run(n)
             finally:
                 del proposer.dummy_run
+                if replays:
+                    runner.uniform_decode_query_len = length
 
         start_all = time.perf_counter()
         devices = [runner.device] if runner.device.type == "cuda" else []
