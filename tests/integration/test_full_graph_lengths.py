@@ -16,7 +16,7 @@ from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_univer.integration.config import UniverConfig
-from vllm_univer.integration.full_graph_lengths import FullGraphLengths, by_query_length, cut_query_lengths
+from vllm_univer.integration.full_graph_lengths import FullGraphLengths, cut_query_lengths
 from vllm_univer.integration.patches import patch_full_graphs_per_tree_length
 
 MAIN = 15  # vLLM's own length for 2x3: 1 + 14 nodes
@@ -44,8 +44,7 @@ def test_batch_sizes_and_padding():
     descs = graphs.descriptors()
     assert [d.num_tokens for d in descs] == sorted((d.num_tokens for d in descs), reverse=True)
     assert len(descs) == 7 * 3
-    groups = by_query_length(descs)
-    assert sorted(groups) == [1, 3, 7] and [d.num_reqs for d in groups[7]] == [17, 16, 12, 8, 4, 2, 1]
+    assert [d.num_reqs for d in descs if d.num_tokens == 7 * d.num_reqs] == [17, 16, 12, 8, 4, 2, 1]
 
 
 def _dispatcher(mode=CUDAGraphMode.FULL_AND_PIECEWISE, lengths=(1, 2, 3, 4, 7, MAIN), data_parallel=1):

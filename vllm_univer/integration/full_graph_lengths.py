@@ -18,7 +18,7 @@ Plain functions of the config: no device, no model; the patches apply them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from vllm.forward_context import BatchDescriptor
 
@@ -84,13 +84,3 @@ class FullGraphLengths:
         if padded is None:
             return None
         return BatchDescriptor(num_tokens=padded * max_query_len, num_reqs=padded, uniform=True)
-
-
-def by_query_length(descriptors: Sequence[BatchDescriptor]) -> dict[int, list[BatchDescriptor]]:
-    """Uniform batch descriptors grouped by their query tokens per request (in
-    their order), so each group is captured with vLLM's dummy batches of that
-    length."""
-    groups: dict[int, list[BatchDescriptor]] = {}
-    for desc in descriptors:
-        groups.setdefault(desc.num_tokens // desc.num_reqs, []).append(desc)
-    return groups
