@@ -8,9 +8,10 @@
 #                                          # (tests/end_to_end/test_draft_forward.py -k cuda_graphs: greedy
 #                                          # identity, drafts accepted as in an eager / piecewise engine)
 #   bash benchmarks/gpu_engine.sh laws     # about 300 s: the T = 1 law (and top-k / top-p / min_p,
-#                                          # dynamic trees) through vLLM under "cuda_graphs": "full", real
-#                                          # capture and emulated (tests/end_to_end/test_engine_law.py -k
-#                                          # "cuda_graphs or full_graph")
+#                                          # dynamic trees, tree auto's graphs per cut) through vLLM under
+#                                          # "cuda_graphs": "full", real capture (tests/end_to_end/
+#                                          # test_engine_law.py -k real_cuda_graphs; the emulated law test
+#                                          # runs in the CPU CI)
 #   bash benchmarks/gpu_engine.sh check    # about 200 s: benchmarks/gpu_check.py (verifiers'
 #                                          # laws, kernels, verify timings; cut off at GPU_CHECK_S),
 #                                          # then attention_host_overhead.py (<= 45 s: host time per
@@ -44,7 +45,7 @@ if [ "$part" = graphs ] || [ "$part" = all ]; then
 fi
 if [ "$part" = laws ] || [ "$part" = all ]; then
   UNIVER_TEST_ATTENTION_BACKEND=TRITON_ATTN timeout "${GPU_LAWS_S:-300}" \
-    python -m pytest -q -p no:cacheprovider tests/end_to_end/test_engine_law.py -k "cuda_graphs or full_graph" 2>&1 | tee "$out/laws_gpu.txt"
+    python -m pytest -q -p no:cacheprovider tests/end_to_end/test_engine_law.py -k real_cuda_graphs 2>&1 | tee "$out/laws_gpu.txt"
 fi
 if [ "$part" = check ] || [ "$part" = all ]; then
   timeout "${GPU_CHECK_S:-200}" python -m benchmarks.gpu_check --out "$out" \
