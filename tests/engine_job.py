@@ -268,24 +268,13 @@ def _target_graphs(worker) -> None:
     before (no piecewise graphs on CPU)."""
     from vllm.config import CUDAGraphMode
 
-    from vllm_univer.integration.attention.tree_graph_plans import TreeGraphPlans
-    from vllm_univer.integration.full_graph_lengths import cut_query_lengths
-
     runner = worker.model_runner
-    univer = runner.tree_speculation
-    config = runner.speculative_config.univer
     main = runner.uniform_decode_query_len
-    lengths = {main}
-    if config.auto:
-        lengths |= cut_query_lengths(config.tree_shapes)
     compilation = runner.compilation_config
-    max_tokens = main * runner.scheduler_config.max_num_seqs
     compilation.cudagraph_capture_sizes = [main * b for b in range(1, runner.scheduler_config.max_num_seqs + 1)]
-    compilation.max_cudagraph_capture_size = max_tokens
-    dispatcher = runner.cudagraph_dispatcher
-    dispatcher.univer_tree_lengths = lengths
-    dispatcher.initialize_cudagraph_keys(CUDAGraphMode.FULL_DECODE_ONLY, main)
-    univer.graph_plans = TreeGraphPlans(lengths, runner.max_model_len)
+    compilation.max_cudagraph_capture_size = compilation.cudagraph_capture_sizes[-1]
+    runner.tree_speculation.use_full_graph_plans()  # the plans, and auto's lengths on the dispatcher
+    runner.cudagraph_dispatcher.initialize_cudagraph_keys(CUDAGraphMode.FULL_DECODE_ONLY, main)
 
 
 def _verify_graph_checks(worker) -> dict:

@@ -13,12 +13,15 @@ start-up with vLLM's own (``patches.patch_full_graphs_per_tree_length``) and
 dispatched the way vLLM dispatches its own: the batch padded up to the next
 captured batch size with empty requests.
 
-Plain functions of the config: no device, no model; the patches apply them.
+Functions of the config, no device, no model (the patches apply them), and
+``target_dummy_runs``, how the patches and ``tree: auto``'s calibration run
+vLLM's dummy forwards of the target at one length.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from vllm.forward_context import BatchDescriptor
 
@@ -84,3 +87,23 @@ class FullGraphLengths:
         if padded is None:
             return None
         return BatchDescriptor(num_tokens=padded * max_query_len, num_reqs=padded, uniform=True)
+
+
+@contextmanager
+def target_dummy_runs(runner, query_len: int | None = None) -> Iterator[None]:
+    """vLLM's dummy runs of the target alone on ``runner`` (a ``GPUModelRunner``): its
+    drafter's dummy run, which vLLM's makes too, shadowed on that instance; with
+    ``query_len``, uniform dummy batches of that many tokens per request
+    (``uniform_decode_query_len``). Both restored on the way out."""
+    drafter = getattr(runner, "drafter", None)
+    vllm_length = runner.uniform_decode_query_len
+    if drafter is not None:
+        drafter.dummy_run = lambda *args, **kwargs: None
+    if query_len is not None:
+        runner.uniform_decode_query_len = query_len
+    try:
+        yield
+    finally:
+        runner.uniform_decode_query_len = vllm_length
+        if drafter is not None:
+            del drafter.dummy_run

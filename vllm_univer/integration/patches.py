@@ -361,7 +361,7 @@ def patch_full_graphs_per_tree_length() -> None:
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from .full_graph_lengths import FullGraphLengths
+    from .full_graph_lengths import FullGraphLengths, target_dummy_runs
 
     def make_initialize_keys(original):
         def initialize_cudagraph_keys(self, cudagraph_mode, *args, **kwargs):
@@ -420,18 +420,10 @@ def patch_full_graphs_per_tree_length() -> None:
             length = desc.num_tokens // desc.num_reqs if desc.uniform and desc.num_reqs else None
             if graphs is None or length not in graphs.batch_sizes:
                 return original(self, desc, *args, **kwargs)
-            vllm_length, self.uniform_decode_query_len = self.uniform_decode_query_len, length
             # The draft's dummy forwards (one per tree level, eager under a FULL capture)
-            # warm nothing the target's graph needs: skipped on this instance.
-            drafter = getattr(self, "drafter", None)
-            if drafter is not None:
-                drafter.dummy_run = lambda *args, **kwargs: None
-            try:
+            # warm nothing the target's graph needs.
+            with target_dummy_runs(self, length):
                 return original(self, desc, *args, **kwargs)
-            finally:
-                self.uniform_decode_query_len = vllm_length
-                if drafter is not None:
-                    del drafter.dummy_run
 
         return _warmup_and_capture
 

@@ -53,6 +53,7 @@ from ..sizing import (
     prior_hazards,
     temperature_band,
 )
+from .full_graph_lengths import target_dummy_runs
 from .sampling.request_options import has_structured_output
 
 logger = init_logger(__name__)
@@ -216,20 +217,9 @@ class TreeSizer:
         full_graphs = getattr(dispatcher, "univer_full_graphs", None)
 
         def target_run(n):
-            # The runner's dummy run also makes the drafter's: shadow it on this instance.
-            proposer.dummy_run = lambda *args, **kwargs: None
             replays = full_graphs is not None and full_graphs.descriptor(n, n, 1) is not None
-            length = runner.uniform_decode_query_len if replays else None
-            try:
-                if replays:
-                    runner.uniform_decode_query_len = 1
-                    runner._dummy_run(n, uniform_decode=True)
-                else:
-                    runner._dummy_run(n)
-            finally:
-                del proposer.dummy_run
-                if replays:
-                    runner.uniform_decode_query_len = length
+            with target_dummy_runs(runner, 1 if replays else None):  # the target alone, not the drafter
+                runner._dummy_run(n, uniform_decode=replays)
 
         start_all = time.perf_counter()
         devices = [runner.device] if runner.device.type == "cuda" else []

@@ -70,14 +70,22 @@ class TreeSpeculation:
         self.full_graph_forwards: Counter[int] = Counter()  # real batches under full graphs, per query length
         self._graph_batch: np.ndarray | None = None  # cached tokens per request of the batch being prepared
         if full_graphs:
-            query_lens = {self.tree.num_nodes + 1}
-            if self.sizer is not None:  # full graphs of the target for auto's cuts too
-                runner.cudagraph_dispatcher.univer_tree_lengths = cut_query_lengths(config.tree_shapes)
-                query_lens |= runner.cudagraph_dispatcher.univer_tree_lengths
-            self.graph_plans = TreeGraphPlans(query_lens, runner.max_model_len)
+            self.use_full_graph_plans()
             capture = cuda_graph_capture()
             self.use_draft_level_graphs(capture)
             self.use_verify_graphs(capture)
+
+    def use_full_graph_plans(self) -> None:
+        """Plan the target's tree rows in full CUDA graphs' buffers (``TreeGraphPlans``)
+        for uniform batches of whole trees and, with ``tree: auto``, of every cut's
+        length, whose graphs the runner's dispatcher then adds beside vLLM's
+        (``full_graph_lengths``; the CPU tests call this to emulate the dispatch)."""
+        runner, config = self.runner, self.runner.speculative_config.univer
+        query_lens = {self.tree.num_nodes + 1}
+        if self.sizer is not None:
+            runner.cudagraph_dispatcher.univer_tree_lengths = cut_query_lengths(config.tree_shapes)
+            query_lens |= runner.cudagraph_dispatcher.univer_tree_lengths
+        self.graph_plans = TreeGraphPlans(query_lens, runner.max_model_len)
 
     def use_draft_level_graphs(self, capture: Capture) -> None:
         """Replay the drafter's uniform level forwards from graphs made by ``capture``
