@@ -189,25 +189,30 @@ def outcome_law(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     compiled: bool = False,
+    rule_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """Exact law of one verification step for these fixed trees.
 
     Same inputs as ``verify``. Returns DoubleTensor [B, N+1, V]:
     P(end node = i, next token = y), computed in float64 in closed form from
     the same node rules that ``verify`` samples with (``compiled``: their
-    compiled form, as ``verify(compiled=True)`` runs them).
+    compiled form, as ``verify(compiled=True)`` runs them). ``rule_dtype``: the
+    dtype the node rules run in (float64, the law; the rows' own dtype, e.g.
+    float32: the law that ``verify`` on those rows samples from, its rounding
+    included); the law is assembled in float64 either way.
     """
     verifier = get_verifier(method)
     check_inputs(verifier, tree, draft_token_ids, target_probs, draft_probs)
     tt = tree.on(target_probs.device)
     tokens = draft_token_ids.long()
-    p = target_probs.double()
-    q = draft_probs.double()
+    p = target_probs.to(rule_dtype)
+    q = draft_probs.to(rule_dtype)
     rule = node_rule_for(method, compiled, p.device)
     weight, stop = node_weights(verifier, tt, tokens, p, q, rule)
-    end_law = end_node_law(verifier, tt, weight, stop)
+    end_law = end_node_law(verifier, tt, weight.double(), None if stop is None else stop.double())
     all_nodes = torch.arange(tree.num_nodes + 1, device=p.device).expand(tokens.shape[0], -1)
-    residual = node_residuals(verifier, tt, tokens, p, q, weight, all_nodes, rule)
+    residual = node_residuals(verifier, tt, tokens, p, q, weight, all_nodes, rule).double()
+    p = p.double()
     y_law, mass = normalize(residual)
     # The same fallback as verify: an empty residual draws from p (zero-probability case).
     y_law = torch.where((mass > 0).unsqueeze(-1), y_law, p)

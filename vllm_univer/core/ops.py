@@ -67,17 +67,64 @@ def vocab_slices(rows: torch.Tensor) -> list[slice]:
     return [slice(start, min(start + chunk, vocab)) for start in range(0, vocab, chunk)]
 
 
-def sum_of_min(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
-    """sum_y min(a(y), b_scale * b(y)) over the last dim.
+# Masses without cancellation. A mass off a set of tokens is a masked sum over the
+# tokens off the set, never the row's total minus the set's part: when the set holds
+# all but ~1e-16 of a row (float64; ~6e-8 in float32) the difference cancels to 0 or
+# to rounding noise, and a ratio divided by it (the sampled child's p / q_bar, a
+# child's share of what is left) turns into a certainty. Sums of non-negative terms
+# are accurate relative to their own size, so every mass built from them is too. On
+# CPU the chunks are accumulated in float64 (float32 rows included); elsewhere one
+# pass in the rows' dtype (a pairwise tree reduction: relative error about
+# log2(V) eps). The fused kernels do the same in float64 (``kernels/triton_rows``).
 
-    a, b [..., V]; b_scale broadcasts against [..., 1] -> [..., 1]. On CPU the
-    vocabulary is walked in chunks (no [.., V] temporary); elsewhere one pass.
-    """
+
+def _listed(tokens: torch.Tensor, part: slice) -> torch.Tensor:
+    """tokens [..., k] (-1 allowed) -> BoolTensor [..., part]: True at the ids of the
+    vocabulary slice ``part`` that are listed. One scatter into a row one longer than
+    the slice: -1 and listed ids outside the slice land on the spare last entry."""
+    width = part.stop - part.start
+    local = tokens if part.start == 0 else tokens - part.start
+    local = local.clamp(-1, width).remainder_(width + 1)  # -1 -> width (the spare entry)
+    listed = torch.zeros(*tokens.shape[:-1], width + 1, dtype=torch.bool, device=tokens.device)
+    return listed.scatter_(-1, local, True)[..., :width]
+
+
+def _chunk_sum(x: torch.Tensor) -> torch.Tensor:
+    # [..., v] -> [..., 1], float64 accumulation on CPU (no [.., V] float64 elsewhere).
+    if x.device.type == "cpu":
+        return x.sum(-1, keepdim=True, dtype=torch.float64)
+    return x.sum(-1, keepdim=True)
+
+
+def mass_off(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """sum_{y not in tokens} rows(y) -> [..., 1] (rows [..., V] >= 0, tokens [..., k], -1
+    allowed), a masked sum: exact to the rows' rounding however small the mass."""
     total = None
-    for part in vocab_slices(a):
-        mass = torch.minimum(a[..., part], b[..., part] * b_scale).sum(-1, keepdim=True)
+    for part in vocab_slices(rows):
+        mass = _chunk_sum(rows[..., part].masked_fill(_listed(tokens, part), 0))
         total = mass if total is None else total.add_(mass)
-    return total
+    return total.to(rows.dtype)
+
+
+def excess_off(
+    p: torch.Tensor, p_scale: torch.Tensor, q: torch.Tensor, q_mass: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """sum_{y not in tokens} [s p(y) - q(y) / q_mass]+ -> [..., 1], s = p_scale: the mass
+    a residual [s p - q_bar]+ keeps off a set (q_bar = q / q_mass, a residual draft), as
+    a masked sum of its own terms (never s p(off set) minus what q_bar covers).
+    p, q [..., V]; p_scale, q_mass broadcast against [..., 1]; q_mass = inf gives q_bar = 0."""
+    total = None
+    for part in vocab_slices(q):
+        excess = torch.mul(p[..., part], p_scale).sub_(q[..., part] / q_mass).clamp_(min=0)
+        mass = _chunk_sum(excess.masked_fill_(_listed(tokens, part), 0))
+        total = mass if total is None else total.add_(mass)
+    return total.to(q.dtype)
+
+
+def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """sum_{i >= j} x_i along the last dim: what is left from slot j on, as a sum of
+    the parts left (not a total minus the parts used)."""
+    return x.flip(-1).cumsum(-1).flip(-1)
 
 
 def safe_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 verifier core's drafting and sampling code (it uses only ``outcome_law``).
 
 * ``PathModel``: a random next-token distribution for every token prefix (a toy
-  language model), with zeros and ties mixed in on purpose.
+  language model), with zeros and ties mixed in on purpose; ``NearlySurePathModel``:
+  one whose top tokens hold all but a tail as small as 1e-30.
 * ``scheme_outcomes``: every possible set of children of one node under a draft
   scheme, with its exact probability (plain Python, not ``draft_children``).
 * ``enumerate_trees``: every draft tree of a scheme with its probability.
@@ -59,6 +60,34 @@ class PathModel:
         return row / row.sum()
 
 
+class NearlySurePathModel(PathModel):
+    """Rows whose ``top`` most likely tokens hold all but ``tail`` of the mass (the
+    rest spread by a Dirichlet draw, exact zeros in some rows): a draft or a target
+    that is nearly sure, down to tails of 1e-30, where a mass computed as a total
+    minus a part cancels. ``sure_of``: a PathModel whose LEAST likely token (ties: the
+    highest id) is made this row's top token (a target sure of what the draft nearly
+    excludes)."""
+
+    def __init__(self, vocab: int, seed: int, tail: float, top: int = 1, sure_of: PathModel | None = None):
+        super().__init__(vocab, seed)
+        self.tail, self.top, self.sure_of = tail, top, sure_of
+
+    def _draw(self, rng: np.random.Generator, prefix: tuple) -> np.ndarray:
+        order = rng.permutation(self.vocab)
+        if self.sure_of is not None:
+            other = self.sure_of(prefix)
+            least = max(range(self.vocab), key=lambda t: (-other[t], t))
+            order = np.concatenate([[least], order[order != least]])
+        head, rest = order[: self.top], order[self.top :]
+        row = np.zeros(self.vocab)
+        row[head] = (1.0 - self.tail) * rng.dirichlet(np.ones(self.top))
+        spread = rng.dirichlet(np.full(len(rest), 0.8))
+        if rng.random() < 0.4 and len(rest) > 1:
+            spread[rng.integers(len(rest))] = 0.0  # an exact zero in the tail
+        row[rest] = self.tail * spread / spread.sum()
+        return row
+
+
 def top_set(q: np.ndarray, k: int) -> list[int]:
     """Top-k tokens by probability, ties to the lower id."""
     return sorted(range(len(q)), key=lambda t: (-q[t], t))[:k]
@@ -81,10 +110,12 @@ def scheme_outcomes(scheme: str, q: np.ndarray, m: int):
         support = [t for t in range(vocab) if q[t] > 0]
         k = min(m, len(support))
         for xs in itertools.permutations(support, k):
-            pr, used = 1.0, 0.0
+            pr, left = 1.0, set(support)
             for x in xs:
-                pr *= q[x] / (1.0 - used)
-                used += q[x]
+                # The mass left is a sum over the tokens left (1 - used cancels
+                # when the first draws hold all but ~1e-16 of the mass).
+                pr *= q[x] / sum(q[t] for t in sorted(left))
+                left.discard(x)
             yield tuple(xs) + (-1,) * (m - k), pr
     elif scheme == "topk1":
         top = top_set(q, m - 1)

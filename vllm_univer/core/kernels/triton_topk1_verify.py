@@ -7,8 +7,8 @@ CUDA: a 2x5 tree took 5.4 ms per ``verify`` on an H200 whatever the batch.
 Here one program per (request, node of the level) reads the node's p and q rows
 and does the whole rule:
 
-    pass 1   sum p, sum q                                   (target_only: sum p)
-    pass 2   F' = sum_y min(q(y), P~ q(off T) p(y))          (univer, greedy)
+    pass 1   q(off T)                       (target_only: p off every child token)
+    pass 2   rho = sum_{y not in T} [P~ p(y) - q(y) / q(off T)]+   (univer, greedy)
     then     the rule's O(C) arithmetic on the child slots, exactly as the
              PyTorch rule writes it (same formulas, float64 accumulation),
 
@@ -20,11 +20,14 @@ Where a level has too few nodes to fill the GPU (one request: a single program
 streams the root's 152k-token rows twice), the vocabulary is split: a level
 then takes three launches, each program on one slice of one node's rows:
 
-    sums     partial sum p, sum q per slice
-    min      partial F' per slice (from the node's total sums and entry scale)
+    sums     partial masses off the set per slice
+    excess   partial rho per slice (from the node's q(off T) and entry scale)
     finish   the slices' partials added in a fixed order, then the O(C) rule
 
 with the same formulas (only the order of the float64 additions differs).
+Every mass is a masked sum over the tokens off a set and every room a sum of what
+is left, never a total minus a part (``ops.mass_off``): the rules stay exact when
+the draft's top tokens hold all but 1e-30 of its mass.
 ``triton_rows.vocab_slices`` picks the slices per level from the device's
 multiprocessor count; ``VLLM_UNIVER_VERIFY_SPLITS`` forces a count (1: never split).
 
@@ -58,30 +61,54 @@ RULES = {"univer": UNIVER.value, "greedy": GREEDY.value, "target_only": TARGET_O
 
 
 @triton.jit
-def _row_sums(p_row, q_row, lo, hi, WITH_Q: tl.constexpr, BLOCK_V: tl.constexpr):
-    # (sum p, sum q) over the tokens [lo, hi) in float64 (sum q = 0 without WITH_Q).
+def _masked_set(slot, tok, RULE: tl.constexpr):
+    # The tokens a node's masses leave out [SLOTS] (-1: none): the top set T (slots 1..)
+    # for univer / greedy, every child token for target_only.
+    if RULE == TARGET_ONLY:
+        return tok
+    return tl.where(slot >= 1, tok, -1)
+
+
+@triton.jit
+def _off_set(idx, set_tok):
+    # [BLOCK_V] bool: the ids ``idx`` that are not among ``set_tok`` [SLOTS] (-1 matches none).
+    listed = tl.sum((idx[:, None] == set_tok[None, :]).to(tl.int32), axis=1)
+    return listed == 0
+
+
+@triton.jit
+def _row_masses(p_row, q_row, lo, hi, set_tok, RULE: tl.constexpr, BLOCK_V: tl.constexpr):
+    # (p off the set, q off the set) over the tokens [lo, hi): masked sums in float64
+    # (target_only reads p only, the topk1 rules q only; the other is 0).
     offs = tl.arange(0, BLOCK_V)
     p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
     q_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
     for start in range(lo, hi, BLOCK_V):
-        inside = start + offs < hi
-        p_acc += tl.load(p_row + start + offs, mask=inside, other=0.0).to(tl.float64)
-        if WITH_Q:
-            q_acc += tl.load(q_row + start + offs, mask=inside, other=0.0).to(tl.float64)
+        keep = (start + offs < hi) & _off_set(start + offs, set_tok)
+        if RULE == TARGET_ONLY:
+            p_acc += tl.load(p_row + start + offs, mask=keep, other=0.0).to(tl.float64)
+        else:
+            q_acc += tl.load(q_row + start + offs, mask=keep, other=0.0).to(tl.float64)
     return tl.sum(p_acc, axis=0), tl.sum(q_acc, axis=0)
 
 
 @triton.jit
-def _min_sum(p_row, q_row, factor, lo, hi, BLOCK_V: tl.constexpr):
-    # sum_y min(q(y), factor p(y)) over the tokens [lo, hi) in float64.
+def _excess_sum(p_row, q_row, scale, q_bar_scale, set_tok, lo, hi, BLOCK_V: tl.constexpr):
+    # rho = sum_{y not in T} [scale p(y) - q_bar_scale q(y)]+ over the tokens [lo, hi) in float64.
     offs = tl.arange(0, BLOCK_V)
-    full = tl.zeros([BLOCK_V], dtype=tl.float64)
+    acc = tl.zeros([BLOCK_V], dtype=tl.float64)
     for start in range(lo, hi, BLOCK_V):
-        inside = start + offs < hi
-        p_blk = tl.load(p_row + start + offs, mask=inside, other=0.0).to(tl.float64)
-        q_blk = tl.load(q_row + start + offs, mask=inside, other=0.0).to(tl.float64)
-        full += tl.minimum(q_blk, p_blk * factor)
-    return tl.sum(full, axis=0)
+        keep = (start + offs < hi) & _off_set(start + offs, set_tok)
+        p_blk = tl.load(p_row + start + offs, mask=keep, other=0.0).to(tl.float64)
+        q_blk = tl.load(q_row + start + offs, mask=keep, other=0.0).to(tl.float64)
+        acc += tl.maximum(p_blk * scale - q_blk * q_bar_scale, 0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _suffix_sum(x, slot):
+    # sum_{i >= j} x_i for every slot j [SLOTS]: what is left from slot j on, summed.
+    return tl.sum(tl.where(slot[None, :] >= slot[:, None], x[None, :], 0.0), axis=1)
 
 
 @triton.jit
@@ -91,18 +118,13 @@ def _node_scale(weight_ptr, b, stride_wb, node, RULE: tl.constexpr):
 
 
 @triton.jit
-def _sampled_child(q_row, q_sum, scale, slot, tok):
-    """Topk1Node.read: slot 0 the sampled child r ~ q_bar, slots 1.. the top set T ->
-    (q at the child tokens, on_top, q(off T) (1 without a sampled child), has_sampled,
-    the factor ``scale`` q(off T) of F', ``scale`` the node's entry scale P~)."""
-    has_tok = tok >= 0
-    q_tok = tl.load(q_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
-    on_top = has_tok & (slot >= 1)
-    q_off = q_sum - tl.sum(tl.where(on_top, q_tok, 0.0), axis=0)
+def _q_bar_scale(q_off, slot, tok):
+    """Topk1Node.read: slot 0 the sampled child r ~ q_bar = q / q(off T) off the top set
+    T (slots 1..) -> 1 / q(off T), 0 without a sampled child (slot 0 missing or an
+    empty residual)."""
     r_tok = tl.sum(tl.where(slot == 0, tok, 0), axis=0)
     has_sampled = (r_tok >= 0) & (q_off > 0)
-    q_off = tl.where(has_sampled, q_off, 1.0)
-    return q_tok, on_top, q_off, has_sampled, scale * q_off
+    return tl.where(has_sampled, 1.0 / tl.where(has_sampled, q_off, 1.0), 0.0)
 
 
 @triton.jit
@@ -119,46 +141,41 @@ def _node_rule(
     kid,
     tok,
     scale,
-    p_sum,
-    q_sum,
-    full,
+    p_off,
+    q_off,
+    rho,
     RULE: tl.constexpr,
 ):
     """The rule's O(C) arithmetic on the node's child slots, from its entry scale
-    ``scale`` (``_node_scale``), its row sums and
-    ``full`` = sum_y min(q(y), P~ q(off T) p(y)) (unused by target_only), exactly
+    ``scale`` (``_node_scale``), its masses off the set (``_row_masses``: p off every
+    child for target_only, q(off T) for the topk1 rules) and
+    ``rho`` = sum_{y not in T} [P~ p(y) - q_bar(y)]+ (unused by target_only), exactly
     as the PyTorch rule writes it: writes the children's weights, h (univer) and
     1 / q(off T) (0 without a sampled child)."""
     has_tok = tok >= 0
     p_tok = tl.load(p_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
     if RULE == TARGET_ONLY:
-        # alpha_j = p(x_j) / (sum p - p of the distinct earlier tokens); a repeat gets 0.
+        # alpha_j = p(x_j) / (p off every child + p of the distinct later children); a repeat gets 0.
         earlier = (tok[:, None] == tok[None, :]) & (slot[None, :] < slot[:, None])
         first = has_tok & (tl.max(earlier.to(tl.int32), axis=1) == 0)
         mass = tl.where(first, p_tok, 0.0)
-        child = clipped_ratio(mass, tl.maximum(p_sum - (tl.cumsum(mass, axis=0) - mass), 0.0))
+        child = clipped_ratio(mass, p_off + _suffix_sum(mass, slot))
     else:
-        q_tok, on_top, q_off, has_sampled, factor = _sampled_child(q_row, q_sum, scale, slot, tok)
+        q_tok = tl.load(q_row + tl.maximum(tok, 0), mask=has_tok, other=0.0).to(tl.float64)
+        q_bar_scale = _q_bar_scale(q_off, slot, tok)
         p_r = tl.sum(tl.where(slot == 0, p_tok, 0.0), axis=0)
-        q_r = tl.sum(tl.where(slot == 0, q_tok, 0.0), axis=0)
-        # F = sum_{y not in T} min(q_bar(y), scale p(y)) = (sum_y min(q, scale q_off p) - on T) / q_off
-        top_min = tl.sum(tl.where(on_top, tl.minimum(q_tok, p_tok * factor), 0.0), axis=0)
-        carried = tl.maximum((full - top_min) / q_off, 0.0)
-        carried = tl.where(has_sampled, carried, 0.0)
-        q_bar_r = tl.where(has_sampled, q_r / q_off, 0.0)
-        p_top = tl.where(on_top, p_tok, 0.0)
+        q_bar_r = tl.sum(tl.where(slot == 0, q_tok, 0.0), axis=0) * q_bar_scale
+        p_top = tl.where(has_tok & (slot >= 1), p_tok, 0.0)
         if RULE == UNIVER:
             top_mass = scale * p_top
-            rho = tl.maximum(scale * (p_sum - tl.sum(p_top, axis=0)) - carried, 0.0)
             stop = stop_prob(rho, scale)
             tl.store(stop_ptr + b * stride_wb + node, stop.to(stop_ptr.dtype.element_ty))
-            room = tl.maximum(1.0 - carried - (tl.cumsum(top_mass, axis=0) - top_mass), 0.0)
+            # 1 - F - sum_{i<j} P~ p(u_i), summed from what is left (univer.py).
+            room = (1.0 - scale) + rho + _suffix_sum(top_mass, slot)
             child = tl.where(slot == 0, clipped_ratio(scale * p_r, q_bar_r), clipped_ratio(top_mass, room))
         else:  # GREEDY
-            g_total = p_sum - carried
-            room = tl.maximum(g_total - (tl.cumsum(p_top, axis=0) - p_top), 0.0)
+            room = rho + _suffix_sum(p_top, slot)
             child = tl.where(slot == 0, clipped_ratio(p_r, q_bar_r), clipped_ratio(p_top, room))
-        q_bar_scale = tl.where(has_sampled, 1.0 / q_off, 0.0)
         tl.store(q_bar_scale_ptr + b * stride_wb + node, q_bar_scale)
     child = tl.where(has_tok, child, 0.0)
     tl.store(weight_ptr + b * stride_wb + kid, child.to(weight_ptr.dtype.element_ty), mask=kid >= 0)
@@ -195,12 +212,12 @@ def _topk1_level_kernel(
     slot, kid, tok = child_slots(
         children_ptr + b * stride_cb, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS
     )
-    p_sum, q_sum = _row_sums(p_row, q_row, 0, vocab, RULE != TARGET_ONLY, BLOCK_V)
+    set_tok = _masked_set(slot, tok, RULE)
+    p_off, q_off = _row_masses(p_row, q_row, 0, vocab, set_tok, RULE, BLOCK_V)
     scale = _node_scale(weight_ptr, b, stride_wb, node, RULE)
-    full = tl.zeros((), dtype=tl.float64)
+    rho = tl.zeros((), dtype=tl.float64)
     if RULE != TARGET_ONLY:
-        _, _, _, _, factor = _sampled_child(q_row, q_sum, scale, slot, tok)
-        full = _min_sum(p_row, q_row, factor, 0, vocab, BLOCK_V)
+        rho = _excess_sum(p_row, q_row, scale, _q_bar_scale(q_off, slot, tok), set_tok, 0, vocab, BLOCK_V)
     _node_rule(
         p_row,
         q_row,
@@ -214,9 +231,9 @@ def _topk1_level_kernel(
         kid,
         tok,
         scale,
-        p_sum,
-        q_sum,
-        full,
+        p_off,
+        q_off,
+        rho,
         RULE,
     )
 
@@ -225,17 +242,24 @@ def _topk1_level_kernel(
 def _topk1_split_sums_kernel(
     p_ptr,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
     q_ptr,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+    tokens_ptr,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
     nodes_ptr,  # [n] int64: the level's node ids
-    parts_ptr,  # [B, n, S, 3] float64: per slice sum p, sum q (and F' for the min kernel)
+    children_ptr,  # [N+1, C] int64: each node's children in slot order, -1 padded
+    parts_ptr,  # [B, n, S, 3] float64: per slice p and q off the set (and rho for the excess kernel)
     stride_pb,
     stride_pn,
     stride_qb,
     stride_qn,
+    stride_tb,
+    stride_cb,  # 0: one tree for the batch; else each request's own children
+    stride_cn,
     stride_xb,
     stride_xn,
     vocab,  # V
+    num_slots,  # C: child slots per node
     chunk,  # vocabulary entries per slice
     RULE: tl.constexpr,
+    SLOTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # One program per (request, node of the level, vocabulary slice).
@@ -244,29 +268,32 @@ def _topk1_split_sums_kernel(
     lo = s * chunk
     hi = tl.minimum(lo + chunk, vocab)
     p_row, q_row = node_rows(p_ptr, q_ptr, b, node, stride_pb, stride_pn, stride_qb, stride_qn)
-    p_sum, q_sum = _row_sums(p_row, q_row, lo, hi, RULE != TARGET_ONLY, BLOCK_V)
+    slot, _, tok = child_slots(
+        children_ptr + b * stride_cb, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS
+    )
+    p_off, q_off = _row_masses(p_row, q_row, lo, hi, _masked_set(slot, tok, RULE), RULE, BLOCK_V)
     part = parts_ptr + b * stride_xb + i * stride_xn + s * 3
-    tl.store(part, p_sum)
-    tl.store(part + 1, q_sum)
+    tl.store(part, p_off)
+    tl.store(part + 1, q_off)
 
 
 @triton.jit
 def _split_total(parts_ptr, b, i, column, stride_xb, stride_xn, num_splits, SPLITS: tl.constexpr):
-    # One column of a node's slice partials (0: sum p, 1: sum q, 2: F') added in a fixed order.
+    # One column of a node's slice partials (0: p off the set, 1: q off the set, 2: rho) added in a fixed order.
     s = tl.arange(0, SPLITS)
     part = parts_ptr + b * stride_xb + i * stride_xn + s * 3 + column
     return tl.sum(tl.load(part, mask=s < num_splits, other=0.0), axis=0)
 
 
 @triton.jit
-def _topk1_split_min_kernel(
+def _topk1_split_excess_kernel(
     p_ptr,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
     q_ptr,  # [B, N+1, V] draft rows q: what each node's children were drawn from
     tokens_ptr,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
     nodes_ptr,  # [n] int64: the level's node ids
     children_ptr,  # [N+1, C] int64: each node's children in slot order, -1 padded
     weight_ptr,  # [B, N+1] work dtype: read (univer: P~ of the node), written (children)
-    parts_ptr,  # [B, n, S, 3] float64: per slice sum p, sum q, and F' for the finish kernel
+    parts_ptr,  # [B, n, S, 3] float64: per slice p and q off the set, and rho for the finish kernel
     stride_pb,
     stride_pn,
     stride_qb,
@@ -286,20 +313,22 @@ def _topk1_split_min_kernel(
     SPLITS: tl.constexpr,  # num_splits rounded up to a power of 2
     BLOCK_V: tl.constexpr,
 ):
-    # One program per (request, node of the level, vocabulary slice): the slice's F'.
+    # One program per (request, node of the level, vocabulary slice): the slice's rho.
     b, i, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     node = tl.load(nodes_ptr + i)
     p_row, q_row = node_rows(p_ptr, q_ptr, b, node, stride_pb, stride_pn, stride_qb, stride_qn)
     slot, _, tok = child_slots(
         children_ptr + b * stride_cb, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS
     )
-    # F' is not written yet: only sum q is read.
-    q_sum = _split_total(parts_ptr, b, i, 1, stride_xb, stride_xn, num_splits, SPLITS)
+    # rho is not written yet: only q(off T) is read.
+    q_off = _split_total(parts_ptr, b, i, 1, stride_xb, stride_xn, num_splits, SPLITS)
     scale = _node_scale(weight_ptr, b, stride_wb, node, RULE)
-    _, _, _, _, factor = _sampled_child(q_row, q_sum, scale, slot, tok)
+    set_tok = _masked_set(slot, tok, RULE)
     lo = s * chunk
-    full = _min_sum(p_row, q_row, factor, lo, tl.minimum(lo + chunk, vocab), BLOCK_V)
-    tl.store(parts_ptr + b * stride_xb + i * stride_xn + s * 3 + 2, full)
+    rho = _excess_sum(
+        p_row, q_row, scale, _q_bar_scale(q_off, slot, tok), set_tok, lo, tl.minimum(lo + chunk, vocab), BLOCK_V
+    )
+    tl.store(parts_ptr + b * stride_xb + i * stride_xn + s * 3 + 2, rho)
 
 
 @triton.jit
@@ -312,7 +341,7 @@ def _topk1_split_finish_kernel(
     weight_ptr,  # [B, N+1] work dtype: read (univer: P~ of the node), written (children)
     stop_ptr,  # [B, N+1] work dtype, written: h of the node (univer)
     q_bar_scale_ptr,  # [B, N+1] float64: 1 / q(off T), 0 without a sampled child
-    parts_ptr,  # [B, n, S, 3] float64: per slice sum p, sum q, and F' for the finish kernel
+    parts_ptr,  # [B, n, S, 3] float64: per slice p and q off the set, and rho for the finish kernel
     stride_pb,
     stride_pn,
     stride_qb,
@@ -336,11 +365,11 @@ def _topk1_split_finish_kernel(
     slot, kid, tok = child_slots(
         children_ptr + b * stride_cb, tokens_ptr, b, node, stride_tb, stride_cn, num_slots, SLOTS
     )
-    p_sum = _split_total(parts_ptr, b, i, 0, stride_xb, stride_xn, num_splits, SPLITS)
-    q_sum = _split_total(parts_ptr, b, i, 1, stride_xb, stride_xn, num_splits, SPLITS)
-    full = tl.zeros((), dtype=tl.float64)
+    p_off = _split_total(parts_ptr, b, i, 0, stride_xb, stride_xn, num_splits, SPLITS)
+    q_off = _split_total(parts_ptr, b, i, 1, stride_xb, stride_xn, num_splits, SPLITS)
+    rho = tl.zeros((), dtype=tl.float64)
     if RULE != TARGET_ONLY:
-        full = _split_total(parts_ptr, b, i, 2, stride_xb, stride_xn, num_splits, SPLITS)
+        rho = _split_total(parts_ptr, b, i, 2, stride_xb, stride_xn, num_splits, SPLITS)
     _node_rule(
         p_row,
         q_row,
@@ -354,9 +383,9 @@ def _topk1_split_finish_kernel(
         kid,
         tok,
         _node_scale(weight_ptr, b, stride_wb, node, RULE),
-        p_sum,
-        q_sum,
-        full,
+        p_off,
+        q_off,
+        rho,
         RULE,
     )
 
@@ -414,28 +443,35 @@ def topk1_level(
     _topk1_split_sums_kernel[(batch, num_nodes, splits)](
         p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
         q_ptr=q,  # [B, N+1, V] draft rows q: what each node's children were drawn from
+        tokens_ptr=tokens,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
         nodes_ptr=nodes,  # [n] int64: the level's node ids
-        parts_ptr=parts,  # [B, n, S, 3] float64: per slice sum p, sum q (and F' for the min kernel)
+        children_ptr=children,  # [N+1, C] int64: each node's children in slot order, -1 padded
+        parts_ptr=parts,  # [B, n, S, 3] float64: per slice p and q off the set (and rho for the excess kernel)
         stride_pb=p.stride(0),
         stride_pn=p.stride(1),
         stride_qb=q.stride(0),
         stride_qn=q.stride(1),
+        stride_tb=tokens.stride(0),
+        stride_cb=stride_cb,
+        stride_cn=stride_cn,
         stride_xb=parts.stride(0),
         stride_xn=parts.stride(1),
         vocab=vocab,  # V
+        num_slots=children.shape[-1],  # C: child slots per node
         chunk=chunk,  # vocabulary entries per slice
         RULE=RULES[rule],
+        SLOTS=slots,
         BLOCK_V=block_v,
     )
     if rule != "target_only":
-        _topk1_split_min_kernel[(batch, num_nodes, splits)](
+        _topk1_split_excess_kernel[(batch, num_nodes, splits)](
             p_ptr=p,  # [B, N+1, V] target rows p (any float dtype, V contiguous)
             q_ptr=q,  # [B, N+1, V] draft rows q: what each node's children were drawn from
             tokens_ptr=tokens,  # [B, N+1] int64 draft tokens (-1: the node does not exist)
             nodes_ptr=nodes,  # [n] int64: the level's node ids
             children_ptr=children,  # [N+1, C] int64: each node's children in slot order, -1 padded
             weight_ptr=weight,  # [B, N+1] work dtype: read (univer: P~ of the node), written (children)
-            parts_ptr=parts,  # [B, n, S, 3] float64: per slice sum p, sum q, and F' for the finish kernel
+            parts_ptr=parts,  # [B, n, S, 3] float64: per slice p and q off the set, and rho for the finish kernel
             stride_pb=p.stride(0),
             stride_pn=p.stride(1),
             stride_qb=q.stride(0),
@@ -464,7 +500,7 @@ def topk1_level(
         weight_ptr=weight,  # [B, N+1] work dtype: read (univer: P~ of the node), written (children)
         stop_ptr=stop,  # [B, N+1] work dtype, written: h of the node (univer)
         q_bar_scale_ptr=q_bar_scale,  # [B, N+1] float64: 1 / q(off T), 0 without a sampled child
-        parts_ptr=parts,  # [B, n, S, 3] float64: per slice sum p, sum q, and F' for the finish kernel
+        parts_ptr=parts,  # [B, n, S, 3] float64: per slice p and q off the set, and rho for the finish kernel
         stride_pb=p.stride(0),
         stride_pn=p.stride(1),
         stride_qb=q.stride(0),

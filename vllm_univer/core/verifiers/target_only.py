@@ -6,14 +6,16 @@ prob p'(x) and descend; else p'(x) <- 0, p' <- norm(p'). All rejected: Y ~ p'.
 Closed form: after rejecting children x_1..x_{j-1}, p' = p off those tokens,
 renormalised, so alpha_j = p(x_j) / (1 - sum of p over the distinct earlier
 tokens), and 0 for a token that repeats an earlier one (its p' is 0). The stop
-residual is p with every child token removed.
+residual is p with every child token removed. The denominator is summed from what
+is left (p off every child token, a masked sum, plus the later children's p), never
+1 minus what was used, which cancels when the target is nearly sure.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..ops import clipped_ratio, exclusive_cumsum, gather_tokens, token_set_mask
+from ..ops import clipped_ratio, gather_tokens, mass_off, reverse_cumsum, token_set_mask
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 
 
@@ -31,7 +33,7 @@ class TargetOnlyVerifier(TreeVerifier):
         repeats = ((tokens.unsqueeze(-1) == tokens.unsqueeze(-2)) & earlier).any(-1)  # same token in an earlier slot
         first = (tokens >= 0) & ~repeats
         mass = gather_tokens(nodes.p, tokens) * first
-        alpha = clipped_ratio(mass, (nodes.p.sum(-1, keepdim=True) - exclusive_cumsum(mass)).clamp(min=0))
+        alpha = clipped_ratio(mass, mass_off(nodes.p, tokens) + reverse_cumsum(mass))
         residual = None
         if want_residual:
             residual = nodes.p.masked_fill(token_set_mask(tokens, nodes.vocab_size, nodes.p.dtype), 0)

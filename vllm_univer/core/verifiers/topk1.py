@@ -2,9 +2,10 @@
 child r (slot 0), the top set T (slots 1..), and the residual draft
 q_bar = q off T / q(off T) that r was drawn from.
 
-The level pass needs only sums over q_bar, so they are computed from one
-full-vocabulary pass plus corrections at the (few) top tokens; the residual rows
-are built only for the nodes a step ends at.
+The level pass needs only sums over q_bar: masked sums off T (``ops.mass_off``,
+``ops.excess_off``), never a total minus the top tokens' part, so a
+draft whose top tokens hold all but 1e-30 of its mass is verified as exactly as
+any other. The residual rows are built only for the nodes a step ends at.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafting import residual_draft
-from ..ops import gather_tokens, sum_of_min, token_set_mask
+from ..ops import excess_off, gather_tokens, mass_off, token_set_mask
 from .base import NodeBatch
 
 
@@ -29,7 +29,7 @@ class Topk1Node:
     @classmethod
     def read(cls, nodes: NodeBatch) -> Topk1Node:
         sampled, top = nodes.tokens[..., :1], nodes.tokens[..., 1:]
-        q_off = nodes.q.sum(-1, keepdim=True) - gather_tokens(nodes.q, top).sum(-1, keepdim=True)
+        q_off = mass_off(nodes.q, top)
         has_sampled = (sampled >= 0) & (q_off > 0)
         q_off = torch.where(has_sampled, q_off, torch.ones_like(q_off))
         return cls(sampled, top, gather_tokens(nodes.p, top), q_off, has_sampled)
@@ -38,20 +38,14 @@ class Topk1Node:
         """q_bar at tokens [B, n, k] that lie off T (the sampled token)."""
         return gather_tokens(nodes.q, tokens) / self.q_off_top * self.has_sampled
 
-    def carried_mass(self, nodes: NodeBatch, scale: torch.Tensor) -> torch.Tensor:
-        """F = sum_{y not in T} min(q_bar(y), scale * p(y)) -> [B, n, 1]; one pass over V.
-
-        min(q/Z, s p) = min(q, s Z p) / Z; the terms of the top tokens are subtracted.
-        """
-        factor = scale * self.q_off_top
-        full = sum_of_min(nodes.q, nodes.p, factor)
-        on_top = torch.minimum(gather_tokens(nodes.q, self.top), self.p_top * factor).sum(-1, keepdim=True)
-        carried = ((full - on_top) / self.q_off_top).clamp(min=0)
-        return carried * self.has_sampled
+    def residual_mass(self, nodes: NodeBatch, scale: torch.Tensor) -> torch.Tensor:
+        """rho = sum_{y not in T} [scale p(y) - q_bar(y)]+ -> [B, n, 1], one masked pass
+        over V (without a sampled child q_bar = 0: rho = scale p(off T))."""
+        q_mass = torch.where(self.has_sampled, self.q_off_top, torch.full_like(self.q_off_top, float("inf")))
+        return excess_off(nodes.p, scale, nodes.q, q_mass, self.top)
 
     def residual_rows(self, nodes: NodeBatch, scale: torch.Tensor) -> torch.Tensor:
         """[scale * p - q_bar]+ off T, 0 on T -> [B, n, V] (built only for end nodes)."""
-        q_bar, _ = residual_draft(nodes.q, self.top)
-        q_bar = q_bar * self.has_sampled
+        q_bar = nodes.q / self.q_off_top * self.has_sampled
         in_top = token_set_mask(self.top, nodes.vocab_size, nodes.q.dtype)
         return (scale * nodes.p - q_bar).clamp(min=0).masked_fill(in_top, 0)
