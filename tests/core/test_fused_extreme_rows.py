@@ -32,15 +32,17 @@ SCRIPT = textwrap.dedent("""
     gen = torch.Generator().manual_seed(0)
     VOCAB = 100  # above univer_wor's exact-rank vocabularies: its kernels take it
 
-    def sure_rows(batch, n1, tail):
-        # The top token (random per row) holds 1 - tail; the rest a Dirichlet-like spread,
-        # one exact zero per row.
+    def sure_rows(batch, n1, tail, tops=1):
+        # The top token (random per row; with tops=2 it and the next id, 0.7 : 0.3) holds
+        # 1 - tail; the rest a Dirichlet-like spread, one exact zero per row.
         spread = torch.rand(batch, n1, VOCAB, generator=gen, dtype=torch.float64) ** 4
         top = torch.randint(0, VOCAB, (batch, n1, 1), generator=gen)
-        spread.scatter_(-1, top, 0.0)
+        heads = torch.cat([top, (top + 2) % VOCAB], -1)[..., :tops]
+        spread.scatter_(-1, heads, 0.0)
         spread.scatter_(-1, (top + 1) % VOCAB, 0.0)
         q = spread / spread.sum(-1, keepdim=True) * tail
-        return q.scatter_(-1, top, 1.0 - tail), top
+        shares = torch.tensor([1.0] if tops == 1 else [0.7, 0.3], dtype=torch.float64)
+        return q.scatter_(-1, heads, (1.0 - tail) * shares.expand_as(heads)), top
 
     def targets(q_top, batch, n1):
         # Half the rows sure (1 - 1e-6) of the token the draft excludes (q = 0), half smooth
@@ -76,11 +78,13 @@ SCRIPT = textwrap.dedent("""
         return end_node_law(verifier, tt, w.double(), None)
 
     worst = {}
-    for method in ("univer", "greedy", "target_only", "rrs", "rrsw", "traversal", "univer_wor"):
-        tree = TreeSpec.parse("2x2")
+    cases = [(m, "2x2", 1) for m in ("univer", "greedy", "target_only", "rrs", "rrsw", "traversal", "univer_wor")]
+    cases += [("univer_wor", "3x1", 1), ("univer_wor", "3x1", 2), ("univer_wor", "4x1", 2), ("univer", "3x1", 2)]
+    for method, spec, tops in cases:
+        tree = TreeSpec.parse(spec)
         for tail in (1e-30, 1e-16, 1e-8, 1e-3):
             for dtype in (torch.float64, torch.float32):
-                q, q_top = sure_rows(6, tree.num_nodes + 1, tail)
+                q, q_top = sure_rows(6, tree.num_nodes + 1, tail, tops)
                 p = targets(q_top, 6, tree.num_nodes + 1)
                 p, q = p.to(dtype), q.to(dtype)
                 tokens = drafted(method, tree, q.double())
@@ -89,7 +93,7 @@ SCRIPT = textwrap.dedent("""
                 got = fused_end_law(method, tree, tokens, p, q, work)
                 err = (got - exact).abs().max().item()
                 tol = 1e-12 if dtype == torch.float64 else 1e-6
-                assert err <= tol, (method, tail, dtype, err)
+                assert err <= tol, (method, spec, tail, dtype, err)
                 worst[method] = max(worst.get(method, 0.0), err)
     print("WORST", worst)
 

@@ -22,19 +22,47 @@ def _drafted_tokens(tree, q, scheme, gen):
     return tokens
 
 
-def test_sum_of_min_in_chunks_equals_one_pass(monkeypatch):
+def test_masked_sums_in_chunks_equal_one_pass(monkeypatch):
+    """mass_off and excess_off walk the vocabulary in chunks on CPU: the same sums as one
+    pass, with listed tokens in any chunk, repeated, or -1."""
     gen = torch.Generator().manual_seed(0)
     a = torch.rand(2, 3, 5000, generator=gen, dtype=torch.float64)
     b = torch.rand(2, 3, 5000, generator=gen, dtype=torch.float64)
     scale = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64)
-    one_pass = torch.minimum(a, b * scale).sum(-1, keepdim=True)
-    monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)  # chunks of 1024: four whole, one partial
-    chunked = ops.sum_of_min(a, b, scale)
-    assert chunked.shape == (2, 3, 1)
-    torch.testing.assert_close(chunked, one_pass, rtol=1e-12, atol=0)
-    # A view of a level's rows (strided over the batch) and a plain float scale.
-    expected = torch.minimum(a[:, 1:2], b[:, 1:2] * 0.5).sum(-1, keepdim=True)
-    torch.testing.assert_close(ops.sum_of_min(a[:, 1:2], b[:, 1:2], 0.5), expected, rtol=1e-12, atol=0)
+    mass = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64) + 0.5
+    tokens = torch.tensor([1023, 1024, 4999, -1, 1024, 0]).expand(2, 3, -1)
+    listed = torch.zeros(2, 3, 5000, dtype=torch.bool)
+    listed[..., [0, 1023, 1024, 4999]] = True
+    want_off = a.masked_fill(listed, 0).sum(-1, keepdim=True)
+    want_excess = (b * scale - a / mass).clamp(min=0).masked_fill(listed, 0).sum(-1, keepdim=True)
+    for chunk_elements in (1 << 18, 1):  # one pass; chunks of 1024: four whole, one partial
+        monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", chunk_elements)
+        torch.testing.assert_close(ops.mass_off(a, tokens), want_off, rtol=1e-12, atol=0)
+        torch.testing.assert_close(ops.excess_off(b, scale, a, mass, tokens), want_excess, rtol=1e-12, atol=0)
+    # A view of a level's rows (strided over the batch), no listed token, q_bar = 0 (inf mass).
+    none = torch.empty(2, 1, 0, dtype=torch.long)
+    torch.testing.assert_close(ops.mass_off(a[:, 1:2], none), a[:, 1:2].sum(-1, keepdim=True), rtol=1e-12, atol=0)
+    inf = torch.full((2, 1, 1), float("inf"), dtype=torch.float64)
+    got = ops.excess_off(b[:, 1:2], 0.5, a[:, 1:2], inf, none)
+    torch.testing.assert_close(got, (b[:, 1:2] * 0.5).sum(-1, keepdim=True), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mass_off_a_nearly_whole_set_is_the_tail_itself(dtype):
+    """The mass off a set that holds all but 1e-30 of a row is the tail, to the rows'
+    rounding (a total minus the set's part gives 0 or noise)."""
+    row = torch.zeros(1, 1, 300_000, dtype=dtype)
+    row[..., 7] = 1.0
+    row[..., 100_000:100_010] = 1e-31
+    got = ops.mass_off(row, torch.tensor([[[7]]]))
+    assert got.dtype == dtype
+    assert got.item() == pytest.approx(1e-30, rel=1e-6, abs=0)
+    assert (row.sum(-1) - row[..., 7]).item() != pytest.approx(1e-30, rel=1e-6, abs=0)  # the cancellation avoided
+
+
+def test_reverse_cumsum_sums_what_is_left():
+    x = torch.tensor([[1.0, 1e-30, 2e-30, 0.0]], dtype=torch.float64)
+    assert ops.reverse_cumsum(x)[0].tolist() == pytest.approx([1.0, 3e-30, 2e-30, 0.0], rel=1e-15, abs=0)
 
 
 EAGLE_LIKE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

@@ -6,6 +6,7 @@ Every engine runs in a fresh subprocess (``engine_job.run_engines``).
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -432,6 +433,52 @@ def test_logprobs_are_the_targets(models):
     # The rounding bound the tie-aware greedy comparisons rest on (greedy_identity).
     print(f"\nlargest |tree row - plain row| logprob difference: {worst:.2e} (bound {LOGPROB_ROUNDING:.0e})")
     assert worst <= LOGPROB_ROUNDING
+
+
+def test_processed_logprob_modes_are_what_each_token_was_sampled_from(models):
+    """logprobs_mode processed_logprobs / processed_logits (issue 61: before, tree
+    speculation refused them): greedy with a repetition penalty, the same processed
+    values as the target alone; sampled at T = 0.7 with top_k = 4 and 4 logprobs, the
+    listed values are the law each token was drawn from: its 4 tokens hold all of it
+    (logsumexp 0) and the emitted token is one of them; processed_logits are those
+    logits (logsumexp of the 4 = that of the row)."""
+    target, draft = models
+    greedy = call(
+        prompts(3, seed=7), temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=3, repetition_penalty=1.3
+    )
+    sampled = call(prompts(4, seed=8), temperature=0.7, top_k=4, max_tokens=30, ignore_eos=True, logprobs=4, seed=3)
+    # The greedy reference (its margins) runs in processed_logprobs mode; the plain
+    # engine of processed_logits gives that mode's values.
+    results = run_engines(
+        [
+            reference(target, [greedy]),
+            engine(target, [greedy, sampled], univer(draft, "2x3"), logprobs_mode="processed_logprobs"),
+            engine(target, [greedy], logprobs_mode="processed_logits"),
+            engine(target, [greedy, sampled], univer(draft, "2x3"), logprobs_mode="processed_logits"),
+        ]
+    )
+    margins = results[0]["calls"][0]["margins"]
+    for mode, base, spec in [("processed_logprobs", *results[0:2]), ("processed_logits", *results[2:4])]:
+        assert "error" not in spec, (mode, spec.get("error"))
+        assert spec["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+        ref, got = base["calls"][0], spec["calls"][0]
+        assert_greedy_identical(got["outputs"], results[0]["calls"][0])
+        worst = 0.0
+        for out_base, out_spec, out_margins in zip(ref["logprobs"], got["logprobs"], margins):
+            for step_base, step_spec in zip(out_base[: compared_length(out_margins)], out_spec):
+                assert step_base.keys() == step_spec.keys(), mode
+                worst = max([worst] + [abs(step_spec[t] - v) for t, v in step_base.items()])
+        assert worst <= LOGPROB_ROUNDING, (mode, worst)
+        drawn = spec["calls"][1]
+        for tokens, steps in zip(drawn["outputs"], drawn["logprobs"]):
+            assert len(steps) == len(tokens) == 30
+            for token, step in zip(tokens, steps):
+                assert str(token) in step, (mode, token, step)
+                values = [v for v in step.values() if v != float("-inf")]
+                assert len(values) == 4, (mode, step)
+                if mode == "processed_logprobs":
+                    mass = sum(math.exp(v) for v in values)
+                    assert abs(mass - 1.0) <= 1e-4, (mode, step, mass)
 
 
 # Depth cuts per request and step, and shapes (width cuts of max_tree) per step.

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from .inverse_cdf import BlockCdf
-from .ops import normalize, token_set_mask
 
 SCHEMES = ("chain", "iid", "wor", "topk1")
 
@@ -68,17 +67,6 @@ def _top_tokens_exact(probs: torch.Tensor, k: int) -> torch.Tensor:
     return picked.gather(-1, order)
 
 
-def residual_draft(probs: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``topk1`` residual draft: q restricted off the top set, renormalised.
-
-    probs [..., V], top [..., k] (-1 allowed) -> (q_bar [..., V], exists [...]);
-    q_bar is all zero where the top set carries all of q (the sampled child does not exist).
-    """
-    in_top = token_set_mask(top, probs.shape[-1], probs.dtype)
-    q_bar, mass = normalize(probs.masked_fill(in_top, 0))
-    return q_bar, mass > 0
-
-
 def draft_children(
     scheme: str,
     probs: torch.Tensor,
@@ -124,7 +112,7 @@ def draft_children(
             kids = torch.cat([kids, cdf.draw(generator, exclude=kids).unsqueeze(-1)], -1)
         return kids
 
-    # topk1: slot 0 from q off the top set (``residual_draft``'s law; the inverse
+    # topk1: slot 0 from q off the top set (q_bar, the residual draft; the inverse
     # CDF needs no normalisation), -1 when the top set holds all of q.
     top = top_tokens(probs, m - 1)
     return torch.cat([cdf.draw(generator, exclude=top).unsqueeze(-1), top], dim=-1)

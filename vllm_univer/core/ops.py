@@ -132,8 +132,3 @@ def safe_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     (a coefficient that may multiply zeros: never inf, never NaN)."""
     ratio = torch.where(den > 0, num / den, 0.0)
     return ratio.clamp_(max=torch.finfo(ratio.dtype).max)
-
-
-def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Cumulative sum along the last dim, excluding the current element."""
-    return x.cumsum(-1) - x

@@ -25,12 +25,27 @@ from .attention.kv_compaction import accepted_path_moves, move_paged_kv
 from .host_to_device import DeviceToHost, upload
 from .sampling.bias_and_min_p import RequestBiasAndMinP
 from .sampling.path_masks import TreePathMasks
-from .sampling.target_probs import TreePenalties, probs_from_scaled, processed_logits, scaled_logits
+from .sampling.target_probs import TreePenalties, probs_from_scaled, processed_logits, scaled_logits, split_greedy
 from .step_buffer import StepBuffer
 from .tree_state import TreeState
 from .verify_graphs import VerifyGraphs
 
 logger = init_logger(__name__)
+
+
+def _processed_rows(tree_logits, transforms, temperature, probs, at_node) -> torch.Tensor:
+    """vLLM's processed logits (``logprobs_mode`` processed_*) at the nodes ``at_node``
+    [B, D+1] -> [B * (D+1), V] float32: the path transforms (logit_bias, penalties), and
+    in sampled steps (``probs`` [B, N+1, V], the rows verified) the temperature (1 for
+    greedy rows) and -inf where min_p / top-k / top-p left the token out (p = 0), as
+    vLLM's rejection sampler hands them on; all-greedy steps: the transforms alone.
+    Built only when a request asks for logprobs in a processed mode."""
+    rows = processed_logits(tree_logits, transforms)  # a fresh float32 [B, N+1, V]
+    if probs is not None:
+        temp, _ = split_greedy(temperature)
+        rows.div_(temp.view(-1, 1, 1)).masked_fill_(probs == 0, float("-inf"))
+    index = at_node.unsqueeze(-1).expand(-1, -1, rows.shape[-1])
+    return rows.gather(1, index).flatten(0, 1)
 
 
 def tree_rows(first_row: np.ndarray, num_draft: np.ndarray, num_nodes: int) -> np.ndarray:
@@ -106,6 +121,7 @@ class TreeVerificationSampler:
         temperature = sampling_metadata.temperature
         if temperature is None:  # all greedy
             temperature = torch.zeros(batch, device=device)
+        raw_tree_logits = tree_logits  # the processed logprob modes recompute from it
 
         tokens, q, q_missing = self._trees_for(req_ids, num_draft_list, tree_logits, shape, n1)
         tokens = tokens[:, :n1]
@@ -143,7 +159,13 @@ class TreeVerificationSampler:
         self._defer_draft_kv_len(req_ids, num_draft_list, keep_depth, trees.on(device).depth[end], shape, chain)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
-            logprobs = self._logprobs(logits, upload(rows, device), path, output, sampling_metadata.max_num_logprobs)
+            at_node = torch.cat([torch.zeros_like(path[:, :1]), path], 1).clamp(min=0)  # [B, D+1]
+            if self.runner.sampler.logprobs_mode.startswith("processed"):
+                probs = None if rows_for_chain is None else rows_for_chain[0]
+                values = _processed_rows(raw_tree_logits, transforms, temperature, probs, at_node)
+            else:
+                values = logits[upload(rows, device).gather(1, at_node).flatten()].float()
+            logprobs = self._logprobs(values, output, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
     def _nodes_through_depth(self, shape: TreeSpec) -> np.ndarray:
@@ -274,15 +296,16 @@ class TreeVerificationSampler:
             transforms.append(TreePenalties(paths, sampling_metadata, batch))
         return transforms
 
-    def _logprobs(self, logits, node_rows, path, output, num_logprobs):
-        """The target's log-probabilities of every output token, in vLLM's raw
-        mode: output j of a request was sampled at the path's node of depth j
-        (the root for j = 0), so its row is that node's logits row."""
-        at_node = torch.cat([torch.zeros_like(path[:, :1]), path], 1).clamp(min=0)  # [B, D+1]
-        flat_rows = node_rows.gather(1, at_node).flatten()
-        logprobs = self.runner.sampler.compute_logprobs(logits[flat_rows].float())
+    def _logprobs(self, rows: torch.Tensor, output: torch.Tensor, num_logprobs: int):
+        """The target's log-probabilities (or logits) of every output token in the
+        engine's ``logprobs_mode``: output j of a request was sampled at the path's node
+        of depth j (the root for j = 0); ``rows`` [B * (D+1), V] float32 are those
+        nodes' raw logits or (processed modes, ``_processed_rows``) what the token was
+        sampled from."""
+        sampler = self.runner.sampler
+        values = rows if sampler.logprobs_mode.endswith("logits") else sampler.compute_logprobs(rows)
         # Padding (-1) entries are dropped by vLLM's parse_output; any valid id will do here.
-        return self.runner.sampler.gather_logprobs(logprobs, num_logprobs, output.flatten().clamp(min=0))
+        return sampler.gather_logprobs(values, num_logprobs, output.flatten().clamp(min=0))
 
     def _trees_for(self, req_ids: list[str], num_draft: list[int], like: torch.Tensor, shape: TreeSpec, n1: int):
         """Tokens [B, N+1], q [B, n1, V] (or None) and the rows drafted without q,

@@ -37,11 +37,6 @@ class TreeSpeculation:
         config = runner.speculative_config.univer
         if runner.uses_mrope:
             raise NotImplementedError("tree speculation does not support M-RoPE models")
-        if runner.model_config.logprobs_mode != "raw_logprobs":
-            raise NotImplementedError(
-                f"tree speculation returns logprobs in vLLM's default 'raw_logprobs' mode only "
-                f"(got logprobs_mode={runner.model_config.logprobs_mode!r})"
-            )
         _refuse_custom_logits_processors(runner.input_batch.logitsprocs)
         self.runner = runner
         self.tree = config.drafted_tree  # a TreeSpec, or (tree: dynamic) the LevelLayout of per-request trees

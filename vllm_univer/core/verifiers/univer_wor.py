@@ -134,9 +134,10 @@ def lone_child_where_near_sure(tree, tokens: torch.Tensor, draft_probs: torch.Te
     q's 2k most likely tokens as those (the draws that reach the stage most often), and
     calls the stage nearly sure when the mass off its next most likely token is below
     NEAR_SURE_TAIL (NEAR_SURE_TAIL_THREE for three children) of the mass it has, both
-    masked sums. Three children above leaves also divide by 1 - q1 - q2: where q's
-    top two tokens leave less than NEAR_SURE_TAIL_THREE, x3 is dropped (the pair
-    stays). tree: the tree's tensors (``TreeSpec.on``); draft_probs [B, N+1, V]."""
+    masked sums. A later stage's law is renormalised by the mass off the earlier draws
+    (1 - q1 - q2, which the kernels subtract): where q's 2k most likely tokens leave
+    less than that share, stage k is dropped whole. tree: the tree's tensors
+    (``TreeSpec.on``); draft_probs [B, N+1, V]."""
     children = tree.children  # [N+1, C]
     slots = children.shape[-1]
     if slots < 2:
@@ -150,9 +151,9 @@ def lone_child_where_near_sure(tree, tokens: torch.Tensor, draft_probs: torch.Te
         if start >= ranked.shape[-1]:
             break
         has = mass_off(draft_probs, ranked[..., :start]).squeeze(-1).double()
-        if start == 2:  # three children: x3's law has the mass off x1, x2 (1 - q1 - q2)
-            x3_dropped = three & (has < NEAR_SURE_TAIL_THREE)
-            first_dropped = torch.where(x3_dropped, first_dropped.clamp(max=2), first_dropped)
+        if start > 0:  # the stage's law has the mass off the earlier draws (1 - q1 - q2)
+            share = torch.where(three, NEAR_SURE_TAIL_THREE, NEAR_SURE_TAIL)
+            first_dropped = torch.where(has < share, first_dropped.clamp(max=start), first_dropped)
         if start + 1 < slots:  # a pair: its law has (nearly) one token
             kept = mass_off(draft_probs, ranked[..., : start + 1]).squeeze(-1).double()
             share = torch.where(three, NEAR_SURE_TAIL_THREE, NEAR_SURE_TAIL)
@@ -697,7 +698,7 @@ class UniVerWorVerifier(TreeVerifier):
         tokens = nodes.tokens
         slots = tokens.shape[-1]
         inputs = _NodeInputs(nodes)
-        weights = []
+        weights, stop = [], None
         for start in range(0, slots, 2):  # stages; nodes and requests stay batched
             xa = tokens[..., start : start + 1]
             xb = tokens[..., start + 1 : start + 2] if start + 1 < slots else None
@@ -708,7 +709,7 @@ class UniVerWorVerifier(TreeVerifier):
             # h from the last stage with a child: an empty stage's own sigma is the earlier
             # leftover as a density (sigma ~ 1 at the root), and its 1 - sigma cancels.
             stage_stop = stop_prob(stage.rho, stage.sigma)
-            stop = stage_stop if start == 0 else torch.where(stage.has_a, stage_stop, stop)
+            stop = stage_stop if stop is None else torch.where(stage.has_a, stage_stop, stop)
             weights.append(stage.accept_a)
             if start + 1 < slots:
                 weights.append(clipped_ratio(stage.accept_b, 1.0 - stage.accept_a))
