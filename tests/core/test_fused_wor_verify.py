@@ -139,7 +139,9 @@ CHECK = textwrap.dedent("""
     ops.by_name.subtract({k: ops.by_name[k] for k in ("aten.set_", "aten.copy_", "aten.new_empty")})
     counts = OpCounter.summary(+ops.by_name)
     print("fused univer_wor 2x3, greedy rows and sampled ones:", counts)
-    assert counts["kernels"] <= 60 and counts["syncs"] == 0, sorted((+ops.by_name).items(), key=lambda kv: -kv[1])
+    # 2026-12-07 (issue 61): + ~15 for lone_child_where_near_sure (top tokens, a masked
+    # sum, the dropped slots and subtrees), which the kernels' first pass could fold in.
+    assert counts["kernels"] <= 80 and counts["syncs"] == 0, sorted((+ops.by_name).items(), key=lambda kv: -kv[1])
 
     # Rows holding NaN and inf (verify's validation rejects them): the kernels' class tables
     # are never addressed out of bounds (the run ends; what it returns is meaningless).

@@ -289,6 +289,48 @@ def test_generated_law_equals_target_law(small_models):
                 assert marginal_pvalue(counts, unbiased, (3,)) < 1e-6
 
 
+CONFIDENT_GAIN = 40.0  # the draft's logits x 40: its top token holds all but ~1e-11 (median context)
+
+
+def test_confident_draft_law_equals_target_law(small_models, tmp_path):
+    """Issue 61: a draft nearly sure of its top token (the tiny draft's logits scaled:
+    in half the contexts the rest holds below ~1e-11 of q, in a tenth exactly 0 in
+    float32) and a target that is not, at T = 1. The masses the verifiers divide by
+    (q off the top tokens, what a child may still take) are tails of 1e-9 ... 1e-30
+    here; computed as totals minus parts they cancelled and the sampled child was
+    accepted whatever p said. univer and univer_wor: the target's law."""
+    import torch
+    from tiny_models import build_confident_draft
+    from transformers import LlamaForCausalLM
+
+    target, draft = small_models
+    confident = str(build_confident_draft(draft, tmp_path / "confident", CONFIDENT_GAIN))
+    model = LlamaForCausalLM.from_pretrained(confident).double()
+    with torch.no_grad():
+        tails = sorted(
+            (1 - torch.softmax(model(torch.tensor([prompt + [x]])).logits[0, -1], -1).max()).item()
+            for prompt in PROMPTS
+            for x in range(VOCAB)
+        )
+    assert tails[len(tails) // 2] < 1e-9 < tails[-1], tails  # nearly sure in most contexts, not in all
+    params = {"temperature": 1.0}
+    prompts = [p for p in PROMPTS for _ in range(REQUESTS_PER_PROMPT)]
+    cases = [("univer", "2x2"), ("univer_wor", "2x2")]
+    engines = [
+        law_engine(
+            target,
+            {"method": "univer", "model": confident, "tree": tree, "verifier": verifier},
+            prompts,
+            {**params, "max_tokens": 4, "ignore_eos": True},
+        )
+        for verifier, tree in cases
+    ]
+    for (verifier, tree), result in zip(cases, run_engines(engines)):
+        assert "error" not in result, (verifier, result.get("error"))
+        assert result["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+        assert_follows_target_law(result["calls"][0]["outputs"], target, params, ("confident", verifier, tree))
+
+
 def test_compiled_univer_wor_law_equals_target_law(small_models, tmp_path):
     """univer_wor with its node rule compiled by torch.compile
     (``VLLM_UNIVER_COMPILE_RULES=1``, ``compiled_rules``) inside the engine; the

@@ -39,8 +39,9 @@ CUDA_STEP_BUDGET = 101
 # the children written by the drafting kernel (verify 47, draft 44, target_probs 3, verifier 20: the
 # decision, greedy rows and output rows; Triton 6.5); 111 with univer's cuts above.
 # 2026-12-06: 127, the drafter's placement on the device as above; then 105, that placement in one launch.
-# 2026-12-07: 113 with the tree plan counted (as above).
-CUDA_STEP_BUDGET_WOR = 116
+# 2026-12-07: 113 with the tree plan counted (as above); 127 with issue 61's guard
+# (lone_child_where_near_sure: ~14 ops a step, which the kernels' first pass could fold in).
+CUDA_STEP_BUDGET_WOR = 130
 # tree "dynamic" (8 nodes on levels 2 / 4 / 2, depth 3), 2026-12-06: 805 with the PyTorch draws
 # (draft 494), 555 with each level's draws and greedy rows in one launch (draft 245: the planning,
 # placement and masks, ~80 ops per level). Then 302: the fused verify kernels read each request's

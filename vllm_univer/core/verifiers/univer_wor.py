@@ -140,33 +140,29 @@ def lone_child_where_near_sure(tree, tokens: torch.Tensor, draft_probs: torch.Te
     (``TreeSpec.on``); draft_probs [B, N+1, V]."""
     children = tree.children  # [N+1, C]
     slots = children.shape[-1]
+    vocab = draft_probs.shape[-1]
     if slots < 2:
         return tokens
-    vocab = draft_probs.shape[-1]
     ranked = torch.topk(draft_probs, min(slots, vocab), dim=-1).indices  # [B, N+1, <= C]
-    slot_ids = torch.arange(slots, device=tokens.device)
     first_dropped = torch.full(tokens.shape, slots, dtype=torch.long, device=tokens.device)
     three = ((children >= 0).sum(-1) == 3).unsqueeze(0)  # [1, N+1]
-    for start in range(0, slots, 2):  # stage k = start // 2: slots start, start + 1
-        if start >= ranked.shape[-1]:
-            break
-        has = mass_off(draft_probs, ranked[..., :start]).squeeze(-1).double()
-        if start > 0:  # the stage's law has the mass off the earlier draws (1 - q1 - q2)
-            share = torch.where(three, NEAR_SURE_TAIL_THREE, NEAR_SURE_TAIL)
+    share = torch.where(three, NEAR_SURE_TAIL_THREE, NEAR_SURE_TAIL)
+    for start in range(0, min(slots, ranked.shape[-1]), 2):  # stage k = start // 2: slots start, start + 1
+        # The stage's law has the mass off the earlier draws (q's rows sum to 1: the first stage all of it).
+        has = 1.0 if start == 0 else mass_off(draft_probs, ranked[..., :start]).squeeze(-1).double()
+        if start > 0:  # renormalised by 1 - q1 - q2, which the kernels subtract
             first_dropped = torch.where(has < share, first_dropped.clamp(max=start), first_dropped)
-        if start + 1 < slots:  # a pair: its law has (nearly) one token
+        if start + 1 < slots:  # a pair whose law has (nearly) one token
             kept = mass_off(draft_probs, ranked[..., : start + 1]).squeeze(-1).double()
-            share = torch.where(three, NEAR_SURE_TAIL_THREE, NEAR_SURE_TAIL)
-            sure = kept < share * has
-            first_dropped = torch.where(sure, first_dropped.clamp(max=start + 1), first_dropped)
-    dropped_kids = torch.where(slot_ids >= first_dropped.unsqueeze(-1), children.unsqueeze(0), -1)  # [B, N+1, C]
-    gone = torch.zeros(tokens.shape[0], tokens.shape[1] + 1, dtype=torch.bool, device=tokens.device)
-    gone.scatter_(1, dropped_kids.flatten(1).masked_fill(dropped_kids.flatten(1) < 0, tokens.shape[1]), True)
-    gone = gone[:, :-1]
-    parent = tree.parent.clamp(min=0).unsqueeze(0).expand_as(gone)
-    for _ in range(int(tree.depth.max())):  # a dropped child's subtree goes with it
-        gone = gone | (gone.gather(1, parent) & (tree.parent >= 0))
-    return tokens.masked_fill(gone, -1)
+            first_dropped = torch.where(kept < share * has, first_dropped.clamp(max=start + 1), first_dropped)
+    # A child is dropped when its slot is past its parent's first dropped slot; its
+    # subtree with it (any dropped node among its ancestors). No host read.
+    parent = tree.parent.clamp(min=0).unsqueeze(0).expand_as(tokens)
+    dropped = (tree.slot.unsqueeze(0) >= first_dropped.gather(1, parent)) & (tree.parent >= 0)
+    ancestors = tree.ancestors  # [N+1, D]: the path's nodes below the root, -1 past the node
+    on_path = dropped.gather(1, ancestors.clamp(min=0).flatten().unsqueeze(0).expand(tokens.shape[0], -1))
+    on_path = on_path.view(tokens.shape[0], *ancestors.shape) & (ancestors >= 0)
+    return tokens.masked_fill(on_path.any(-1), -1)
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
