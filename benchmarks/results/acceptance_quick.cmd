@@ -1,1 +1,1 @@
-2026-12-01 05:56  python benchmarks/acceptance.py --quick --restart --time-budget 1080
+2026-12-07 16:26  python -m benchmarks.acceptance --quick --restart --temperatures 0.3 1.0 --shapes 2x5 --time-budget 780

@@ -90,7 +90,8 @@ def verify(
     with no host sync beyond the optional validation; loops over depth levels
     (and, for rrs/rrsw/traversal, over child slots); vocabulary-sized
     temporaries are a few [B, nodes of one level, V] tensors in float32 (float64
-    only for float64 inputs); Y is drawn by a two-stage float64 inverse CDF
+    for float64 inputs, and in univer_wor's PyTorch rule, per vocabulary chunk on
+    CPU: its closed forms need it, see ``univer_wor``); Y is drawn by a two-stage float64 inverse CDF
     (``inverse_cdf.sample_from_weights``), which builds no [B, V] float64 tensor.
     """
     verifier = get_verifier(method)
