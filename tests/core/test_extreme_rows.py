@@ -29,10 +29,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from drafted_trees import drafted_tokens
 from scipy.stats import binom
 
 from vllm_univer import TreeSpec, outcome_law, verify
-from vllm_univer.core.verifiers import get_verifier
+from vllm_univer.core.verifiers import get_verifier, scheme_for
 from vllm_univer.tools.law_oracle import NearlySurePathModel, PathModel, string_law_error
 
 pytestmark = pytest.mark.quick
@@ -118,21 +119,6 @@ def _truncate(rows, kind):
     return rows / rows.sum(-1, keepdim=True)
 
 
-def _draft_tree(method, tree, q, gen):
-    from vllm_univer.core.drafting import draft_children
-    from vllm_univer.core.verifiers import scheme_for
-
-    scheme = scheme_for(method)
-    tokens = torch.full((q.shape[0], tree.num_nodes + 1), -1, dtype=torch.long)
-    for v in range(tree.num_nodes + 1):  # breadth-first: a parent's token is drawn before its children
-        kids = tree.children[v][tree.children[v] >= 0]
-        if len(kids):
-            drawn = draft_children(scheme, q[:, v], len(kids), generator=gen)
-            drawn[(tokens[:, v] < 0) & (v > 0)] = -1
-            tokens[:, kids] = drawn
-    return tokens
-
-
 FLOAT32_METHODS = ["token", "block", "rrs", "rrsw", "traversal", "greedy", "univer", "univer_wor", "target_only"]
 
 
@@ -153,7 +139,7 @@ def test_float32_rules_give_the_float64_law(method, vocab):
         p = _truncate(_logit_rows(gen, batch, n1, vocab, max(temperature, 0.1), torch.float64), kind).float()
         p[: batch // 2] = q[: batch // 2]  # targets that agree with the draft, nearly sure as well
         q, p = q / q.sum(-1, keepdim=True), p / p.sum(-1, keepdim=True)
-        tokens = _draft_tree(method, tree, q.double(), gen)
+        tokens = drafted_tokens(tree, q.double(), scheme_for(method), gen)
         exact = outcome_law(method, tree, tokens, p, q)
         as_run = outcome_law(method, tree, tokens, p, q, rule_dtype=torch.float32)
         worst = max(worst, (as_run - exact).abs().max().item())
@@ -176,7 +162,7 @@ def _sampled_case(method, dtype, tail):
     p[:, 0] = 0.4
     p[:, 4] = 0.0  # an exact zero in p
     p[:, 1:] = p[:, 1:] / p[:, 1:].sum(-1, keepdim=True) * 0.6
-    tokens = _draft_tree(method, tree, q.unsqueeze(0).expand(4096, -1, -1), gen)
+    tokens = drafted_tokens(tree, q.unsqueeze(0).expand(4096, -1, -1), scheme_for(method), gen)
     trees = torch.unique(tokens, dim=0)
     return tree, trees, p.to(dtype), q.to(dtype)
 

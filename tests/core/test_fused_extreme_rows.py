@@ -21,9 +21,9 @@ pytestmark = pytest.mark.quick
 
 SCRIPT = textwrap.dedent("""
     import torch
+    from drafted_trees import drafted_tokens
     from scipy.stats import binom
     from vllm_univer import TreeSpec, outcome_law, verify
-    from vllm_univer.core.drafting import draft_children
     from vllm_univer.core.fused_tree_pass import fused_chain_step, fused_node_weights, fused_wor_allocate
     from vllm_univer.core.tree_pass import end_node_law, finish_stop
     from vllm_univer.core.verifiers import Family, get_verifier, scheme_for
@@ -53,17 +53,6 @@ SCRIPT = textwrap.dedent("""
         p[: batch // 2] = sure[: batch // 2]
         return p / p.sum(-1, keepdim=True)
 
-    def drafted(method, tree, q):
-        scheme = scheme_for(method)
-        tokens = torch.full((q.shape[0], tree.num_nodes + 1), -1, dtype=torch.long)
-        for v in range(tree.num_nodes + 1):
-            kids = tree.children[v][tree.children[v] >= 0]
-            if len(kids):
-                drawn = draft_children(scheme, q[:, v], len(kids), generator=gen)
-                drawn[(tokens[:, v] < 0) & (v > 0)] = -1
-                tokens[:, kids] = drawn
-        return tokens
-
     def fused_end_law(method, tree, tokens, p, q, work):
         verifier = get_verifier(method)
         tt = tree.on(torch.device("cpu"))
@@ -87,7 +76,7 @@ SCRIPT = textwrap.dedent("""
                 q, q_top = sure_rows(6, tree.num_nodes + 1, tail, tops)
                 p = targets(q_top, 6, tree.num_nodes + 1)
                 p, q = p.to(dtype), q.to(dtype)
-                tokens = drafted(method, tree, q.double())
+                tokens = drafted_tokens(tree, q.double(), scheme_for(method), gen)
                 exact = outcome_law(method, tree, tokens, p, q).sum(-1)
                 work = torch.float64 if dtype == torch.float64 else torch.float32
                 got = fused_end_law(method, tree, tokens, p, q, work)
@@ -126,7 +115,7 @@ SCRIPT = textwrap.dedent("""
         q, q_top = sure_rows(1, 3, 1e-20)
         p = targets(q_top, 2, 3)[1:]  # smooth target
         q, p = q.float(), p.float()
-        tokens = drafted(method, tree, q.double())
+        tokens = drafted_tokens(tree, q.double(), scheme_for(method), gen)
         n = 600
         out = verify(method, tree, tokens.expand(n, -1), p.expand(n, -1, -1), q.expand(n, -1, -1),
                      generator=torch.Generator().manual_seed(2), fused=True)

@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from drafted_trees import drafted_tokens
 
-from vllm_univer import TreeSpec, draft_children, outcome_law
+from vllm_univer import TreeSpec, outcome_law
 from vllm_univer.core import ops
 
 pytestmark = pytest.mark.quick
-
-
-def _drafted_tokens(tree, q, scheme, gen):
-    """q [B, N+1, V] -> tokens [B, N+1]: a tree per row drawn with ``scheme`` (root token 0)."""
-    tokens = torch.full(q.shape[:2], -1, dtype=torch.long)
-    tokens[:, 0] = 0
-    for v in range(q.shape[1]):
-        kids = [c for c in tree.children[v].tolist() if c >= 0]
-        if kids:
-            tokens[:, kids] = draft_children(scheme, q[:, v], len(kids), generator=gen)
-    return tokens
 
 
 def test_masked_sums_in_chunks_equal_one_pass(monkeypatch):
@@ -91,7 +81,7 @@ def test_law_is_the_same_with_chunked_vocabulary_passes(monkeypatch, method, spe
     vocab, n1 = 3000, tree.num_nodes + 1
     q = torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1)
     p = 0.6 * q + 0.4 * torch.randn(3, n1, vocab, generator=gen, dtype=torch.float64).mul(4).softmax(-1)
-    tokens = _drafted_tokens(tree, q, scheme_for(method), gen)
+    tokens = drafted_tokens(tree, q, scheme_for(method), gen)
     one_pass = outcome_law(method, tree, tokens, p, q)
     monkeypatch.setattr(ops, "_CPU_CHUNK_ELEMENTS", 1)
     torch.testing.assert_close(outcome_law(method, tree, tokens, p, q), one_pass, rtol=1e-12, atol=1e-15)
@@ -170,7 +160,7 @@ def test_verifiers_leave_their_inputs_untouched():
     for method in METHODS:
         if method in ("token", "block"):
             continue  # chain-only
-        tokens = _drafted_tokens(tree, q, scheme_for(method), gen)
+        tokens = drafted_tokens(tree, q, scheme_for(method), gen)
         p0, q0 = p.clone(), q.clone()
         verify(method, tree, tokens, p, q, generator=torch.Generator().manual_seed(0))
         assert torch.equal(p, p0) and torch.equal(q, q0), method

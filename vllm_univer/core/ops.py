@@ -15,17 +15,6 @@ def gather_tokens(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return vals.masked_fill(tokens < 0, 0)
 
 
-def token_set_mask(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """tokens [..., k] (-1 allowed) -> BoolTensor [..., V]: True at every listed token.
-
-    Built with scatter_add so repeated tokens and -1 placeholders (routed to id 0
-    with weight 0) never overwrite one another.
-    """
-    counts = torch.zeros(*tokens.shape[:-1], vocab_size, dtype=dtype, device=tokens.device)
-    counts.scatter_add_(-1, tokens.clamp(min=0), (tokens >= 0).to(dtype))
-    return counts > 0
-
-
 def normalize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [..., V] >= 0 -> (rows / sum, sum [...]); rows with sum 0 stay all-zero."""
     total = rows.sum(-1)
@@ -75,18 +64,26 @@ def vocab_slices(rows: torch.Tensor) -> list[slice]:
 # are accurate relative to their own size, so every mass built from them is too. On
 # CPU the chunks are accumulated in float64 (float32 rows included); elsewhere one
 # pass in the rows' dtype (a pairwise tree reduction: relative error about
-# log2(V) eps). The fused kernels do the same in float64 (``kernels/triton_rows``).
+# log2(V) eps). The fused kernels do the same in float64
+# (``kernels/triton_topk1_verify``: ``_row_masses``, ``_excess_sum``).
 
 
-def _listed(tokens: torch.Tensor, part: slice) -> torch.Tensor:
+def token_slice_mask(tokens: torch.Tensor, part: slice) -> torch.Tensor:
     """tokens [..., k] (-1 allowed) -> BoolTensor [..., part]: True at the ids of the
     vocabulary slice ``part`` that are listed. One scatter into a row one longer than
-    the slice: -1 and listed ids outside the slice land on the spare last entry."""
+    the slice: -1 and listed ids outside the slice land on the spare last entry, so
+    repeats and placeholders never clear a listed id."""
     width = part.stop - part.start
     local = tokens if part.start == 0 else tokens - part.start
     local = local.clamp(-1, width).remainder_(width + 1)  # -1 -> width (the spare entry)
     listed = torch.zeros(*tokens.shape[:-1], width + 1, dtype=torch.bool, device=tokens.device)
     return listed.scatter_(-1, local, True)[..., :width]
+
+
+def token_set_mask(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """tokens [..., k] (-1 allowed, repeats allowed) -> BoolTensor [..., V]: True at
+    every listed token (``token_slice_mask`` over the whole vocabulary)."""
+    return token_slice_mask(tokens, slice(0, vocab_size))
 
 
 def _chunk_sum(x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +98,7 @@ def mass_off(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     allowed), a masked sum: exact to the rows' rounding however small the mass."""
     total = None
     for part in vocab_slices(rows):
-        mass = _chunk_sum(rows[..., part].masked_fill(_listed(tokens, part), 0))
+        mass = _chunk_sum(rows[..., part].masked_fill(token_slice_mask(tokens, part), 0))
         total = mass if total is None else total.add_(mass)
     return total.to(rows.dtype)
 
@@ -116,7 +113,7 @@ def excess_off(
     total = None
     for part in vocab_slices(q):
         excess = torch.mul(p[..., part], p_scale).sub_(q[..., part] / q_mass).clamp_(min=0)
-        mass = _chunk_sum(excess.masked_fill_(_listed(tokens, part), 0))
+        mass = _chunk_sum(excess.masked_fill_(token_slice_mask(tokens, part), 0))
         total = mass if total is None else total.add_(mass)
     return total.to(q.dtype)
 

@@ -36,5 +36,5 @@ class TargetOnlyVerifier(TreeVerifier):
         alpha = clipped_ratio(mass, mass_off(nodes.p, tokens) + reverse_cumsum(mass))
         residual = None
         if want_residual:
-            residual = nodes.p.masked_fill(token_set_mask(tokens, nodes.vocab_size, nodes.p.dtype), 0)
+            residual = nodes.p.masked_fill(token_set_mask(tokens, nodes.vocab_size), 0)
         return NodeOutput(alpha, None, residual)

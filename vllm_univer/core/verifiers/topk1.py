@@ -47,5 +47,5 @@ class Topk1Node:
     def residual_rows(self, nodes: NodeBatch, scale: torch.Tensor) -> torch.Tensor:
         """[scale * p - q_bar]+ off T, 0 on T -> [B, n, V] (built only for end nodes)."""
         q_bar = nodes.q / self.q_off_top * self.has_sampled
-        in_top = token_set_mask(self.top, nodes.vocab_size, nodes.q.dtype)
+        in_top = token_set_mask(self.top, nodes.vocab_size)
         return (scale * nodes.p - q_bar).clamp(min=0).masked_fill(in_top, 0)

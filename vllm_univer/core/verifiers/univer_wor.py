@@ -241,6 +241,10 @@ class _Columns:
         safe = tokens.clamp(min=0)
         return cls(nodes.p.gather(-1, safe).double(), nodes.q.gather(-1, safe).double(), tokens, {})
 
+    def listed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[.., k] bool: the columns whose token id is among ``tokens`` [.., m] (-1: none)."""
+        return (self.ids.unsqueeze(-1) == tokens.unsqueeze(-2)).any(-1)
+
     @contextmanager
     def scratch(self):
         """A memo for one pass over chunked columns, dropped after it (whole rows keep theirs)."""
@@ -293,7 +297,7 @@ class _LaterInputs:
         norm = 0.0
         for cols in _walk(parts):
             law = stage.inputs.demand_law(cols)[1]
-            norm = norm + law.masked_fill((cols.ids.unsqueeze(-1) == drawn.unsqueeze(-2)).any(-1), 0.0).sum(-1, True)
+            norm = norm + law.masked_fill(cols.listed(drawn), 0.0).sum(-1, True)
         self.norm = norm.clamp(min=torch.finfo(torch.float64).tiny)
         # P(this stage is reached) = 1 - (demand passed on) = (1 - sigma) + rho.
         self.reached = ((1.0 - stage.sigma) + stage.rho).clamp(min=0)
@@ -303,7 +307,7 @@ class _LaterInputs:
 
     def _demand_law(self, cols: _Columns):
         _, law, left = self.stage.evaluate(cols)
-        drawn = (cols.ids.unsqueeze(-1) == self.drawn.unsqueeze(-2)).any(-1)
+        drawn = cols.listed(self.drawn)
         return _safe_div(left, self.reached), law.masked_fill(drawn, 0.0) / self.norm
 
 
@@ -393,7 +397,7 @@ class _LastOfThree:
     def _demand_law(self, cols: _Columns):
         law = self.first.inputs.demand_law(cols)[1]
         above = self.first.classes(cols) > self.top_class
-        drawn = (cols.ids.unsqueeze(-1) == self.drawn.unsqueeze(-2)).any(-1)
+        drawn = cols.listed(self.drawn)
         law = _safe_div((law * (self.spread - above.to(law.dtype))).masked_fill(drawn, 0.0).clamp(min=0), self.norm)
         return _safe_div(self.pair.evaluate(cols)[2], self.reached), law
 
