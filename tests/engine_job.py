@@ -28,6 +28,7 @@ str}], "spec": {counter: value}, and with the options:
   "emulate" "runs", "violations", "unstable_inputs"): sampled steps' verification replayed from ``VerifyGraphs``;
 - "target_graphs" with ``"target_graphs": true``: {query tokens per request: forwards}, the target's
   forwards of real batches under a full CUDA graph (``"cuda_graphs": "full"`` on CUDA);
+- "catch_up_chunks" with ``catch_up_chunks``: the draft's catch-up chunks run (``TreeDrafter._catch_up``);
 - ``run_every_node``: the dynamic drafter runs every node of its levels (no result of its own);
 - "tree_kinds" in each call's result with ``tree_kinds``: {"static": steps, "dynamic": steps}, the
   call's steps that drafted one shape for the batch or per-request trees (``LevelLayout``)}.
@@ -109,6 +110,10 @@ def _op_counts(worker, clear: bool = False) -> dict:
         univer.timers.ops.sections.clear()
         univer.timers.calls.clear()
     return counts
+
+
+def _catch_up_chunks(worker) -> int:
+    return worker.model_runner.tree_speculation.drafter.catch_up_chunks
 
 
 def _sizer_summary(worker) -> dict:
@@ -431,6 +436,8 @@ def _run_engine(engine: dict) -> dict:
         result["blind_drafts"] = llm.collective_rpc(_blind_drafts)[0]
     if engine.get("sizer"):  # tree "auto": the depths it chose and what it learnt
         result["sizer"] = llm.collective_rpc(_sizer_summary)[0]
+    if engine.get("catch_up_chunks"):
+        result["catch_up_chunks"] = llm.collective_rpc(_catch_up_chunks)[0]
     if os.environ.get("VLLM_UNIVER_OP_COUNTS") == "1":  # set by the test that wants them
         result["op_counts"] = llm.collective_rpc(_op_counts)[0]
     del llm

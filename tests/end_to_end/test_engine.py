@@ -99,15 +99,18 @@ def test_greedy_identity_survives_preemption_and_prefix_caching(models):
 def test_greedy_identity_with_chunked_prefill_and_cut_trees(models):
     """A token budget of 40 per step: long prompts are prefilled in chunks beside
     requests decoding trees, and the scheduler cuts trees short (verified as the
-    tree cut to its last full level)."""
+    tree cut to its last full level); the draft catches up on the prompts by
+    chunks too, in what the target's tokens leave of the budget (at least 16)."""
     target, draft = models
     rng = random.Random(9)
     long_prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(60, 120))) for _ in range(6)]
     job = call(long_prompts, temperature=0.0, max_tokens=60, ignore_eos=True)
     kw = {"max_num_batched_tokens": 40, "enable_chunked_prefill": True, "max_num_seqs": 6}
-    results = run_engines([reference(target, [job], **kw), engine(target, [job], univer(draft, "2x3"), **kw)])
+    speculating = {**engine(target, [job], univer(draft, "2x3"), **kw), "catch_up_chunks": True}
+    results = run_engines([reference(target, [job], **kw), speculating])
     assert "error" not in results[1], results[1].get("error")
     assert_greedy_identical(results[1]["calls"][0]["outputs"], results[0]["calls"][0])
+    assert results[1]["catch_up_chunks"] > 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -128,6 +131,33 @@ def test_target_as_its_own_draft_accepts_whole_paths(models, temperature):
             assert per_depth == [drafts] * depth
         else:  # p and q agree to float32 rounding only
             assert min(per_depth) >= 0.97 * drafts
+
+
+def test_draft_caught_up_by_chunks_accepts_whole_paths(models):
+    """The draft's catch-up bounded to 16 tokens a step (``tree_drafter.CATCH_UP_ENV``):
+    every prompt (60-120 words) reaches the draft in chunks over several steps, and
+    with tree auto's schedule again after plain steps (depth 0), while other requests
+    draft trees. With the target as its own draft, greedy, every tree is then accepted
+    to its full depth only if each chunk wrote its keys and values where the later
+    forwards read them. Greedy output equals no speculation."""
+    target, _ = models
+    rng = random.Random(4)
+    long_prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(60, 120))) for _ in range(5)]
+    job = call(long_prompts, temperature=0.0, max_tokens=48, ignore_eos=True)
+    engines = [
+        reference(target, [job]),
+        {**engine(target, [job], auto(target, "2x3")), "catch_up_chunks": True, "sizer": True},
+    ]
+    env = {"VLLM_UNIVER_CATCH_UP_TOKENS": "16", "VLLM_UNIVER_AUTO_DEPTHS": "3,0,0,3,3"}
+    ref, result = run_engines(engines, env=env)
+    assert "error" not in result, result.get("error")
+    assert_greedy_identical(result["calls"][0]["outputs"], ref["calls"][0])
+    assert result["catch_up_chunks"] >= 10, result["catch_up_chunks"]
+    spec = result["spec"]
+    drafts = spec["vllm:spec_decode_num_drafts"]
+    assert drafts > 0
+    assert spec["vllm:spec_decode_num_accepted_tokens_per_pos"][:3] == [drafts] * 3, spec
+    assert result["sizer"]["requests_at_depth"]["0"] > 0, result["sizer"]
 
 
 def test_mixed_batch_greedy_requests_equal_no_speculation(models):

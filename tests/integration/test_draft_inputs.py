@@ -286,3 +286,34 @@ def test_fused_placement_equals_the_pytorch_path_in_interpreter():
     from triton_interpreter import run_interpreted
 
     print(run_interpreted(FUSED_CHECK, "PLACEMENT OK", timeout=900)[-300:])
+
+
+def test_catch_up_chunks_write_what_one_level_zero_would():
+    """A catch-up run by chunks (``build_catch_up_inputs``, ``TreeDrafter._catch_up``)
+    writes each committed token's key and value where one level-0 forward over the
+    whole backlog would: the same positions and slots, the chunk's tokens, keys seen
+    up to and including itself (causal), whatever the chunk size."""
+    from vllm_univer.integration.draft_inputs import build_catch_up_inputs
+
+    step, roots, block_rows, _ = _step(TreeSpec.parse("2x2"), 1)
+    level0 = step.levels[0]
+    starts = np.concatenate([[0], np.diff(level0.query_start_loc_cpu.numpy())]).cumsum()
+    for r in (2, 3):  # the whole prompt, and the catch-up of two tokens (no shift: one new token each)
+        begin, end = int(roots.start[r]), int(roots.committed[r])
+        one_pass = slice(int(starts[r]), int(starts[r]) + end - begin)  # level 0's committed rows of r
+        for chunk in (1, 2, 5):
+            positions, slots, tokens = [], [], []
+            for lo in range(begin, end, chunk):
+                hi = min(lo + chunk, end)
+                ids, level, table = build_catch_up_inputs(
+                    np.array([lo]), [roots.committed_tokens[r][lo - begin : hi - begin]], block_rows[r : r + 1],
+                    BLOCK_SIZE, torch.device("cpu"),
+                )  # fmt: skip
+                assert level.seq_lens.tolist() == [hi] and level.query_start_loc.tolist() == [0, hi - lo]
+                assert level.max_query_len == hi - lo and table.tolist() == block_rows[r : r + 1].tolist()
+                positions += level.positions.tolist()
+                slots += level.slot_mapping.tolist()
+                tokens += ids.tolist()
+            assert positions == level0.positions[one_pass].tolist() == list(range(begin, end))
+            assert slots == level0.slot_mapping[one_pass].tolist() == [_slot(block_rows, r, p) for p in positions]
+            assert tokens == level0.token_ids[one_pass].tolist()

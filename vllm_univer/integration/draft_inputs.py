@@ -280,3 +280,37 @@ def place_draft_inputs(
         token_ids[layout.root_rows],
         layout.committed + shift,
     )
+
+
+def build_catch_up_inputs(
+    start: np.ndarray, tokens: list[list[int]], block_rows: torch.Tensor, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, LevelInputs, torch.Tensor]:
+    """A causal draft forward over committed tokens whose draft KV is missing (a
+    chunk of a catch-up, ``TreeDrafter.propose``): request r runs ``tokens[r]``
+    at positions ``start[r]`` on, after the ``start[r]`` tokens already in its draft
+    KV. Every input is known on the host: nothing waits for the step's sampling.
+    Returns (token_ids [T], the forward's ``LevelInputs``, block_table int32 [R, blocks]),
+    on ``device``."""
+    lens = np.array([len(t) for t in tokens], dtype=np.int64)
+    query_start = np.concatenate([[0], np.cumsum(lens)])
+    rows = np.repeat(np.arange(len(lens)), lens)
+    positions = np.repeat(start, lens) + np.arange(int(query_start[-1])) - np.repeat(query_start[:-1], lens)
+    table = block_rows.numpy().astype(np.int64)
+    slots = table[rows, positions // block_size] * block_size + positions % block_size
+    seq_lens = start + lens
+    token_ids, positions_dev, slots_dev = upload_packed(
+        [np.concatenate(tokens).astype(np.int64), positions, slots], device, torch.int64
+    )
+    query_start_dev, seq_lens_dev, table_dev = upload_packed([query_start, seq_lens, table], device, torch.int32)
+    level = LevelInputs(
+        token_ids=token_ids,
+        positions=positions_dev,
+        slot_mapping=slots_dev,
+        query_start_loc=query_start_dev,
+        query_start_loc_cpu=torch.from_numpy(query_start.astype(np.int32)),
+        seq_lens=seq_lens_dev,
+        seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
+        max_query_len=int(lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return token_ids, level, table_dev

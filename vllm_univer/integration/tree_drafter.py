@@ -21,6 +21,7 @@ Loops run over depth levels and over the (few) distinct child counts of a level.
 from __future__ import annotations
 
 import itertools
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -32,12 +33,20 @@ from ..core.fused_tree_pass import triton_reads
 from ..core.tree import TreeSpec
 from .attention.tree_attention_plan import TreeAttentionPlan
 from .draft_forward import draft_model_inputs, run_draft_model
-from .draft_inputs import DraftRoots, LevelInputs, build_draft_step_inputs, new_token_counts
+from .draft_inputs import DraftRoots, LevelInputs, build_catch_up_inputs, build_draft_step_inputs, new_token_counts
 from .draft_level_graphs import DraftLevelGraphs
 from .host_to_device import upload
 from .sampling.target_probs import softmax_, split_greedy
 from .step_buffer import KeptRange, StepBuffer
 from .tree_state import DraftedTrees, TreeState
+
+
+# The fewest catch-up tokens a step runs (``TreeDrafter._catch_up``): a request far
+# behind gains ground every step (each plain step adds one token).
+MIN_CATCH_UP_TOKENS = 16
+# Test hook: the catch-up budget of every step, in tokens (at least MIN_CATCH_UP_TOKENS):
+# small, every new prompt is caught up by chunks over several steps.
+CATCH_UP_ENV = "VLLM_UNIVER_CATCH_UP_TOKENS"
 
 
 class TreeDrafter:
@@ -55,6 +64,7 @@ class TreeDrafter:
         # tokens replay full graphs (``DraftLevelGraphs``, set by ``TreeSpeculation``).
         self.level_graphs: DraftLevelGraphs | None = None
         self._range = KeptRange(runner.device)  # 0 .. n-1, views of one kept range (no launch per level)
+        self.catch_up_chunks = 0  # catch-up chunks run (``_catch_up``): tests, benchmarks
 
     def _use(self, tree: TreeSpec) -> None:
         """Draft ``tree`` from now on (``tree: auto`` switches among width cuts)."""
@@ -65,10 +75,24 @@ class TreeDrafter:
         self.level_span, self.last_run_node, self.child_groups = shape.level_span, shape.last_run_node, shape.groups
 
     # ------------------------------------------------------------------ step
-    def propose(self, sampled_token_ids, sampling_metadata, depth=None, tree: TreeSpec | None = None, launched=None):
+    def propose(
+        self,
+        sampled_token_ids,
+        sampling_metadata,
+        depth=None,
+        tree: TreeSpec | None = None,
+        launched=None,
+        catch_up_budget: int | None = None,
+    ):
         """Draft a tree of shape ``tree`` (None: the last one), cut to ``depth``
         (None: the whole tree; 0: none; an int, or one per batch row), for
         every request that got tokens this step.
+
+        catch_up_budget: at most this many tokens the draft has not seen (new
+        prompts, the tokens of plain steps) run this step besides the usual two
+        per request, and never more than the step's token budget leaves after the
+        target's (None: that; at least ``MIN_CATCH_UP_TOKENS``): a request further behind runs a chunk and
+        drafts in a later step (``_catch_up``), so that no step stalls the batch.
 
         sampled_token_ids: the verifier's output [B, D+1] (-1 padded) on the device,
         before the runner's bookkeeping has appended it to the batch's token lists.
@@ -108,6 +132,7 @@ class TreeDrafter:
         start = np.minimum(draft_kv, committed - verified)
         # A request cut to depth 0 gets no tree; the draft cache catches up when a later step drafts.
         active = np.nonzero(got_token & fits & (depths > 0) & ~(verified & (draft_kv < committed - 1)))[0]
+        active = self._catch_up(active, start, committed, block_table, catch_up_budget)
         drafts: list[list[int]] = [[] for _ in range(batch)]
         # The batch's other requests get no tree: an older one of theirs is never verified again.
         with_tree = set(active.tolist())
@@ -150,6 +175,41 @@ class TreeDrafter:
         for row, (i, d) in enumerate(zip(active.tolist(), cut.tolist())):
             drafts[i] = node_tokens[row][: self.level_span[d][1]]
         return drafts
+
+    def _catch_up(self, active, start, committed, block_table, budget: int | None) -> np.ndarray:
+        """The ``active`` batch rows that draft this step, after the draft's catch-up
+        is bounded like a chunked prefill: level 0 runs, besides each root and the
+        node below it, the committed tokens the draft has not seen, at most ``budget``
+        of them over the step (rows in batch order). The first row that does not fit
+        runs what fits of its own in a forward of its own (a chunk; its KV is all it
+        writes) and no tree; the rows after it get no tree either and wait. A request
+        that stops speculating thus pays nothing then, and its catch-up is spread
+        over the steps where it speculates again."""
+        runner = self.runner
+        # What the scheduler's token budget leaves after the target's tokens (a chunked prefill's rule).
+        left = runner.scheduler_config.max_num_batched_tokens - int(runner.query_start_loc.np[len(start)])
+        budget = left if budget is None else min(budget, left)
+        budget = max(int(os.environ.get(CATCH_UP_ENV, budget)), MIN_CATCH_UP_TOKENS)
+        behind = np.maximum(committed[active] - start[active] - 1, 0)
+        spent = np.cumsum(behind)
+        fit = spent <= budget
+        if fit.all():
+            return active
+        first = int(np.argmin(fit))
+        row = int(active[first])
+        chunk = budget - int(spent[first - 1] if first else 0)
+        if chunk > 0:
+            req_id = runner.input_batch.req_ids[row]
+            begin = int(start[row])
+            tokens = runner.input_batch.token_ids_cpu[row, begin : begin + chunk].tolist()
+            block_rows = block_table.get_cpu_tensor()[row : row + 1]
+            token_ids, level, table = build_catch_up_inputs(
+                np.array([begin]), [tokens], block_rows, block_table.block_size, runner.device
+            )
+            self._forward(token_ids, level, table, plan=None)
+            self.state.draft_kv_len[req_id] = begin + chunk
+            self.catch_up_chunks += 1
+        return active[fit]
 
     def _clear_q_below_cuts(self, q: torch.Tensor | None, cut: np.ndarray) -> None:
         """Zero the q rows a request's levels never wrote (the buffer is reused across

@@ -250,13 +250,17 @@ class TreeSpeculation:
             self.sizer.choose_ahead()
 
     def propose(self, sampled_token_ids, sampling_metadata):
-        shape, depth = None, None
+        shape, depth, catch_up = None, None, None
         if self.sizer is not None:
-            shape, depth = self.sizer.choose(self.runner.input_batch.num_reqs)
+            batch = self.runner.input_batch.num_reqs
+            shape, depth = self.sizer.choose(batch)
+            catch_up = self.sizer.catch_up_budget(batch)
         elif self._grammar_tree is not None:
             shape = self._dynamic_or_grammar_tree()
         with self.timers.measure("draft"):
-            return self.drafter.propose(sampled_token_ids, sampling_metadata, depth, shape, self._after_draft_launch)
+            return self.drafter.propose(
+                sampled_token_ids, sampling_metadata, depth, shape, self._after_draft_launch, catch_up
+            )
 
     def _dynamic_or_grammar_tree(self) -> TreeSpec | LevelLayout:
         """``tree: dynamic``'s shape for this step: each request's own tree on the

@@ -1,0 +1,224 @@
+"""A simulated engine for ``"tree": "auto"``: a machine's step costs and the
+requests' acceptance as random draws, no model weights, seeded.
+
+It runs what the runner runs around the choice (``integration.tree_sizer``):
+every step the batch's requests, their temperature bands, the draft's backlog
+and the tokens they have left go to ``TreeChooser.choose``; the step's forwards
+(``StepCostModel.mixed_work``, the draft's catch-up at level 0) are timed on the
+simulated machine; the cost models learn from the period and the acceptance
+models from the verified trees, as ``TreeSizer`` has them learn. The same
+requests run under any policy (the choice, a fixed cut, no speculation), so
+their times compare like two engines serving the same load.
+
+The machine is what the choice cannot see: the forwards' true time (the choice
+knows it only through a start-up calibration with noise and the corrections it
+learns), the speculating steps' overheads beyond the forwards (verification,
+tree attention: per tree row), slow spells (every step slower for a while), and
+the requests' true per-child acceptance. ``tests/sizing/test_simulated_engine.py``
+states what the choice must do on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .acceptance_model import AcceptanceModel, children_per_node, prior_hazards
+from .cost_model import ForwardCost, StepCostModel, StepWork
+from .tree_choice import ShapeModels, TreeChooser
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass
+class Machine:
+    """True step costs. ``target(n)`` / ``draft(n)``: seconds of a forward over n
+    query tokens; a speculating step adds ``per_speculating_step`` and
+    ``per_tree_row`` for each target row beyond one per request; every step's
+    time is multiplied by a lognormal draw of spread ``noise``, and by ``slow``
+    (factor) during the steps in ``slow_steps`` (start, stop)."""
+
+    target: Callable[[float], float]
+    draft: Callable[[float], float]
+    per_tree_row: float = 0.0
+    per_speculating_step: float = 0.0
+    noise: float = 0.03
+    slow: float = 1.0
+    slow_steps: tuple[int, int] = (0, 0)
+
+    def seconds(self, work: StepWork, num_requests: int, step: int, rng: np.random.Generator) -> float:
+        tree_rows = work.target_tokens - num_requests
+        out = self.target(work.target_tokens) + sum(self.draft(n) for n in work.draft_tokens)
+        if work.draft_tokens:
+            out += self.per_speculating_step + self.per_tree_row * tree_rows
+        if self.slow_steps[0] <= step < self.slow_steps[1]:
+            out *= self.slow
+        return out * float(np.exp(self.noise * rng.standard_normal()))
+
+
+def affine(fixed: float, per_token: float) -> Callable[[float], float]:
+    """A forward's seconds: ``fixed`` + ``per_token`` x query tokens."""
+    return lambda n: fixed + per_token * n
+
+
+@dataclass
+class Request:
+    """One simulated request: its prompt (what the draft must first run), its
+    output length, its temperature band and true per-child acceptance."""
+
+    name: str
+    prompt: int
+    max_tokens: int
+    band: int
+    acceptance: float
+    generated: int = 0
+    draft_seen: int = 0  # tokens of its context whose draft KV exists
+
+    @property
+    def committed(self) -> int:
+        return self.prompt + self.generated
+
+
+def request_stream(seed: int, prompt=(64, 512), max_tokens=(64, 256), acceptance=(0.55, 0.85), bands=(2,)):
+    """Requests drawn one after another from ``seed``: the same stream for every policy."""
+    rng = np.random.default_rng(seed)
+    k = 0
+    while True:
+        yield Request(
+            name=f"r{k}",
+            prompt=int(rng.integers(*prompt)),
+            max_tokens=int(rng.integers(*max_tokens)),
+            band=int(rng.choice(bands)),
+            acceptance=float(rng.uniform(*acceptance)),
+        )
+        k += 1
+
+
+class Policy:
+    """Chooses each step's shape (index into ``shapes``) and per-request depth cuts."""
+
+    def decide(self, requests: list[Request], backlog: int, tokens_left: float) -> tuple[int, np.ndarray]:
+        raise NotImplementedError
+
+    def learn(self, shape, depths, work, seconds, requests, accepted) -> None:
+        pass
+
+
+class FixedCut(Policy):
+    def __init__(self, shape: int, depth: int):
+        self.shape, self.depth = shape, depth
+
+    def decide(self, requests, backlog, tokens_left):
+        return self.shape, np.full(len(requests), self.depth, dtype=np.int64)
+
+
+class Auto(Policy):
+    """``tree: auto``: a ``TreeChooser`` calibrated on the machine at start-up (the
+    forwards timed with its noise) and learning as ``TreeSizer`` has it learn."""
+
+    def __init__(self, machine: Machine, shapes: list[list[int]], rng: np.random.Generator, **chooser_args):
+        def timed(fn):
+            return [fn(n) * float(np.exp(machine.noise * rng.standard_normal())) for n in CALIBRATION_SIZES]
+
+        target = ForwardCost(list(CALIBRATION_SIZES), timed(machine.target))
+        draft = ForwardCost(list(CALIBRATION_SIZES), timed(machine.draft))
+        self.chooser = TreeChooser(
+            [
+                ShapeModels(
+                    StepCostModel(target, draft, widths),
+                    AcceptanceModel(len(widths) - 1, prior_hazards(widths), children=children_per_node(widths)),
+                )
+                for widths in shapes
+            ],
+            **chooser_args,
+        )
+        self._cut_depth = 0
+
+    def decide(self, requests, backlog, tokens_left):
+        bands = np.array([r.band for r in requests])
+        names = [r.name for r in requests]
+        for _, acceptance in self.chooser.shapes:
+            acceptance.forget_requests_except(set(names))
+        cut = self.chooser.choose(bands, None, backlog, tokens_left, names)
+        self._cut_depth = cut.depth
+        depths = self.chooser.request_depths
+        return cut.shape, np.full(len(requests), cut.depth) if depths is None else np.asarray(depths)
+
+    def learn(self, shape, depths, work, seconds, requests, accepted):
+        chooser, reqs = self.chooser, len(requests)
+        depth = int(depths.max(initial=0))
+        if chooser.shapes[shape].cost.is_decode_step(work, reqs, depth):
+            for s, (cost, _) in enumerate(chooser.shapes):
+                if s == shape or depth == 0:
+                    cost.observe(depth, work, seconds, reqs)
+        spec = np.nonzero(depths > 0)[0]
+        if spec.size:
+            chooser.shapes[shape].acceptance.observe(
+                [requests[i].band for i in spec], depths[spec], accepted[spec], [requests[i].name for i in spec]
+            )
+
+
+@dataclass
+class Run:
+    """What a simulated run did: per step its batch size, speculating requests and seconds."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
+
+    def speculating_share(self, start: int = 0, stop: int | None = None) -> float:
+        window = self.steps[start:stop]
+        return sum(s for _, s, _ in window) / max(sum(b for b, _, _ in window), 1)
+
+
+def simulate(
+    machine: Machine,
+    policy: Policy,
+    shapes: list[list[int]],
+    concurrency: Callable[[int], int],
+    steps: int,
+    seed: int = 0,
+    stream=None,
+) -> Run:
+    """Serve ``steps`` steps (prefills are left out: every policy runs the same ones)
+    with ``concurrency(step)`` requests in the batch, closed loop: a request that
+    ends is replaced by the stream's next one. Accepted depths are drawn from each
+    request's per-child acceptance s: a node with m children goes on with
+    1 - (1 - s)^m."""
+    rng = np.random.default_rng(seed + 1)
+    stream = request_stream(seed) if stream is None else stream
+    batch: list[Request] = []
+    run = Run()
+    children = [np.concatenate([children_per_node(w), [1.0]]) for w in shapes]
+    for step in range(steps):
+        want = concurrency(step)
+        batch = batch[:want] + [next(stream) for _ in range(want - len(batch))]
+        left = np.array([r.max_tokens - r.generated for r in batch], dtype=np.float64)
+        backlog = int(sum(r.committed - r.draft_seen for r in batch))
+        shape, depths = policy.decide(batch, backlog, float(np.median(left)))
+        cost = StepCostModel(ForwardCost([1], [0.0]), ForwardCost([1], [0.0]), shapes[shape])
+        work = cost.mixed_work(depths.tolist())
+        speculating = depths > 0
+        if speculating.any():  # level 0 also runs what the draft has not seen
+            catch_up = sum(r.committed - r.draft_seen - 1 for r, s in zip(batch, speculating) if s)
+            work.draft_tokens[0] += catch_up
+        seconds = machine.seconds(work, len(batch), step, rng)
+        accepted = np.zeros(len(batch), dtype=np.int64)
+        for i, r in enumerate(batch):
+            d = int(depths[i])
+            if d:
+                go_on = 1.0 - (1.0 - r.acceptance) ** children[shape][:d]
+                passed = rng.random(d) < go_on
+                accepted[i] = d if passed.all() else int(np.argmin(passed))
+            tokens = min(int(accepted[i]) + 1, r.max_tokens - r.generated)
+            r.generated += tokens
+            if d:  # the draft KV holds all but the node below the new root and the root
+                r.draft_seen = r.committed - 2
+            run.tokens += tokens
+        policy.learn(shape, depths, work, seconds, batch, accepted)
+        run.seconds += seconds
+        run.steps.append((len(batch), int(speculating.sum()), seconds))
+        batch = [r for r in batch if r.generated < r.max_tokens]
+    return run
