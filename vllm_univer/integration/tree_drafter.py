@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from ..core.drafting import draft_children, top_tokens
 from ..core.fused_tree_pass import triton_reads
 from ..core.tree import TreeSpec
+from ..sizing.catch_up import MIN_CATCH_UP_TOKENS, split_catch_up
 from .attention.tree_attention_plan import TreeAttentionPlan
 from .draft_forward import draft_model_inputs, run_draft_model
 from .draft_inputs import DraftRoots, LevelInputs, build_catch_up_inputs, build_draft_step_inputs, new_token_counts
@@ -41,10 +42,7 @@ from .step_buffer import KeptRange, StepBuffer
 from .tree_state import DraftedTrees, TreeState
 
 
-# The fewest catch-up tokens a step runs (``TreeDrafter._catch_up``): a request far
-# behind gains ground every step (each plain step adds one token).
-MIN_CATCH_UP_TOKENS = 16
-# Test hook: the catch-up budget of every step, in tokens (at least MIN_CATCH_UP_TOKENS):
+# Test hook: the catch-up budget of every step, in tokens (at least ``MIN_CATCH_UP_TOKENS``):
 # small, every new prompt is caught up by chunks over several steps.
 CATCH_UP_ENV = "VLLM_UNIVER_CATCH_UP_TOKENS"
 
@@ -65,6 +63,7 @@ class TreeDrafter:
         self.level_graphs: DraftLevelGraphs | None = None
         self._range = KeptRange(runner.device)  # 0 .. n-1, views of one kept range (no launch per level)
         self.catch_up_chunks = 0  # catch-up chunks run (``_catch_up``): tests, benchmarks
+        self.chunk_tokens = 0  # tokens of the last step's catch-up chunk (0: none ran)
 
     def _use(self, tree: TreeSpec) -> None:
         """Draft ``tree`` from now on (``tree: auto`` switches among width cuts)."""
@@ -177,29 +176,22 @@ class TreeDrafter:
         return drafts
 
     def _catch_up(self, active, start, committed, block_table, budget: int | None) -> np.ndarray:
-        """The ``active`` batch rows that draft this step, after the draft's catch-up
-        is bounded like a chunked prefill: level 0 runs, besides each root and the
-        node below it, the committed tokens the draft has not seen, at most ``budget``
-        of them over the step (rows in batch order). The first row that does not fit
-        runs what fits of its own in a forward of its own (a chunk; its KV is all it
-        writes) and no tree; the rows after it get no tree either and wait. A request
-        that stops speculating thus pays nothing then, and its catch-up is spread
-        over the steps where it speculates again."""
+        """The ``active`` batch rows that draft this step, with the draft's catch-up
+        bounded like a chunked prefill (``sizing.catch_up``): level 0 runs, besides
+        each root and the node below it, at most ``budget`` committed tokens the draft
+        has not seen over the step. The first row that does not fit runs a chunk of
+        its own in a forward of its own (its KV is all it writes) and no tree, as do
+        the rows after it. A request that stops speculating thus costs the draft
+        nothing, and its catch-up is spread over the steps where it speculates again."""
         runner = self.runner
+        self.chunk_tokens = 0
         # What the scheduler's token budget leaves after the target's tokens (a chunked prefill's rule).
         left = runner.scheduler_config.max_num_batched_tokens - int(runner.query_start_loc.np[len(start)])
         budget = left if budget is None else min(budget, left)
         budget = max(int(os.environ.get(CATCH_UP_ENV, budget)), MIN_CATCH_UP_TOKENS)
-        behind = np.maximum(committed[active] - start[active] - 1, 0)
-        spent = np.cumsum(behind)
-        fit = spent <= budget
-        if fit.all():
-            return active
-        first = int(np.argmin(fit))
-        row = int(active[first])
-        chunk = budget - int(spent[first - 1] if first else 0)
+        fits, first, chunk = split_catch_up(np.maximum(committed[active] - start[active] - 1, 0), budget)
         if chunk > 0:
-            req_id = runner.input_batch.req_ids[row]
+            row = int(active[first])
             begin = int(start[row])
             tokens = runner.input_batch.token_ids_cpu[row, begin : begin + chunk].tolist()
             block_rows = block_table.get_cpu_tensor()[row : row + 1]
@@ -207,9 +199,10 @@ class TreeDrafter:
                 np.array([begin]), [tokens], block_rows, block_table.block_size, runner.device
             )
             self._forward(token_ids, level, table, plan=None)
-            self.state.draft_kv_len[req_id] = begin + chunk
+            self.state.draft_kv_len[runner.input_batch.req_ids[row]] = begin + chunk
             self.catch_up_chunks += 1
-        return active[fit]
+            self.chunk_tokens = chunk
+        return active[fits]
 
     def _clear_q_below_cuts(self, q: torch.Tensor | None, cut: np.ndarray) -> None:
         """Zero the q rows a request's levels never wrote (the buffer is reused across

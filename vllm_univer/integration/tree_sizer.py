@@ -49,6 +49,7 @@ from ..sizing import (
     StepCostModel,
     StepWork,
     TreeChooser,
+    catch_up_budget,
     children_per_node,
     prior_hazards,
     temperature_band,
@@ -79,13 +80,6 @@ ONE_DEPTH_ENV = "VLLM_UNIVER_AUTO_ONE_DEPTH"
 # Forwards are timed at start-up up to this many query tokens (compute-bound beyond: linear).
 CALIBRATION_MAX_TOKENS = 128
 CALIBRATION_PASSES = 3
-# A step's catch-up of the draft (new prompts, tokens of plain steps) runs in at most
-# this share of a plain step's time (``catch_up_budget``): with the tree's own work, a
-# step where requests start speculating takes ~1.5x a plain one instead of stalling
-# every stream of the batch behind a prompt's draft prefill (``benchmarks/serving.py``,
-# ITL p99 4-5x plain's before).
-CATCH_UP_SHARE = 0.25
-CATCH_UP_GRID = np.array([16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 8192])
 
 
 def _bands(temperature: np.ndarray) -> np.ndarray:
@@ -327,15 +321,13 @@ class TreeSizer:
         return shape, depth
 
     def catch_up_budget(self, batch: int) -> int | None:
-        """Tokens of the draft's catch-up this step may run (``TreeDrafter._catch_up``):
-        as many as the draft runs in ``CATCH_UP_SHARE`` of a plain step of the batch,
-        by the cost model (None: not calibrated, the step's token budget decides)."""
+        """Tokens of the draft's catch-up this step may run (``TreeDrafter._catch_up``,
+        ``sizing.catch_up``), by the cost model (None: not calibrated, the step's
+        token budget decides)."""
         if self.chooser is None:
             return None
-        cost = self.chooser.shapes[-1].cost
-        allowed = CATCH_UP_SHARE * cost.seconds(batch, 0)
-        extra = cost.draft.many(batch + CATCH_UP_GRID) - cost.draft(batch)
-        return int(CATCH_UP_GRID[max(int(np.searchsorted(extra, allowed, side="right")) - 1, 0)])
+        target_tokens = int(self.runner.query_start_loc.np[batch])  # this step's, prefills included
+        return catch_up_budget(self.chooser.shapes[-1].cost, batch, target_tokens)
 
     def _draft_backlog(self, batch: int) -> tuple[int, float]:
         """(tokens the draft has not run, over the batch; median tokens a request
@@ -383,6 +375,8 @@ class TreeSizer:
         started, cut = self._last
         target_tokens = int(self.runner.query_start_loc.np[batch])
         work = StepWork(target_tokens, list(self.drafter.forward_tokens))
+        if self.drafter.chunk_tokens:  # a catch-up chunk ran: not a decode step of any cut
+            return
         if not self.chooser.shapes[cut.shape].cost.is_decode_step(work, batch, cut.depth):
             return
         # No speculation is the same step whatever the shape: every shape's model learns from it.

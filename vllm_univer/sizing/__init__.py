@@ -16,6 +16,7 @@ from .acceptance_model import (
     share_priors,
     temperature_band,
 )
+from .catch_up import MIN_CATCH_UP_TOKENS, catch_up_budget, split_catch_up
 from .cost_model import ForwardCost, StepCostModel, StepWork
 from .tree_choice import Cut, ShapeModels, TreeChooser
 
@@ -28,7 +29,10 @@ __all__ = [
     "StepWork",
     "ShapeModels",
     "TreeChooser",
+    "MIN_CATCH_UP_TOKENS",
+    "catch_up_budget",
     "children_per_node",
+    "split_catch_up",
     "prior_hazards",
     "share_priors",
     "temperature_band",

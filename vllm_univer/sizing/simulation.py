@@ -26,10 +26,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .acceptance_model import AcceptanceModel, children_per_node, prior_hazards
+from .catch_up import catch_up_budget, split_catch_up
 from .cost_model import ForwardCost, StepCostModel, StepWork
 from .tree_choice import ShapeModels, TreeChooser
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# The scheduler's tokens per step (vLLM's max_num_batched_tokens): a fixed cut's catch-up budget.
+STEP_TOKEN_BUDGET = 2048
 
 
 @dataclass
@@ -38,7 +41,8 @@ class Machine:
     query tokens; a speculating step adds ``per_speculating_step`` and
     ``per_tree_row`` for each target row beyond one per request; every step's
     time is multiplied by a lognormal draw of spread ``noise``, and by ``slow``
-    (factor) during the steps in ``slow_steps`` (start, stop)."""
+    (factor) during the steps in ``slow_steps`` (start, stop): every step's, or
+    ``slow_speculating_only`` the speculating steps'."""
 
     target: Callable[[float], float]
     draft: Callable[[float], float]
@@ -47,13 +51,14 @@ class Machine:
     noise: float = 0.03
     slow: float = 1.0
     slow_steps: tuple[int, int] = (0, 0)
+    slow_speculating_only: bool = False
 
     def seconds(self, work: StepWork, num_requests: int, step: int, rng: np.random.Generator) -> float:
         tree_rows = work.target_tokens - num_requests
         out = self.target(work.target_tokens) + sum(self.draft(n) for n in work.draft_tokens)
-        if work.draft_tokens:
+        if tree_rows > 0:
             out += self.per_speculating_step + self.per_tree_row * tree_rows
-        if self.slow_steps[0] <= step < self.slow_steps[1]:
+        if self.slow_steps[0] <= step < self.slow_steps[1] and (tree_rows > 0 or not self.slow_speculating_only):
             out *= self.slow
         return out * float(np.exp(self.noise * rng.standard_normal()))
 
@@ -102,8 +107,14 @@ class Policy:
     def decide(self, requests: list[Request], backlog: int, tokens_left: float) -> tuple[int, np.ndarray]:
         raise NotImplementedError
 
-    def learn(self, shape, depths, work, seconds, requests, accepted) -> None:
-        pass
+    def catch_up_budget(self, num_requests: int, target_tokens: int) -> int:
+        """Tokens of the draft's catch-up a step whose target ran ``target_tokens`` may run
+        (``sizing.catch_up``)."""
+        return STEP_TOKEN_BUDGET - target_tokens
+
+    def learn(self, shape, depths, work, seconds, requests, accepted, chunk: int = 0) -> None:
+        """What a step did: ``chunk`` tokens of a catch-up chunk besides (``TreeSizer``
+        learns no cost from such a step)."""
 
 
 class FixedCut(Policy):
@@ -134,7 +145,10 @@ class Auto(Policy):
             ],
             **chooser_args,
         )
-        self._cut_depth = 0
+
+    def catch_up_budget(self, num_requests, target_tokens):
+        cost = self.chooser.shapes[-1].cost
+        return min(catch_up_budget(cost, num_requests, target_tokens), STEP_TOKEN_BUDGET - target_tokens)
 
     def decide(self, requests, backlog, tokens_left):
         bands = np.array([r.band for r in requests])
@@ -142,14 +156,13 @@ class Auto(Policy):
         for _, acceptance in self.chooser.shapes:
             acceptance.forget_requests_except(set(names))
         cut = self.chooser.choose(bands, None, backlog, tokens_left, names)
-        self._cut_depth = cut.depth
         depths = self.chooser.request_depths
         return cut.shape, np.full(len(requests), cut.depth) if depths is None else np.asarray(depths)
 
-    def learn(self, shape, depths, work, seconds, requests, accepted):
+    def learn(self, shape, depths, work, seconds, requests, accepted, chunk=0):
         chooser, reqs = self.chooser, len(requests)
         depth = int(depths.max(initial=0))
-        if chooser.shapes[shape].cost.is_decode_step(work, reqs, depth):
+        if not chunk and chooser.shapes[shape].cost.is_decode_step(work, reqs, depth):
             for s, (cost, _) in enumerate(chooser.shapes):
                 if s == shape or depth == 0:
                     cost.observe(depth, work, seconds, reqs)
@@ -167,10 +180,25 @@ class Run:
     seconds: float = 0.0
     tokens: int = 0
     steps: list[tuple[int, int, float]] = field(default_factory=list)
+    # Per token a stream received after its first: the seconds it waited for it (a
+    # step's time over the tokens it gave the stream; a prefill's wait is its TTFT).
+    gaps: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        """Output tokens per second."""
+        return self.tokens / self.seconds
 
     def speculating_share(self, start: int = 0, stop: int | None = None) -> float:
+        """Of the request-steps in steps ``start`` .. ``stop``, those that speculated."""
         window = self.steps[start:stop]
         return sum(s for _, s, _ in window) / max(sum(b for b, _, _ in window), 1)
+
+    def gap_quantile(self, q: float = 0.99) -> float:
+        """The ``q`` quantile of the waits per token (``gaps``): a step that stalls
+        the batch (a prompt's catch-up) shows, one that streams several tokens in
+        twice a plain step's time does not."""
+        return float(np.quantile(self.gaps, q))
 
 
 def simulate(
@@ -182,10 +210,11 @@ def simulate(
     seed: int = 0,
     stream=None,
 ) -> Run:
-    """Serve ``steps`` steps (prefills are left out: every policy runs the same ones)
-    with ``concurrency(step)`` requests in the batch, closed loop: a request that
-    ends is replaced by the stream's next one. Accepted depths are drawn from each
-    request's per-child acceptance s: a node with m children goes on with
+    """Serve ``steps`` steps with ``concurrency(step)`` requests in the batch, closed
+    loop: a request that ends is replaced by the stream's next one, whose prompt the
+    target prefills in the step it joins (its first token; the draft may catch up on
+    it in that step: the drafting after a prefill). Accepted depths are drawn from
+    each request's per-child acceptance s: a node with m children goes on with
     1 - (1 - s)^m."""
     rng = np.random.default_rng(seed + 1)
     stream = request_stream(seed) if stream is None else stream
@@ -194,17 +223,32 @@ def simulate(
     children = [np.concatenate([children_per_node(w), [1.0]]) for w in shapes]
     for step in range(steps):
         want = concurrency(step)
-        batch = batch[:want] + [next(stream) for _ in range(want - len(batch))]
+        joined = [next(stream) for _ in range(want - len(batch))]
+        prefill = sum(r.prompt for r in joined)
+        batch = batch[:want] + joined
         left = np.array([r.max_tokens - r.generated for r in batch], dtype=np.float64)
         backlog = int(sum(r.committed - r.draft_seen for r in batch))
         shape, depths = policy.decide(batch, backlog, float(np.median(left)))
+        depths = depths.copy()
+        # The draft's catch-up, bounded as ``TreeDrafter._catch_up`` bounds it.
+        spec = np.nonzero(depths > 0)[0]
+        behind = np.array([max(batch[i].committed - batch[i].draft_seen - 2, 0) for i in spec], dtype=np.int64)
+        fits, row, chunk = split_catch_up(behind, policy.catch_up_budget(len(batch), prefill + len(batch)))
+        depths[spec[~fits]] = 0
+        if chunk:
+            batch[spec[row]].draft_seen += chunk
+        caught_up = int(behind[fits].sum())
+        for i in spec[fits]:
+            batch[i].draft_seen = batch[i].committed - 2
+        new = len(batch) - len(joined)
+        tree = depths[:new]  # a request that joined drafts after its prefill: its tree is verified next step
         cost = StepCostModel(ForwardCost([1], [0.0]), ForwardCost([1], [0.0]), shapes[shape])
-        work = cost.mixed_work(depths.tolist())
-        speculating = depths > 0
-        if speculating.any():  # level 0 also runs what the draft has not seen
-            catch_up = sum(r.committed - r.draft_seen - 1 for r, s in zip(batch, speculating) if s)
-            work.draft_tokens[0] += catch_up
-        seconds = machine.seconds(work, len(batch), step, rng)
+        work = cost.mixed_work(tree.tolist())
+        draft = work.draft_tokens or [0]
+        draft[0] += caught_up + int((depths[new:] > 0).sum())
+        timed = StepWork(work.target_tokens + prefill, ([chunk] if chunk else []) + [n for n in draft if n])
+        seconds = machine.seconds(timed, len(batch), step, rng)
+        depths[new:] = 0
         accepted = np.zeros(len(batch), dtype=np.int64)
         for i, r in enumerate(batch):
             d = int(depths[i])
@@ -213,12 +257,14 @@ def simulate(
                 passed = rng.random(d) < go_on
                 accepted[i] = d if passed.all() else int(np.argmin(passed))
             tokens = min(int(accepted[i]) + 1, r.max_tokens - r.generated)
+            if i < new:
+                run.gaps += [seconds / tokens] * tokens
             r.generated += tokens
             if d:  # the draft KV holds all but the node below the new root and the root
                 r.draft_seen = r.committed - 2
             run.tokens += tokens
-        policy.learn(shape, depths, work, seconds, batch, accepted)
+        policy.learn(shape, depths, work, seconds, batch, accepted, chunk)
         run.seconds += seconds
-        run.steps.append((len(batch), int(speculating.sum()), seconds))
+        run.steps.append((len(batch), int((depths > 0).sum()), seconds))
         batch = [r for r in batch if r.generated < r.max_tokens]
     return run
