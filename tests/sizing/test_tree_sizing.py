@@ -117,24 +117,29 @@ def chooser_with(target_per_token, target_fixed, draft_per_forward, hazard, widt
     acceptance = AcceptanceModel(len(widths) - 1, prior_hazard=hazard, prior_weight=1.0)
     # Every decision priced afresh: these tests change the estimates between two decisions.
     return TreeChooser(
-        [ShapeModels(StepCostModel(target, draft, widths), acceptance)], explore_every=explore, reprice_every=1
+        [ShapeModels(StepCostModel(target, draft, widths), acceptance)], explore_share=explore, reprice_every=1
     )
 
 
 def test_choice_is_no_speculation_when_drafting_cannot_pay():
     # Compute-bound target (every row costs as much as the fixed part) and a draft as big as the target.
-    chooser = chooser_with(target_per_token=1.0, target_fixed=0.0, draft_per_forward=1.0, hazard=0.9, explore=1)
+    chooser = chooser_with(target_per_token=1.0, target_fixed=0.0, draft_per_forward=1.0, hazard=0.9, explore=1.0)
     assert [chooser.choose([2, 2]).depth for _ in range(20)] == [
         0
     ] * 20  # exploration never tries a cut that cannot pay
+
+
+def make_trial_due(chooser: TreeChooser) -> None:
+    """The allowance covers the next trial: the next decision prices afresh."""
+    chooser.allowance, chooser._trial_loss = 1e9, 0.0
 
 
 def test_a_clear_no_speculation_is_kept_without_pricing(monkeypatch):
     """Drafting far from paying: the cuts are priced once, then no speculation is kept
     for SETTLED_DECISIONS decisions without pricing anything (a plain step must cost
     what a plain engine's does); a new temperature band in the batch, a model that
-    learns from a speculating step, or an exploration prices them again at once."""
-    chooser = chooser_with(target_per_token=1.0, target_fixed=0.0, draft_per_forward=1.0, hazard=0.9, explore=64)
+    learns from a speculating step, or a trial the allowance covers prices them again at once."""
+    chooser = chooser_with(target_per_token=1.0, target_fixed=0.0, draft_per_forward=1.0, hazard=0.9, explore=0.02)
     priced = []
     rates = chooser._rates
     monkeypatch.setattr(chooser, "_rates", lambda *args: priced.append(chooser.decisions) or rates(*args))
@@ -147,7 +152,7 @@ def test_a_clear_no_speculation_is_kept_without_pricing(monkeypatch):
     chooser.shapes[0].cost.observe(0, chooser.shapes[0].cost.work(2, 0), 2.0, 2)  # plain periods: not evidence
     chooser.choose([0, 2])
     assert len(priced) == 2, priced
-    chooser.explore_every = chooser.decisions + 1  # the next decision explores
+    make_trial_due(chooser)
     chooser.choose([0, 2])
     assert len(priced) == 3, priced
 
@@ -156,7 +161,7 @@ def test_a_priced_choice_is_kept_for_the_same_batch(monkeypatch):
     """Pricing every cut and mix of depths again costs some 0.3-0.5 ms of host time a
     step: a priced choice, its requests' depths with it, is kept for the next
     REPRICE_EVERY - 1 decisions of the same batch. Other requests, a catch-up to run,
-    other allowed shapes or an exploration price afresh at once; so does a model
+    other allowed shapes or a trial the allowance covers price afresh at once; so does a model
     learning from a speculating step while no speculation is kept."""
     every = tree_choice.REPRICE_EVERY
     chooser = chooser_with(target_per_token=0.01, target_fixed=1.0, draft_per_forward=1e-3, hazard=0.8)
@@ -183,7 +188,7 @@ def test_a_priced_choice_is_kept_for_the_same_batch(monkeypatch):
         priced.clear()
         chooser.choose([0, 2, 2], **changed)
         assert priced == [chooser.decisions - 1], changed
-    chooser.explore_every = chooser.decisions + 1  # the next decision explores
+    make_trial_due(chooser)
     chooser.choose([0, 2, 2], req_ids=["a", "b", "d"], allowed={0})
     assert priced[-1] == chooser.decisions - 1
 
@@ -323,11 +328,27 @@ def test_each_temperature_band_gets_its_own_depth():
     assert uniform_plain >= 2  # one depth for all would not have speculated in two of these batches
 
 
-def test_exploration_tries_the_next_cut_now_and_then():
-    chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.7, explore=4)
-    picks = [chooser.choose([2] * 4).depth for _ in range(8)]
-    # Every 4th decision in turn: no speculation (its cost measured), then the next deeper cut.
-    assert picks == [1, 1, 1, 0, 1, 1, 1, 2]
+def test_exploration_spends_its_share_of_the_time_on_each_candidate_in_turn():
+    """Exploration is priced: each decision earns 2 % of its step's predicted time,
+    and a trial runs once that covers what it is predicted to lose against the
+    choice (at least half a step). While the chain cut to 3 is chosen, the
+    candidates come in turn: no speculation, then the tree's best cut (the chain
+    has no deeper cut). Over 2000 decisions, the trials' losses add up to 2 % of
+    the time, give or take one trial."""
+    chooser = shapes_chooser(0.01, 1.0, 0.05, hazards=(0.7, 0.8), explore=0.02)
+    picks = [chooser.choose([2] * 4) for _ in range(2000)]
+    choice = Cut(0, 3)
+    (chain, tree) = chooser.rates([2] * 4)
+    rate = chain[3]
+    step = 4 * chooser.shapes[0].acceptance.expected_tokens([2])[0, 3] / rate
+    loss = {}
+    for cut, rates in ((Cut(1, 0), tree), (Cut(1, 2), tree)):
+        seconds = chooser.shapes[cut.shape].cost.seconds(4, cut.depth, conservative=True)
+        loss[cut] = max(seconds - rates[cut.depth] * seconds / rate, tree_choice.MIN_TRIAL_PRICE * step)
+    trials = [p for p in picks if p != choice]
+    assert set(trials) == set(loss) and trials[0::2] == [Cut(1, 0)] * len(trials[0::2]), trials
+    spent = sum(loss[t] for t in trials)
+    assert spent <= 0.02 * step * len(picks) <= spent + max(loss.values()), (spent, len(trials))
 
 
 def shapes_chooser(target_per_token, target_fixed, draft_per_forward, hazards, explore=0):
@@ -338,7 +359,7 @@ def shapes_chooser(target_per_token, target_fixed, draft_per_forward, hazards, e
     for tree, hazard in zip(TreeSpec.parse("2x3").width_cuts(), hazards):
         acceptance = AcceptanceModel(tree.max_depth, prior_hazard=hazard, prior_weight=1.0)
         shapes.append(ShapeModels(StepCostModel(target, draft, tree.nodes_per_depth), acceptance))
-    return TreeChooser(shapes, explore_every=explore, reprice_every=1)
+    return TreeChooser(shapes, explore_share=explore, reprice_every=1)
 
 
 def test_width_cuts_of_a_tree():
@@ -388,45 +409,40 @@ def test_choice_keeps_to_the_allowed_shapes():
         assert chooser.choose([2] * 4, allowed={1}).shape == 1
 
 
-def test_exploration_visits_the_other_shapes():
-    chooser = shapes_chooser(0.01, 1.0, 0.05, hazards=(0.7, 0.8), explore=2)
-    picks = [chooser.choose([2] * 4) for _ in range(8)]
-    # Chosen: the chain cut to 3 (no deeper cut of it); every 2nd decision the tree's best cut
-    # (depth 2: 7.07 tokens/s against the chain's 7.7, but 9.1 if every draft were accepted).
-    assert picks[0::2] == [Cut(0, 3)] * 4
-    assert picks[1::2] == [Cut(1, 0), Cut(1, 2)] * 2  # in turn with no speculation
-
-
-def test_a_cut_that_does_not_pay_is_tried_ever_more_rarely():
-    """Exploration backs off: each trial of a speculating cut that is not then
-    chosen doubles the wait before the next (a speculating step can cost several
-    plain ones on a compute-bound CPU); plain steps are tried on every turn."""
-    chooser = shapes_chooser(0.01, 1.0, 0.05, hazards=(0.7, 0.8), explore=2)
-    picks = [chooser.choose([2] * 4) for _ in range(1024)]
-    trials = [i for i, p in enumerate(picks) if p == Cut(1, 2)]
-    # Waits of 1, 2, 4, ... explorations (2 decisions each), then MAX_BACKOFF = 64 explorations.
-    gaps = np.diff(trials).tolist()
-    assert gaps == sorted(gaps) and gaps[-1] == 128 and len(trials) <= 16, trials
-    assert picks.count(Cut(1, 0)) > 400  # plain steps keep being measured
-    assert picks.count(Cut(0, 3)) == 512  # every other decision is the choice
-
-
-def test_backoff_is_kept_per_batch_size():
-    """Cuts tried and backed off at batch 16 are tried again at once when the
-    load drops to one request: what did not pay at one batch size may at another
-    (the wait at batch 16 was 32-64 explorations when the load dropped)."""
-    # Speculation never chosen (low acceptance), but every cut worth a trial (its ceiling beats plain).
-    chooser = shapes_chooser(0.01, 1.0, 0.3, hazards=(0.3, 0.3), explore=2)
-    busy = [chooser.choose([2] * 16) for _ in range(200)]
-    # Trials on every 2nd decision, backed off; each (from plain steps) runs two steps, the second the one measured.
-    trials = [i for i in range(1, 200, 2) if busy[i].depth > 0]
-    second_steps = [i for i in range(2, 200, 2) if busy[i].depth > 0]
-    assert second_steps == [i + 1 for i in trials] and all(busy[i + 1] == busy[i] for i in trials), busy
-    assert len(trials) <= 16 and trials[0] < 8 and not any(p.depth > 0 for p in busy[150:])
-    alone = [chooser.choose([2]) for _ in range(4)]
-    assert [p.depth > 0 for p in alone] == [False, True, True, True], alone  # a trial, its second step, a trial
-    # The last trial's second step was for one request: 16 again, the choice decides (plain).
-    assert chooser.choose([2] * 16).depth == 0
+def test_a_trial_from_plain_steps_is_one_requests_until_it_has_caught_up():
+    """Under load, plain steps chosen: a trial speculates for the one request the
+    draft is least behind on (its catch-up is the cheapest), and goes on, for it
+    alone, until it has caught up and drafted the tree that measures the cut; the
+    others stay plain throughout."""
+    # Speculation never chosen (low acceptance), but a trial's ceiling beats plain: one
+    # request at depth 1 of the chain, its draft accepted, 17 tokens in 1.173 s against 16 in 1.16.
+    chooser = shapes_chooser(0.01, 1.0, 0.003, hazards=(0.05, 0.05), explore=0.02)
+    ids = [f"r{i}" for i in range(16)]
+    behind = np.full(16, 200)
+    behind[5] = 40
+    picks, behind_before = [], []
+    for _ in range(400):
+        behind_before.append(int(behind[5]))
+        cut = chooser.choose([2] * 16, backlog=int(behind.sum()), req_ids=ids, behind=behind)
+        depths = chooser.request_depths
+        picks.append((cut, None if depths is None else depths.tolist()))
+        if cut.depth:
+            assert depths is not None and np.count_nonzero(depths) == 1 and depths[5] == cut.depth, picks[-1]
+            behind[5] = max(behind[5] - 16, 0)  # the drafter catches up 16 tokens a step, then drafts
+        else:
+            behind[5] += 1
+    runs, run = [], []  # each trial's steps: (its request's tokens behind at the decision)
+    for (cut, _), before in zip(picks, behind_before):
+        if cut.depth:
+            run.append(before)
+        elif run:
+            runs.append(run)
+            run = []
+    assert len(runs) >= 2, picks
+    for run in runs:  # until the decision that finds it caught up (the step that measures), no longer
+        assert all(b > 1 for b in run[:-1]) and run[-1] <= 1, runs
+    # Each trial priced at least half a step (the catch-up is free here): 2 % of 400 steps pays for 16.
+    assert len(runs) <= chooser.trials <= 400 * 0.02 / tree_choice.MIN_TRIAL_PRICE + 1, (chooser.trials, runs)
 
 
 def test_prior_hazards_grow_with_the_children_per_node():
@@ -478,7 +494,7 @@ def test_an_unseen_shape_borrows_the_other_shapes_speculating_corrections():
     flat = ForwardCost([1, 1000], [1.0, 1.0])
     chain = ShapeModels(StepCostModel(flat, flat, [1, 1, 1, 1]), AcceptanceModel(3, [0.9] * 3))
     tree = ShapeModels(StepCostModel(flat, flat, WIDTHS_2X3), AcceptanceModel(3, [0.95] * 3))
-    chooser = TreeChooser([chain, tree], explore_every=0)
+    chooser = TreeChooser([chain, tree], explore_share=0)
     chain.cost.observe(1, chain.cost.work(8, 1), 6.0, num_requests=8)  # predicted 2.0: 3x
     chain.cost.observe(0, chain.cost.work(8, 0), 1.0, num_requests=8)
     tree.cost.observe(0, tree.cost.work(8, 0), 1.0, num_requests=8)
@@ -511,18 +527,25 @@ def test_the_drafts_catch_up_is_spread_over_the_tokens_left():
 
 
 def test_a_trial_is_charged_the_whole_catch_up():
-    """Exploring a speculating cut from plain steps is one step that may not be
-    repeated: it must pay even with the draft's whole catch-up in it, or it is not tried."""
-    chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.1, explore=1)
-    chooser.shapes[0].cost.draft = ForwardCost([1, 10_000], [0.1, 0.1 + 9_999 * 1e-3])
-    (rates,) = chooser.rates([2] * 4)
-    assert int(np.argmax(rates)) == 0  # poor acceptance: plain is the choice
-    # Every decision explores; with no backlog the next cut (depth 1) could pay if all were accepted.
-    assert chooser.choose([2] * 4, tokens_left=32).depth == 1
-    fresh = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.1, explore=1)
-    fresh.shapes[0].cost.draft = chooser.shapes[0].cost.draft
-    # 1000 prompt tokens to catch up: 1 s more in that step, 8 tokens in 2.34 s < 4 in 1.08 s.
-    assert [fresh.choose([2] * 4, backlog=1000, tokens_left=32).depth for _ in range(10)] == [0] * 10
+    """Exploring a speculating cut from plain steps runs the draft's catch-up first,
+    which is lost if the cut does not pay: the trial is charged all of it (taken off
+    the allowance), so it waits until the allowance covers that too."""
+
+    def first_trial(behind) -> tuple[int, float]:
+        chooser = chooser_with(target_per_token=0.02, target_fixed=1.0, draft_per_forward=0.1, hazard=0.1, explore=0.02)
+        chooser.shapes[0].cost.draft = ForwardCost([1, 10_000], [0.1, 0.1 + 9_999 * 1e-3])
+        (rates,) = chooser.rates([2] * 4)
+        assert int(np.argmax(rates)) == 0  # poor acceptance: plain is the choice
+        for decision in range(2000):
+            before = chooser.allowance
+            if chooser.choose([2] * 4, req_ids=list("abcd"), behind=np.full(4, behind)).depth:
+                return decision, before - chooser.allowance
+        raise AssertionError("no trial")
+
+    (early, charged), (late, charged_catch_up) = first_trial(0), first_trial(1000)
+    # 1000 tokens through the draft: 1 s more, some 46 decisions' allowance (2 % of a 1.08 s plain step).
+    assert charged_catch_up >= 1.0 and charged_catch_up > charged, (charged, charged_catch_up)
+    assert late - early >= (charged_catch_up - charged) / (0.02 * 1.08) - 8, (early, late)  # kept choices: <= 8
 
 
 def test_an_unseen_batch_size_is_committed_to_on_the_rows_extra_cost():
@@ -532,7 +555,7 @@ def test_an_unseen_batch_size_is_committed_to_on_the_rows_extra_cost():
     conservative one (no speculation); a trial needs its forwards' time alone."""
     target, draft = ForwardCost([1, 1000], [1.0, 1.0]), ForwardCost([1, 1000], [0.1, 0.1])
     cost = StepCostModel(target, draft, WIDTHS_2X3)
-    chooser = TreeChooser([ShapeModels(cost, AcceptanceModel(3, [0.9] * 3, prior_weight=1.0))], explore_every=2)
+    chooser = TreeChooser([ShapeModels(cost, AcceptanceModel(3, [0.9] * 3, prior_weight=1.0))])
     cost.observe(0, cost.work(1, 0), 1.0, num_requests=1)
     cost.observe(2, cost.work(1, 2), 1.7, num_requests=1)  # predicted 1.2: factor 1.7 / 1.2, 0.5 / 6 s per row
     assert cost.seconds(8, 2) == pytest.approx(1.7)
@@ -541,14 +564,18 @@ def test_an_unseen_batch_size_is_committed_to_on_the_rows_extra_cost():
     assert cost.seconds(1, 2, conservative=True) == pytest.approx(1.7)  # seen: its own factor
     assert chooser.choose([2]) == Cut(0, 2)  # batch 1: 2.71 tokens in 1.7 s
     # Batch 8: optimistic, depth 1 gives 15.2 tokens in 1.56 s; conservative, in 2.43 s: plain (8 in 1 s).
-    # Every other decision explores: the trial, 16 tokens in 1.1 s (its forwards alone), could
-    # beat 8 in 1 s; from plain steps it runs two steps.
-    picks = [chooser.choose([2] * 8) for _ in range(5)]
-    assert picks == [Cut(0, 1)] * 4 + [Cut(0, 0)], picks  # trial, its second step, trial, second step, plain
+    assert chooser.choose([2] * 8) == Cut(0, 0)
+    # A trial, 16 tokens in 1.1 s (its forwards alone), could beat 8 in 1 s: the allowance covering
+    # it, it runs for the batch (no requests named), one step (nothing to catch up), then plain again.
+    make_trial_due(chooser)
+    picks = [chooser.choose([2] * 8)]
+    chooser.allowance = 0.0
+    picks += [chooser.choose([2] * 8) for _ in range(2)]
+    assert picks == [Cut(0, 1), Cut(0, 0), Cut(0, 0)], picks
     # Once batch 8 has run a cut, its own evidence decides.
     cost.observe(1, cost.work(8, 1), 1.3, num_requests=8)
     assert cost.seconds(8, 1, conservative=True) == pytest.approx(1.3)
-    chooser.explore_every = 0
+    chooser.explore_share = 0
     assert chooser.choose([2] * 8) == Cut(0, 1)
 
 
@@ -577,22 +604,24 @@ def test_the_draft_backlog_is_what_the_draft_has_not_run():
     sizer = TreeSizer.__new__(TreeSizer)
     sizer.runner = runner
     sizer.drafter = SimpleNamespace(state=SimpleNamespace(draft_kv_len={"drafted": 300, "plain": 70}))
-    backlog, left = sizer._draft_backlog(3)  # the batch's first three rows
-    assert backlog == 120 + 0 + 10
+    behind, left = sizer._draft_backlog(3)  # the batch's first three rows
+    assert behind.tolist() == [120, 0, 10]
     assert left == 64  # median of 64, 60 and unbounded
-    assert sizer._draft_backlog(2) == (120, 62.0)
+    behind, left = sizer._draft_backlog(2)
+    assert behind.tolist() == [120, 0] and left == 62.0
 
 
 def test_a_speculating_cut_must_beat_no_speculation_by_the_margin():
-    """Near a tie the estimates' errors decide: a cut predicted 8 % faster than
-    plain steps is not taken, one 15 % faster is."""
-    for gain, depth in ((1.08, 0), (1.15, 1)):
+    """Near a tie the estimates' errors decide: a cut predicted 4 % faster than
+    plain steps is not taken, one 7 % faster is."""
+    assert SPECULATION_MARGIN == 0.05
+    for gain, depth in ((1.04, 0), (1.07, 1)):
         # Plain: 4 tokens in 1 s. Depth 1: 4 * (1 + h) tokens in 1.5 s.
         target, draft = ForwardCost([1, 1000], [1.0, 1.0]), ForwardCost([1, 1000], [0.5, 0.5])
         hazard = 1.5 * gain - 1
         chooser = TreeChooser(
             [ShapeModels(StepCostModel(target, draft, [1, 1]), AcceptanceModel(1, hazard, prior_weight=1.0))],
-            explore_every=0,
+            explore_share=0,
         )
         (rates,) = chooser.rates([2] * 4)
         assert rates[1] / rates[0] == pytest.approx(gain)
@@ -692,14 +721,16 @@ def sizer_on_a_fake_runner(temperatures, one_cut_per_step: bool = False) -> tupl
         requests={r: SimpleNamespace(sampling_params=params, output_token_ids=[]) for r in req_ids},
         query_start_loc=SimpleNamespace(np=np.arange(batch + 1)),
     )
-    drafter = SimpleNamespace(state=SimpleNamespace(draft_kv_len=dict.fromkeys(req_ids, 10)), forward_tokens=[])
+    drafter = SimpleNamespace(
+        state=SimpleNamespace(draft_kv_len=dict.fromkeys(req_ids, 10)), forward_tokens=[], chunk_tokens=0
+    )
     shapes = TreeSpec.parse("2x3").width_cuts()
     sizer = TreeSizer(runner, shapes, drafter, one_cut_per_step=one_cut_per_step)
     target = ForwardCost([1, 10_000], [1.02, 1.0 + 10_000 * 0.02])
     draft = ForwardCost([1, 10_000], [0.1, 0.1])
     sizer.chooser = TreeChooser(
         [ShapeModels(StepCostModel(target, draft, s.nodes_per_depth), a) for s, a in zip(shapes, sizer.acceptance)],
-        explore_every=0,
+        explore_share=0,
     )
     return sizer, req_ids
 
@@ -740,7 +771,7 @@ def test_calibration_times_the_target_graph_a_step_replays():
 
         runner._dummy_run = dummy_run
         shapes = TreeSpec.parse("2x3").width_cuts()
-        sizer = TreeSizer(runner, shapes, SimpleNamespace(state=None, forward_tokens=[]))
+        sizer = TreeSizer(runner, shapes, SimpleNamespace(state=None, forward_tokens=[], chunk_tokens=0))
         sizer.calibrate()
         assert sizer.calibration["tokens"] == [1, 2, 4, 8, 16, 32, 64, 120]  # up to 8 requests x 15 tokens
         timed = {(run[1], run[2], run[3]) for run in runs if run[0] == "target"}
@@ -1011,29 +1042,3 @@ def test_a_cut_run_again_after_a_gap_restarts_its_window():
     cost.observe(2, cost.work(1, 2), 3.3)
     assert cost.factor(2) == pytest.approx(1.1)  # run again after 6 other steps: a new window
     assert cost.floor_seconds(1, 2) == pytest.approx(3 * 1.5)  # its forwards at the plain correction
-
-
-def test_a_slow_spell_does_not_keep_speculation_off():
-    """Batch 1, where the chain 1x5 gives ~2.2x the tokens per second of plain
-    steps: 20 speculating steps at 3x their cost (the machine busy elsewhere) make
-    plain steps the choice; trials must bring speculation back soon after the
-    spell. A trial from plain steps runs the draft's catch-up, which the cost
-    model does not measure (``is_decode_step``), so a one-step trial never
-    corrected the spell's ratios and plain steps went on for good."""
-    target, draft = ForwardCost([1, 128], [0.125, 0.25]), ForwardCost([1, 128], [0.045, 0.1])
-    cost = StepCostModel(target, draft, [1] * 6)
-    chooser = TreeChooser([ShapeModels(cost, AcceptanceModel(5, prior_hazard=0.8, prior_weight=1e9))])
-    bands = temperature_band([1.0])
-    backlog, picks = 0, []
-    for step in range(400):
-        depth = chooser.choose(bands, backlog=backlog).depth
-        work = cost.work(1, depth)
-        if depth:
-            work.draft_tokens[0] += backlog
-        backlog = 0 if depth else backlog + 1
-        seconds = 1.2 * cost.raw_seconds(work) * (3.0 if depth and 100 <= step < 120 else 1.0)
-        if cost.is_decode_step(work, 1, depth):
-            cost.observe(depth, work, seconds)
-        picks.append(depth)
-    assert picks[:100].count(0) <= 10 and picks[100:125].count(0) >= 5  # the spell turned it to plain steps
-    assert picks[150:].count(0) <= 25, picks[100:]  # back within a few explorations (every 16 decisions)

@@ -41,7 +41,6 @@ from .sampling.target_probs import softmax_, split_greedy
 from .step_buffer import KeptRange, StepBuffer
 from .tree_state import DraftedTrees, TreeState
 
-
 # Test hook: the catch-up budget of every step, in tokens (at least ``MIN_CATCH_UP_TOKENS``):
 # small, every new prompt is caught up by chunks over several steps.
 CATCH_UP_ENV = "VLLM_UNIVER_CATCH_UP_TOKENS"
@@ -179,9 +178,9 @@ class TreeDrafter:
         """The ``active`` batch rows that draft this step, with the draft's catch-up
         bounded like a chunked prefill (``sizing.catch_up``): level 0 runs, besides
         each root and the node below it, at most ``budget`` committed tokens the draft
-        has not seen over the step. The first row that does not fit runs a chunk of
-        its own in a forward of its own (its KV is all it writes) and no tree, as do
-        the rows after it. A request that stops speculating thus costs the draft
+        has not seen over the step, the rows least behind first. The first row that
+        does not fit runs a chunk of its own in a forward of its own (its KV is all it
+        writes) and no tree; the others that do not fit wait. A request that stops speculating thus costs the draft
         nothing, and its catch-up is spread over the steps where it speculates again."""
         runner = self.runner
         self.chunk_tokens = 0

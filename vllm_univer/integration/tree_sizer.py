@@ -293,13 +293,13 @@ class TreeSizer:
         self._observe_period(now, batch)
         temperature = self.runner.input_batch.temperature_cpu[:batch]
         allowed = None if len(self.shapes) == 1 or not self._has_structured_output(batch) else {len(self.shapes) - 1}
-        backlog, tokens_left = self._draft_backlog(batch)
+        behind, tokens_left = self._draft_backlog(batch)
         bands = _bands(temperature)
         req_ids = self.runner.input_batch.req_ids[:batch]
         live = self.runner.requests
         for acceptance in self.acceptance:
             acceptance.forget_requests_except(live)
-        cut = self.chooser.choose(bands, allowed, backlog, tokens_left, req_ids)
+        cut = self.chooser.choose(bands, allowed, int(behind.sum()), tokens_left, req_ids, behind)
         self._decisions += 1
         depth = cut.depth
         if self._width_schedule is not None:
@@ -329,22 +329,22 @@ class TreeSizer:
         target_tokens = int(self.runner.query_start_loc.np[batch])  # this step's, prefills included
         return catch_up_budget(self.chooser.shapes[-1].cost, batch, target_tokens)
 
-    def _draft_backlog(self, batch: int) -> tuple[int, float]:
-        """(tokens the draft has not run, over the batch; median tokens a request
+    def _draft_backlog(self, batch: int) -> tuple[np.ndarray, float]:
+        """([R] tokens the draft has not run, per request; median tokens a request
         has left to generate, inf when unbounded): what speculating now first
         costs, and over how many tokens that pays back."""
         input_batch, requests = self.runner.input_batch, self.runner.requests
         req_ids = input_batch.req_ids[:batch]
         draft_kv_len = self.drafter.state.draft_kv_len
         seen = np.array([draft_kv_len.get(r, 0) for r in req_ids], dtype=np.int64)
-        backlog = int(np.maximum(input_batch.num_tokens_no_spec[:batch] - seen, 0).sum())
+        behind = np.maximum(input_batch.num_tokens_no_spec[:batch] - seen, 0)
         left = [
             (params.max_tokens or np.inf) - len(requests[r].output_token_ids)
             if (params := requests[r].sampling_params) is not None
             else np.inf
             for r in req_ids
         ]
-        return backlog, float(np.median(left)) if left else np.inf
+        return behind, float(np.median(left)) if left else np.inf
 
     def _has_structured_output(self, batch: int) -> bool:
         return has_structured_output(self.runner.requests, self.runner.input_batch.req_ids[:batch])

@@ -53,14 +53,15 @@ class Machine:
     slow_steps: tuple[int, int] = (0, 0)
     slow_speculating_only: bool = False
 
-    def seconds(self, work: StepWork, num_requests: int, step: int, rng: np.random.Generator) -> float:
+    def seconds(self, work: StepWork, num_requests: int, step: int, noise: float) -> float:
+        """Seconds of ``work`` at step ``step``, ``noise`` a standard normal draw."""
         tree_rows = work.target_tokens - num_requests
         out = self.target(work.target_tokens) + sum(self.draft(n) for n in work.draft_tokens)
         if tree_rows > 0:
             out += self.per_speculating_step + self.per_tree_row * tree_rows
         if self.slow_steps[0] <= step < self.slow_steps[1] and (tree_rows > 0 or not self.slow_speculating_only):
             out *= self.slow
-        return out * float(np.exp(self.noise * rng.standard_normal()))
+        return out * float(np.exp(self.noise * noise))
 
 
 def affine(fixed: float, per_token: float) -> Callable[[float], float]:
@@ -80,6 +81,9 @@ class Request:
     acceptance: float
     generated: int = 0
     draft_seen: int = 0  # tokens of its context whose draft KV exists
+    # Its acceptance draws (seeded with it: the same draws under every policy, so that
+    # two policies' runs differ by their choices, not by luck).
+    draws: np.random.Generator | None = None
 
     @property
     def committed(self) -> int:
@@ -97,6 +101,7 @@ def request_stream(seed: int, prompt=(64, 512), max_tokens=(64, 256), acceptance
             max_tokens=int(rng.integers(*max_tokens)),
             band=int(rng.choice(bands)),
             acceptance=float(rng.uniform(*acceptance)),
+            draws=np.random.default_rng([seed, k]),
         )
         k += 1
 
@@ -104,7 +109,8 @@ def request_stream(seed: int, prompt=(64, 512), max_tokens=(64, 256), acceptance
 class Policy:
     """Chooses each step's shape (index into ``shapes``) and per-request depth cuts."""
 
-    def decide(self, requests: list[Request], backlog: int, tokens_left: float) -> tuple[int, np.ndarray]:
+    def decide(self, requests: list[Request], unseen: np.ndarray, tokens_left: float) -> tuple[int, np.ndarray]:
+        """``unseen`` [R]: tokens of each request the draft has not run."""
         raise NotImplementedError
 
     def catch_up_budget(self, num_requests: int, target_tokens: int) -> int:
@@ -121,7 +127,7 @@ class FixedCut(Policy):
     def __init__(self, shape: int, depth: int):
         self.shape, self.depth = shape, depth
 
-    def decide(self, requests, backlog, tokens_left):
+    def decide(self, requests, unseen, tokens_left):
         return self.shape, np.full(len(requests), self.depth, dtype=np.int64)
 
 
@@ -145,17 +151,18 @@ class Auto(Policy):
             ],
             **chooser_args,
         )
+        self._chain = next((i for i, widths in enumerate(shapes) if max(widths) == 1), None)
 
     def catch_up_budget(self, num_requests, target_tokens):
         cost = self.chooser.shapes[-1].cost
         return min(catch_up_budget(cost, num_requests, target_tokens), STEP_TOKEN_BUDGET - target_tokens)
 
-    def decide(self, requests, backlog, tokens_left):
+    def decide(self, requests, unseen, tokens_left):
         bands = np.array([r.band for r in requests])
         names = [r.name for r in requests]
         for _, acceptance in self.chooser.shapes:
             acceptance.forget_requests_except(set(names))
-        cut = self.chooser.choose(bands, None, backlog, tokens_left, names)
+        cut = self.chooser.choose(bands, None, int(unseen.sum()), tokens_left, names, unseen)
         depths = self.chooser.request_depths
         return cut.shape, np.full(len(requests), cut.depth) if depths is None else np.asarray(depths)
 
@@ -168,9 +175,16 @@ class Auto(Policy):
                     cost.observe(depth, work, seconds, reqs)
         spec = np.nonzero(depths > 0)[0]
         if spec.size:
+            bands = [requests[i].band for i in spec]
             chooser.shapes[shape].acceptance.observe(
-                [requests[i].band for i in spec], depths[spec], accepted[spec], [requests[i].name for i in spec]
+                bands, depths[spec], accepted[spec], [requests[i].name for i in spec]
             )
+            if self._chain is not None and shape != self._chain:
+                # What the chain would have accepted on these trees (``TreeSizer.observe_chain``:
+                # an unbiased estimate of P(A >= j) per tree; here its expectation, s^j).
+                s = np.array([requests[i].acceptance for i in spec])[:, None]
+                survival = s ** np.arange(1, int(depths.max()) + 1)
+                chooser.shapes[self._chain].acceptance.observe_survival(bands, depths[spec], survival)
 
 
 @dataclass
@@ -183,6 +197,9 @@ class Run:
     # Per token a stream received after its first: the seconds it waited for it (a
     # step's time over the tokens it gave the stream; a prefill's wait is its TTFT).
     gaps: list[float] = field(default_factory=list)
+    # Per stream and step: the step's time over what it would have taken without the
+    # draft's catch-up in it (1: none ran).
+    stalls: list[float] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -199,6 +216,10 @@ class Run:
         the batch (a prompt's catch-up) shows, one that streams several tokens in
         twice a plain step's time does not."""
         return float(np.quantile(self.gaps, q))
+
+    def stall_quantile(self, q: float = 0.99) -> float:
+        """The ``q`` quantile of ``stalls``."""
+        return float(np.quantile(self.stalls, q))
 
 
 def simulate(
@@ -227,43 +248,49 @@ def simulate(
         prefill = sum(r.prompt for r in joined)
         batch = batch[:want] + joined
         left = np.array([r.max_tokens - r.generated for r in batch], dtype=np.float64)
-        backlog = int(sum(r.committed - r.draft_seen for r in batch))
-        shape, depths = policy.decide(batch, backlog, float(np.median(left)))
+        # Tokens the draft has not seen (``TreeSizer._draft_backlog``): 0 after a step that drafted.
+        unseen = np.array([r.committed - r.draft_seen for r in batch], dtype=np.int64)
+        shape, depths = policy.decide(batch, unseen, float(np.median(left)))
         depths = depths.copy()
-        # The draft's catch-up, bounded as ``TreeDrafter._catch_up`` bounds it.
+        # The draft's catch-up, bounded as ``TreeDrafter._catch_up`` bounds it: level 0
+        # runs the root and the token before it, and the rest of what it has not seen.
         spec = np.nonzero(depths > 0)[0]
-        behind = np.array([max(batch[i].committed - batch[i].draft_seen - 2, 0) for i in spec], dtype=np.int64)
+        behind = np.maximum(unseen[spec] - 1, 0)
         fits, row, chunk = split_catch_up(behind, policy.catch_up_budget(len(batch), prefill + len(batch)))
         depths[spec[~fits]] = 0
         if chunk:
             batch[spec[row]].draft_seen += chunk
         caught_up = int(behind[fits].sum())
         for i in spec[fits]:
-            batch[i].draft_seen = batch[i].committed - 2
+            batch[i].draft_seen = batch[i].committed
         new = len(batch) - len(joined)
         tree = depths[:new]  # a request that joined drafts after its prefill: its tree is verified next step
         cost = StepCostModel(ForwardCost([1], [0.0]), ForwardCost([1], [0.0]), shapes[shape])
         work = cost.mixed_work(tree.tolist())
         draft = work.draft_tokens or [0]
-        draft[0] += caught_up + int((depths[new:] > 0).sum())
+        draft[0] += caught_up + int((tree > 0).sum()) + 2 * int((depths[new:] > 0).sum())
         timed = StepWork(work.target_tokens + prefill, ([chunk] if chunk else []) + [n for n in draft if n])
-        seconds = machine.seconds(timed, len(batch), step, rng)
+        draft[0] -= caught_up
+        without = StepWork(work.target_tokens + prefill, [n for n in draft if n])
+        noise = float(rng.standard_normal())
+        seconds = machine.seconds(timed, len(batch), step, noise)
+        run.stalls += [seconds / machine.seconds(without, len(batch), step, noise)] * len(batch)
         depths[new:] = 0
         accepted = np.zeros(len(batch), dtype=np.int64)
         for i, r in enumerate(batch):
             d = int(depths[i])
             if d:
                 go_on = 1.0 - (1.0 - r.acceptance) ** children[shape][:d]
-                passed = rng.random(d) < go_on
+                passed = r.draws.random(len(children[shape]))[:d] < go_on
                 accepted[i] = d if passed.all() else int(np.argmin(passed))
             tokens = min(int(accepted[i]) + 1, r.max_tokens - r.generated)
             if i < new:
                 run.gaps += [seconds / tokens] * tokens
             r.generated += tokens
-            if d:  # the draft KV holds all but the node below the new root and the root
-                r.draft_seen = r.committed - 2
+            if d:  # the drafter ran the accepted nodes; what it has not seen is its next level 0's
+                r.draft_seen = r.committed
             run.tokens += tokens
-        policy.learn(shape, depths, work, seconds, batch, accepted, chunk)
+        policy.learn(shape, depths, timed, seconds, batch, accepted, chunk)
         run.seconds += seconds
         run.steps.append((len(batch), int((depths > 0).sum()), seconds))
         batch = [r for r in batch if r.generated < r.max_tokens]

@@ -9,30 +9,31 @@ the choice is
     argmax_(s, d)  sum_r E[tokens_r | s, d] / seconds(R, s, d),
 
 each shape with its own cost model (its rows per depth) and acceptance model
-(its hazards per depth), with a little exploration: every ``explore_every``
-decisions one other cut is tried in turn (no speculation, the next deeper
-cut of the chosen shape, the best cut of each other shape), so the
-estimates of cuts that are not chosen stay current; but never a speculating
-cut that could not beat the chosen one even if every draft were accepted, so
-where drafting cannot pay (a compute-bound CPU) no step ever speculates. A
-plain step is always worth a try now and then: its cost is the one that
-speculating steps' measurements say least about (theirs carry the drafting
-and verification overheads, a plain step's do not). A speculating cut tried
-and not chosen waits twice as long before its next trial (up to
-``MAX_BACKOFF`` explorations): where speculating steps cost several plain
-ones, exploring them must stay rare. The waits are kept per batch size (the
-cost model's buckets): a cut that never paid at batch 16 is tried at once
-when the load drops to one request, where it may well pay.
+(its hazards per depth).
+
+Exploration is priced. Every decision adds ``EXPLORE_SHARE`` (1 %) of the
+chosen step's predicted time to an allowance; a trial runs when the allowance
+covers what it is predicted to lose against the choice (its step's time
+against the time the choice takes for the tokens it yields, plus the draft's
+catch-up it runs), and that loss is taken off. So exploring never costs more
+than 1 % of the time served, yet a cut whose estimate is wrong (a slow spell
+measured, a load that changed) is tried again after a bounded wait: the
+loss over 2 % of a step's time, in steps. Candidates: from plain steps, the
+best speculating cut for *one* request (the one with the fewest tokens
+behind in the draft: under load one request's catch-up is cheap, the batch's
+is not) — it lasts until that request has caught up and drafted a tree, the
+step that measures the cut; while speculating, in turn, no speculation, the
+next deeper cut of the chosen shape and each other shape's best cut, one
+step each. Never a speculating cut that could not beat the choice even if
+every draft were accepted, in its forwards' time alone
+(``StepCostModel.floor_seconds``): where drafting cannot pay (a
+compute-bound CPU) no step ever speculates.
 
 Speculating after plain steps first costs a catch-up: the draft runs every
 token it has not seen (the prompts of new requests, the tokens of plain
-steps) in its level-0 forward. The choice spreads that one-off cost over the
-steps left to the requests (their ``max_tokens``); a trial, which may not be
-repeated, is charged all of it. A trial from plain steps runs two steps: the
-first carries the catch-up, which the cost model leaves unmeasured, so the
-second is the one that measures the cut (without it, trials from plain steps
-would never correct a cut's cost, and a slow spell could keep speculation
-off for good).
+steps), a bounded chunk per step (``sizing.catch_up``). The choice spreads that
+one-off cost over the steps left to the requests (their ``max_tokens``); a
+trial is charged all of it.
 
 Requests that accept differently get depths of their own (``request_depths``):
 greedy requests, whose drafts the target keeps more often, may go deeper than
@@ -53,18 +54,18 @@ A clear "no speculation" (every cut, every mix of group depths, at least
 10 % below a plain step's rate: ``SETTLED_BELOW``) is kept for
 ``SETTLED_DECISIONS`` decisions without pricing anything, while the batch's
 size bucket, temperature bands and allowed shapes stay, no model learns from
-a speculating step and no exploration is due: a plain step must cost what a
+a speculating step and no trial is affordable: a plain step must cost what a
 plain engine's does (on a GPU a few ms, against some 0.4 ms of host time to
-price every cut). Any priced choice, its requests' depths with it, is kept for
-the next ``REPRICE_EVERY`` - 1 decisions of the same batch (the same requests,
-allowed shapes, no catch-up to run; for no speculation, nothing learnt since
-from a speculating step), unless an exploration is due: the estimates move by
-a fraction of a percent per step.
+price every cut, ``benchmarks/sizer_overhead.py``). Any priced choice, its
+requests' depths with it, is kept for the next ``REPRICE_EVERY`` - 1
+decisions of the same batch (the same requests, allowed shapes, no catch-up
+to run; for no speculation, nothing learnt since from a speculating step),
+unless a trial is affordable: the estimates move by a fraction of a percent
+per step.
 
 A cut is committed to on the cost model's conservative
 estimate (``StepCostModel.seconds``), and only if it beats no speculation by
-``SPECULATION_MARGIN``; it is tried if it could beat the choice with its
-forwards' time alone (``StepCostModel.floor_seconds``).
+``SPECULATION_MARGIN``.
 """
 
 from __future__ import annotations
@@ -76,16 +77,24 @@ import numpy as np
 from .acceptance_model import AcceptanceModel, children_per_node, share_priors
 from .cost_model import DepthMixes, StepCostModel, batch_bucket
 
-# The longest wait between two trials of one cut, in explorations (x explore_every decisions).
-MAX_BACKOFF = 64
+# Exploration spends at most this share of the time served (the allowance, ``TreeChooser``).
+EXPLORE_SHARE = 0.01
+# The allowance holds at most this many decisions' worth of its share: no burst of
+# trials after a long quiet spell, and a trial that costs more than that many decisions'
+# share never runs (where one is that expensive, speculation cannot be close to paying).
+ALLOWANCE_DECISIONS = 1000
+# The least a trial is priced at, in steps of the choice's (``_next_trial``).
+MIN_TRIAL_PRICE = 0.5
+# A trial of one request from plain steps lasts until it has caught up and drafted, at most this many decisions.
+MAX_TRIAL_DECISIONS = 64
 # A speculating cut is chosen only if its expected rate beats no speculation by this
-# much: near a tie, the cost and acceptance estimates' errors (a few % each) decide,
-# and what the model leaves out falls on speculation's side (the straggler steps of
-# a batch whose requests end at different steps, a catch-up priced on a short
-# history). Measured on a 2-core CPU at batch 8, T = 1, 32 tokens: depth 1 predicted
-# +4-6 % per step (+2-3 % as run), -14 to -25 % end to end; where trees pay (batch 1) the
-# predicted gain is +20-40 %.
-SPECULATION_MARGIN = 0.10
+# much: near a tie, the cost and acceptance estimates' errors (a few % each) decide.
+# 10 % while catch-ups ran whole and trials backed off (measured then on a 2-core CPU at
+# batch 8: depth 1 predicted +4-6 %, -14 to -25 % end to end);
+# in the simulated engine (``tests/sizing/test_simulated_engine.py``) 5 % reaches 95 % of
+# the best fixed cut where trees pay 1.2-1.7x and never costs more than 2 % where they
+# do not pay, where 10 % left 6 % on the table on a machine where trees pay 1.2x.
+SPECULATION_MARGIN = 0.05
 # A choice of no speculation with every speculating cut's rate below this share of a
 # plain step's is kept for up to SETTLED_DECISIONS decisions without pricing anything
 # (unless the batch's size bucket or temperature bands change, a model learns from a
@@ -140,22 +149,35 @@ class KeptChoice(NamedTuple):
     request_depths: np.ndarray | None
 
 
+class Trial(NamedTuple):
+    """A trial from plain steps: request ``request`` (None: every request) at ``cut``,
+    until it has caught up and drafted, at most up to decision ``until`` (exclusive)."""
+
+    request: str | None
+    cut: Cut
+    until: int
+
+
 class TreeChooser:
-    def __init__(self, shapes: list[ShapeModels], explore_every: int = 16, reprice_every: int = REPRICE_EVERY):
+    def __init__(
+        self, shapes: list[ShapeModels], explore_share: float = EXPLORE_SHARE, reprice_every: int = REPRICE_EVERY
+    ):
         if not shapes:
             raise ValueError("TreeChooser needs at least one shape")
         self.shapes = shapes
         for models in shapes:
             models.cost.peers = [other.cost for other in shapes if other is not models]
-        self.explore_every = explore_every
+        self.explore_share = explore_share  # 0: no exploration
         self.reprice_every = reprice_every  # 1: every decision priced afresh
         self.decisions = 0
-        self._explored = 0  # round-robin index over the exploration candidates
-        # Per (batch bucket, speculating cut) tried and not chosen: explorations to wait
-        # before the next trial (doubling), and the decision from which it may be tried again.
-        self._backoff: dict[tuple[int, Cut], int] = {}
-        self._eligible_from: dict[tuple[int, Cut], int] = {}
-        self._follow_up: tuple[int, Cut] | None = None  # (batch bucket, cut): a trial's second step
+        self.trials = 0
+        self._explored = 0  # round-robin index over the candidates of trials from a speculating choice
+        # Seconds of exploration earned and not spent; the predicted seconds of the last priced
+        # choice's step (what each decision earns a share of), and the loss of the next trial.
+        self.allowance = 0.0
+        self._step_seconds = 0.0
+        self._trial_loss = np.inf
+        self._trial: Trial | None = None
         # A clear "no speculation" (``SETTLED_DECISIONS``), keyed by the situation: batch
         # bucket, bands, allowed shapes, evidence.
         self._settled: KeptChoice | None = None
@@ -163,7 +185,7 @@ class TreeChooser:
         # allowed shapes, a catch-up to run) and, for no speculation, the evidence.
         self._recent: KeptChoice | None = None
         # [R]: each request's depth in the last choice (groups of requests of their own
-        # depths), or None: every request at the cut's depth (one band, no speculation, a trial).
+        # depths, a trial of one request), or None: every request at the cut's depth.
         self.request_depths: np.ndarray | None = None
 
     def _evidence(self) -> tuple[int, ...]:
@@ -197,26 +219,34 @@ class TreeChooser:
         return out
 
     def choose(
-        self, bands, allowed: set[int] | None = None, backlog: int = 0, tokens_left: float = np.inf, req_ids=None
+        self,
+        bands,
+        allowed: set[int] | None = None,
+        backlog: int = 0,
+        tokens_left: float = np.inf,
+        req_ids=None,
+        behind: np.ndarray | None = None,
     ) -> Cut:
         """The cut for a step whose requests are in temperature ``bands``, among
         the shapes ``allowed`` (indices; None: all). ``backlog``: tokens the
         draft has not seen beyond one per request (what speculating now must
-        first run through it); ``tokens_left``: tokens each request has left to
-        generate, as far as known (typical of the batch); ``req_ids``: the
-        requests, each valued by its own acceptance (None: by its band's)."""
+        first run through it), ``behind`` [R] the same per request (None: not
+        known); ``tokens_left``: tokens each request has left to generate, as far
+        as known (typical of the batch); ``req_ids``: the requests, each valued by
+        its own acceptance (None: by its band's)."""
         reqs = len(bands)
         last = len(self.shapes) - 1
         if reqs == 0:
             return Cut(last, 0)
+        self.allowance = min(
+            self.allowance + self.explore_share * self._step_seconds,
+            ALLOWANCE_DECISIONS * self.explore_share * self._step_seconds,
+        )
+        if (trial := self._go_on_with_trial(reqs, allowed, backlog, req_ids, behind)) is not None:
+            return trial
         bucket = batch_bucket(reqs)
-        follow_up, self._follow_up = self._follow_up, None
-        if follow_up is not None and follow_up[0] == bucket and (allowed is None or follow_up[1].shape in allowed):
-            self.decisions += 1  # a trial's second step, at the batch size it was tried at
-            self.request_depths = None
-            return follow_up[1]
         situation = (bucket, frozenset(np.asarray(bands).tolist()), allowed and frozenset(allowed), self._evidence())
-        exploring = self.explore_every and (self.decisions + 1) % self.explore_every == 0
+        exploring = self.allowance >= self._trial_loss
         # A clear "no speculation", nothing learnt since: priced again later.
         if (kept := self._kept(self._settled, situation, exploring)) is not None:
             return kept
@@ -261,46 +291,112 @@ class TreeChooser:
         if choice.depth == 0 and allowed is not None:
             choice = Cut(min(allowed), 0)
         rate = best_rate if choice.depth else plain
+        tokens = request_tokens[choice.shape] if choice.depth else None
+        self._step_seconds = (
+            reqs if choice.depth == 0 else per_request_total(tokens, per_request, choice.depth)
+        ) / rate
         if choice.depth == 0 and best_rate < plain * SETTLED_BELOW:
             self._settled = KeptChoice(situation, self.decisions + 1 + SETTLED_DECISIONS, choice, None)
         self.request_depths = per_request if speculate else None
-        self._backoff.pop((bucket, choice), None)  # a cut that pays is tried freely again once it stops paying
         self.decisions += 1
         evidence = situation[3] if choice.depth == 0 else None
         until = self.decisions + self.reprice_every - 1
         self._recent = KeptChoice((batch, evidence), until, choice, self.request_depths)
-        if self.explore_every and self.decisions % self.explore_every == 0:
-            candidates = [
-                c
-                for c in self._exploration_candidates(choice, rates)
-                if self._eligible_from.get((bucket, c), 0) <= self.decisions
-            ]
-            if candidates:
-                trial = candidates[self._explored % len(candidates)]
-                self._explored += 1
-                # Every draft accepted: depth + 1 tokens per request, in the time of the
-                # step's forwards alone plus the whole catch-up it first costs. Not the
-                # cut's own correction: a pessimistic one from a slow spell would bar the
-                # trials that are to correct it.
-                cost = self.shapes[trial.shape].cost
-                seconds = cost.floor_seconds(reqs, trial.depth) + cost.catch_up_seconds(reqs, backlog)
-                ceiling = reqs * (trial.depth + 1) / seconds
-                if trial.depth == 0 or ceiling > rate:
-                    if trial.depth > 0 and choice.depth == 0:
-                        # From plain steps the trial's step runs the draft's catch-up, which
-                        # the cost model does not measure (``is_decode_step``): its second
-                        # step is the one that says what the cut costs.
-                        self._follow_up = (bucket, trial)
-                    choice, self.request_depths, self._settled, self._recent = trial, None, None, None
-                if trial.depth > 0:
-                    wait = self._backoff.get((bucket, trial), 1)
-                    self._eligible_from[bucket, trial] = self.decisions + wait * self.explore_every
-                    self._backoff[bucket, trial] = min(2 * wait, MAX_BACKOFF)
+        if self.explore_share:
+            trial = self._next_trial(choice, rate, rates, request_tokens, backlog, tokens_left, req_ids, behind, best)
+            if trial is not None:
+                self._settled = self._recent = None
+                return self._start_trial(*trial, reqs, req_ids)
         return choice
+
+    def _next_trial(self, choice, rate, rates, request_tokens, backlog, tokens_left, req_ids, behind, best):
+        """(cut, row or None: every request, its predicted loss) of the trial due now, or None.
+        Sets the loss the allowance must reach for the next one (``_trial_loss``)."""
+        reqs = len(request_tokens[0])
+        self._trial_loss = np.inf
+        if choice.depth == 0:
+            if best is None:
+                return None
+            cut = Cut(*best)
+            # One request: the one whose draft is the least behind.
+            row = int(np.argmin(behind)) if behind is not None and req_ids is not None else None
+            count = 1 if row is not None else reqs
+            catch_up = int(behind[row]) if row is not None else backlog
+            expected = request_tokens[cut.shape][row if row is not None else slice(None), cut.depth].sum()
+        else:
+            options = self._exploration_candidates(choice, rates)
+            cut, row, count, catch_up = options[self._explored % len(options)], None, reqs, 0
+            expected = request_tokens[cut.shape][:, cut.depth].sum() if cut.depth else reqs
+        cost = self.shapes[cut.shape].cost
+        mix = DepthMixes(np.array([[cut.depth, 0]]), len(cost.widths))
+        counts = [count, reqs - count]
+        # In full: where the cut does not pay, it is lost. (A request the draft falls behind
+        # on faster than the allowance grows is tried again once a new one comes.)
+        catch_up_seconds = cost.catch_up_seconds(count, catch_up)
+        # Every draft accepted, in its forwards' time alone (the plain correction): a trial
+        # that cannot beat the choice even so is not worth running. (One request's trial is
+        # judged as run: the step it measures is the cut for that request, the others plain.)
+        if (
+            cut.depth
+            and (reqs + count * cut.depth)
+            / (cost.raw_seconds(cost.mixed_work([cut.depth, 0], counts)) * cost.factor(0, reqs))
+            <= rate
+        ):
+            return None
+        seconds = float(cost.mixes_seconds(mix, counts, conservative=True)[0]) + catch_up_seconds
+        others = reqs - count
+        # At least MIN_TRIAL_PRICE of a step: a cut whose estimate is that close to the
+        # choice's is within the estimates' noise, and trials priced at nothing would
+        # take every other step.
+        loss = max(seconds - (expected + others) / rate, MIN_TRIAL_PRICE * self._step_seconds)
+        self._trial_loss = loss
+        if self.allowance < loss:
+            return None
+        # From plain steps, a request (or batch) the draft is behind on: the trial goes on until
+        # it has caught up (its first steps run the catch-up, which the cost model does not
+        # measure) and drafted.
+        behind_draft = catch_up > (count if row is None else 1)
+        return cut, row, loss, choice.depth == 0 and behind_draft
+
+    def _start_trial(self, cut: Cut, row: int | None, loss: float, go_on: bool, reqs: int, req_ids) -> Cut:
+        self.allowance -= loss
+        self._trial_loss = np.inf
+        self.trials += 1
+        self.request_depths = None
+        if row is not None:
+            self.request_depths = np.zeros(reqs, dtype=np.int64)
+            self.request_depths[row] = cut.depth
+        if go_on:
+            request = None if row is None else req_ids[row]
+            self._trial = Trial(request, cut, self.decisions + MAX_TRIAL_DECISIONS)
+        else:
+            self._explored += 1
+        return cut
+
+    def _go_on_with_trial(self, reqs, allowed, backlog, req_ids, behind) -> Cut | None:
+        """The cut of the trial under way, its request (or the batch) behind the draft
+        still, or None (none, or over: it drafted, its request left, it ran out of decisions)."""
+        trial, self._trial = self._trial, None
+        if trial is None or self.decisions >= trial.until or (allowed is not None and trial.cut.shape not in allowed):
+            return None
+        if trial.request is None:
+            caught_up = backlog <= reqs  # every request's draft KV up to its root (``TreeSizer._draft_backlog``)
+            self.request_depths = None
+        else:
+            if req_ids is None or trial.request not in req_ids:
+                return None
+            row = list(req_ids).index(trial.request)
+            caught_up = behind is None or behind[row] <= 1
+            self.request_depths = np.zeros(reqs, dtype=np.int64)
+            self.request_depths[row] = trial.cut.depth
+        if not caught_up:
+            self._trial = trial
+        self.decisions += 1
+        return trial.cut
 
     def _kept(self, kept: KeptChoice | None, key: tuple, exploring: bool) -> Cut | None:
         """``kept``'s cut (and its requests' depths, as this decision's) if it holds for
-        ``key`` at this decision and no exploration is due, else None."""
+        ``key`` at this decision and no trial is affordable, else None."""
         if kept is None or exploring or kept.key != key or self.decisions >= kept.until:
             return None
         self.decisions += 1
@@ -360,6 +456,14 @@ class TreeChooser:
             if s != choice.shape and len(r) > 1:
                 candidates.append(Cut(s, int(np.argmax(r[1:])) + 1))
         return candidates
+
+
+def per_request_total(tokens: np.ndarray, depths: np.ndarray | None, depth: int) -> float:
+    """Expected tokens of a step whose requests (``tokens`` [R, D+1]) are cut to
+    ``depths`` [R] (None: all to ``depth``)."""
+    if depths is None:
+        return float(tokens[:, depth].sum())
+    return float(tokens[np.arange(len(tokens)), depths].sum())
 
 
 def acceptance_groups(expected: np.ndarray, max_groups: int = MAX_GROUPS, min_gap: float = GROUP_GAP) -> np.ndarray:
