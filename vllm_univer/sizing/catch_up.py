@@ -45,12 +45,14 @@ def split_catch_up(behind: np.ndarray, budget: int) -> tuple[np.ndarray, int, in
 
 def catch_up_budget(cost, num_requests: int, target_tokens: int, share: float = CATCH_UP_SHARE) -> int:
     """Tokens a step of ``num_requests`` whose target ran ``target_tokens`` may catch
-    up: the most of ``BUDGET_GRID`` whose draft time (a forward of their own, by
-    ``cost``, a ``StepCostModel``: a chunk's, and more than they add to a level 0)
-    stays within ``share`` of the step's own time without them (a plain decode
-    step's, or the target's forward over a prefill's tokens where that is longer: a
-    prompt's catch-up rides in the step that prefills it, as a draft model's prefill
-    does in vLLM); at least ``MIN_CATCH_UP_TOKENS``."""
+    up: the most of ``BUDGET_GRID`` whose draft time (what they add to a level-0
+    forward over the roots, by ``cost``, a ``StepCostModel``) stays within ``share``
+    of the step's own time without them (a plain decode step's, or the target's
+    forward over a prefill's tokens where that is longer: a prompt's catch-up rides
+    in the step that prefills it, as a draft model's prefill does in vLLM); at least
+    ``MIN_CATCH_UP_TOKENS``. (A chunk's forward of its own adds the draft's fixed
+    cost of a forward once.)"""
     step = max(cost.seconds(num_requests, 0), cost.target(target_tokens) * cost.factor(0, num_requests))
-    fits = int(np.searchsorted(cost.draft.many(BUDGET_GRID), share * step, side="right"))
+    extra = cost.draft.many(num_requests + BUDGET_GRID) - cost.draft(num_requests)
+    fits = int(np.searchsorted(extra, share * step, side="right"))
     return int(BUDGET_GRID[fits - 1]) if fits else MIN_CATCH_UP_TOKENS
