@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_univer.integration.tree_sizer import ONE_DEPTH_ENV
+from vllm_univer.integration.tree_sizer import ONE_DEPTH_ENV, SCHEDULE_ENV
 from vllm_univer.tools.json_job import print_result, run_json_job
 from vllm_univer.tools.serving_defaults import LOCAL_SERVER_ENV, serving_dtype
 
@@ -95,6 +95,14 @@ def engine_configs(quick: bool) -> list[dict]:
         {
             "name": "univer auto dynamic",
             "spec": {"method": "univer", "tree": "auto", "verifier": "univer", "max_nodes": 32},
+            "cells": [],
+        },
+        # Only for ``engine_ab.py``: tree auto held on plain steps (every depth cut 0, the choice and
+        # its measurements still run): what a step costs where auto does not speculate (issue 62).
+        {
+            "name": "univer auto plain steps",
+            "spec": {"method": "univer", "tree": "auto", "verifier": "univer"},
+            "env": {SCHEDULE_ENV: "0"},
             "cells": [],
         },
         # Only for ``engine_ab.py`` (no cells here): tree auto as before its depth per temperature band.

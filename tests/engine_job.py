@@ -188,7 +188,7 @@ def _blind_drafting(worker) -> None:
             raise TaintedHostRead("the verifier's results were read before the draft forwards were launched")
         settle()
 
-    def blind_propose(sampled_token_ids, sampling_metadata, depth=None, tree=None, launched=None):
+    def blind_propose(sampled_token_ids, sampling_metadata, depth=None, tree=None, launched=None, catch_up=None):
         nonlocal guard
 
         def seen() -> None:
@@ -201,7 +201,7 @@ def _blind_drafting(worker) -> None:
             # top_tokens' check for ties across the k-th token (k >= 2) reads the tensor on a
             # CPU only (free there); on a GPU, top_tokens and the drafters' draws are Triton kernels.
             with HostReadGuard(sources, exempt=("top_tokens",)) as guard:
-                drafts = propose(sampled_token_ids, sampling_metadata, depth, tree, seen)
+                drafts = propose(sampled_token_ids, sampling_metadata, depth, tree, seen, catch_up)
             univer.exempt_reads += guard.exempt_reads
         finally:
             guard = None
