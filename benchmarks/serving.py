@@ -200,8 +200,7 @@ def serving_line(summary: dict, results: dict) -> str:
     return (
         f"SERVING worst load: auto / plain = {worst[0]:.2f}x ({worst[1]}, {worst[2]}); concurrency 1: "
         + (" / ".join(f"{r:.2f}x" for r in single) if single else "-")
-        + f"; auto / best vLLM chain >= {min(chains):.2f}x" * bool(chains)
-        + "; auto / best vLLM chain: -" * (not chains)
+        + (f"; auto / best vLLM chain >= {min(chains):.2f}x" if chains else "; auto / best vLLM chain: -")
         + f"; ITL p99 <= {itl:.2f}x plain"
     )
 
@@ -217,7 +216,16 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=2, help="each configuration's server this many times, in turn")
     ap.add_argument("--out", default="serving", help="results/OUT.md and .json")
+    ap.add_argument("--report", metavar="JSON", help="only write the report of a saved run")
     args = ap.parse_args()
+    if args.report:
+        record = json.loads(Path(args.report).read_text())
+        saved = argparse.Namespace(**record["args"])
+        sys.argv = record["command"]
+        text = report(record["results"], saved, record["hardware"])
+        (RESULTS / f"{saved.out}.md").write_text(text)
+        print(text)
+        return
     missing = [name for name in ("pandas", "datasets") if importlib.util.find_spec(name) is None]
     if missing:  # `vllm bench serve` imports them; fail here, before the first server starts
         sys.exit(f"`vllm bench serve` needs {', '.join(missing)}: pip install -e '.[serve-bench]'")

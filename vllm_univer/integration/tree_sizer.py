@@ -178,6 +178,7 @@ class TreeSizer:
         self._tp_group = _tp_group(runner)
         # (shape's width = max children, depth cut) -> request-steps drafted at it (depth 0: plain steps).
         self.requests_at_cut = Counter()
+        self.catch_up: int | None = None  # the last choice's catch-up budget (None: the step's token budget)
 
     def set_schedule(self, depths: str | None, widths: str | None = None) -> None:
         """Test and benchmark hook (``SCHEDULE_ENV``, ``WIDTH_SCHEDULE_ENV``): fixed
@@ -289,6 +290,7 @@ class TreeSizer:
         self.learn_deferred()
         now = time.perf_counter()
         if self.chooser is None:  # not calibrated (warm-up skipped): speculate in full
+            self.catch_up = None
             return self.tree, self.tree.max_depth
         self._observe_period(now, batch)
         temperature = self.runner.input_batch.temperature_cpu[:batch]
@@ -312,15 +314,19 @@ class TreeSizer:
             cycle = np.asarray(self._schedule)
             rows = np.arange(batch) if self._own_depths else np.zeros(batch, dtype=np.int64)
             depth = cycle[(self._decisions + rows) % len(cycle)]
+        # The draft's catch-up this step (``TreeDrafter._catch_up``): rank 0's too, as every
+        # rank must draft the same trees.
+        budget = self._catch_up_budget(batch) if np.any(depth) else None
         if self._tp_group is not None:
-            cut, depth = self._tp_group.broadcast_object((cut, depth), src=0)
+            cut, depth, budget = self._tp_group.broadcast_object((cut, depth, budget), src=0)
+        self.catch_up = budget
         shape = self.shapes[cut.shape]
         depths = np.minimum(np.broadcast_to(depth, (batch,)), shape.max_depth)
         self.requests_at_cut.update((shape_label(shape), d) for d in depths.tolist())
         self._last = (now, Cut(cut.shape, int(depths.max(initial=0))))
         return shape, depth
 
-    def catch_up_budget(self, batch: int) -> int | None:
+    def _catch_up_budget(self, batch: int) -> int | None:
         """Tokens of the draft's catch-up this step may run (``TreeDrafter._catch_up``,
         ``sizing.catch_up``), by the cost model (None: not calibrated, the step's
         token budget decides)."""

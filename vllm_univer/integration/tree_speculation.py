@@ -254,8 +254,7 @@ class TreeSpeculation:
         if self.sizer is not None:
             batch = self.runner.input_batch.num_reqs
             shape, depth = self.sizer.choose(batch)
-            if np.any(depth):  # a plain step prices nothing more
-                catch_up = self.sizer.catch_up_budget(batch)
+            catch_up = self.sizer.catch_up
         elif self._grammar_tree is not None:
             shape = self._dynamic_or_grammar_tree()
         with self.timers.measure("draft"):
