@@ -316,7 +316,10 @@ class TreeSizer:
             depth = cycle[(self._decisions + rows) % len(cycle)]
         # The draft's catch-up this step (``TreeDrafter._catch_up``): rank 0's too, as every
         # rank must draft the same trees.
-        budget = self._catch_up_budget(batch) if np.any(depth) else None
+        # Under a test schedule, the scheduler's token budget: cuts and catch-ups that do not
+        # hang on the clock, so that two engines draft the same trees.
+        scheduled = self._schedule is not None or self._width_schedule is not None
+        budget = self._catch_up_budget(batch) if np.any(depth) and not scheduled else None
         if self._tp_group is not None:
             cut, depth, budget = self._tp_group.broadcast_object((cut, depth, budget), src=0)
         self.catch_up = budget
