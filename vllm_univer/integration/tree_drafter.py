@@ -89,8 +89,9 @@ class TreeDrafter:
         catch_up_budget: at most this many tokens the draft has not seen (new
         prompts, the tokens of plain steps) run this step besides the usual two
         per request, and never more than the step's token budget leaves after the
-        target's (None: that; at least ``MIN_CATCH_UP_TOKENS``): a request further behind runs a chunk and
-        drafts in a later step (``_catch_up``), so that no step stalls the batch.
+        target's (None: that; at least ``MIN_CATCH_UP_TOKENS``): a request further
+        behind runs a chunk and drafts in a later step (``_catch_up``), so that no
+        step stalls the batch.
 
         sampled_token_ids: the verifier's output [B, D+1] (-1 padded) on the device,
         before the runner's bookkeeping has appended it to the batch's token lists.
@@ -180,8 +181,9 @@ class TreeDrafter:
         each root and the node below it, at most ``budget`` committed tokens the draft
         has not seen over the step, the rows least behind first. The first row that
         does not fit runs a chunk of its own in a forward of its own (its KV is all it
-        writes) and no tree; the others that do not fit wait. A request that stops speculating thus costs the draft
-        nothing, and its catch-up is spread over the steps where it speculates again."""
+        writes) and no tree; the others that do not fit wait. A request that stops
+        speculating thus costs the draft nothing, and its catch-up is spread over the
+        steps where it speculates again."""
         runner = self.runner
         self.chunk_tokens = 0
         # What the scheduler's token budget leaves after the target's tokens (a chunked prefill's rule).

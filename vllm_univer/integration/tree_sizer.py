@@ -314,10 +314,9 @@ class TreeSizer:
             cycle = np.asarray(self._schedule)
             rows = np.arange(batch) if self._own_depths else np.zeros(batch, dtype=np.int64)
             depth = cycle[(self._decisions + rows) % len(cycle)]
-        # The draft's catch-up this step (``TreeDrafter._catch_up``): rank 0's too, as every
-        # rank must draft the same trees.
-        # Under a test schedule, the scheduler's token budget: cuts and catch-ups that do not
-        # hang on the clock, so that two engines draft the same trees.
+        # The draft's catch-up this step (``TreeDrafter._catch_up``), rank 0's on every rank
+        # (all must draft the same trees); under a test schedule the scheduler's token budget
+        # (nothing on the clock: two engines then draft the same trees).
         scheduled = self._schedule is not None or self._width_schedule is not None
         budget = self._catch_up_budget(batch) if np.any(depth) and not scheduled else None
         if self._tp_group is not None:
@@ -329,12 +328,9 @@ class TreeSizer:
         self._last = (now, Cut(cut.shape, int(depths.max(initial=0))))
         return shape, depth
 
-    def _catch_up_budget(self, batch: int) -> int | None:
+    def _catch_up_budget(self, batch: int) -> int:
         """Tokens of the draft's catch-up this step may run (``TreeDrafter._catch_up``,
-        ``sizing.catch_up``), by the cost model (None: not calibrated, the step's
-        token budget decides)."""
-        if self.chooser is None:
-            return None
+        ``sizing.catch_up``), by the calibrated cost model."""
         target_tokens = int(self.runner.query_start_loc.np[batch])  # this step's, prefills included
         return catch_up_budget(self.chooser.shapes[-1].cost, batch, target_tokens)
 

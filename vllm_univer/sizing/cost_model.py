@@ -209,11 +209,14 @@ class StepCostModel:
         """Seconds of ``work``'s forwards as timed at start-up."""
         return self.target(work.target_tokens) + sum(self.draft(n) for n in work.draft_tokens)
 
-    def floor_seconds(self, num_requests: int, depth: int) -> float:
+    def floor_seconds(self, num_requests: int, depth: int, speculating: int | None = None) -> float:
         """Seconds of the step's forwards at the plain step's correction: what it
         would take if speculating added nothing beyond its forwards. No stale
-        measurement of the cut raises it (``TreeChooser``'s trial ceiling)."""
-        return self.raw_seconds(self.work(num_requests, depth)) * self.factor(0, num_requests)
+        measurement of the cut raises it (``TreeChooser``'s trial ceiling).
+        ``speculating``: requests cut to ``depth``, the others plain (None: all)."""
+        speculating = num_requests if speculating is None else speculating
+        work = self.mixed_work([depth, 0], [speculating, num_requests - speculating])
+        return self.raw_seconds(work) * self.factor(0, num_requests)
 
     def seconds(self, num_requests: int, depth: int, conservative: bool = False) -> float:
         """Predicted seconds of a step of ``num_requests`` cut to ``depth``;

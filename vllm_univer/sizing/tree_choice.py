@@ -303,15 +303,16 @@ class TreeChooser:
         until = self.decisions + self.reprice_every - 1
         self._recent = KeptChoice((batch, evidence), until, choice, self.request_depths)
         if self.explore_share:
-            trial = self._next_trial(choice, rate, rates, request_tokens, backlog, tokens_left, req_ids, behind, best)
+            trial = self._next_trial(choice, rate, rates, request_tokens, backlog, req_ids, behind, best)
             if trial is not None:
                 self._settled = self._recent = None
                 return self._start_trial(*trial, reqs, req_ids)
         return choice
 
-    def _next_trial(self, choice, rate, rates, request_tokens, backlog, tokens_left, req_ids, behind, best):
-        """(cut, row or None: every request, its predicted loss) of the trial due now, or None.
-        Sets the loss the allowance must reach for the next one (``_trial_loss``)."""
+    def _next_trial(self, choice, rate, rates, request_tokens, backlog, req_ids, behind, best):
+        """(cut, row or None: every request, its predicted loss, whether it goes on over
+        later decisions) of the trial due now, or None. Sets the loss the allowance must
+        reach for the next one (``_trial_loss``)."""
         reqs = len(request_tokens[0])
         self._trial_loss = np.inf
         if choice.depth == 0:
@@ -336,12 +337,7 @@ class TreeChooser:
         # Every draft accepted, in its forwards' time alone (the plain correction): a trial
         # that cannot beat the choice even so is not worth running. (One request's trial is
         # judged as run: the step it measures is the cut for that request, the others plain.)
-        if (
-            cut.depth
-            and (reqs + count * cut.depth)
-            / (cost.raw_seconds(cost.mixed_work([cut.depth, 0], counts)) * cost.factor(0, reqs))
-            <= rate
-        ):
+        if cut.depth and (reqs + count * cut.depth) / cost.floor_seconds(reqs, cut.depth, count) <= rate:
             return None
         seconds = float(cost.mixes_seconds(mix, counts, conservative=True)[0]) + catch_up_seconds
         others = reqs - count
