@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--out", default="rare_tokens")
+    ap.add_argument("--resume", action="store_true", help="keep the engines a stopped run of --out already measured")
     args = ap.parse_args()
     if args.one:
         print_result(one_engine(json.loads(sys.stdin.readline())))
@@ -99,8 +100,11 @@ def main() -> None:
 
     dtype, hardware, _, hardware_env = hardware_defaults([])
     texts = [p["turns"][0] for p in prompts("humaneval", limit=args.prompts)]
-    results = {}
+    saved = RESULTS / f"{args.out}.json"
+    results = json.loads(saved.read_text())["results"] if args.resume and saved.exists() else {}
     for name in args.configs:
+        if name in results:
+            continue
         job = {
             "target": str(model_dir(DEFAULT_TARGET)),
             "draft": str(model_dir(DEFAULT_DRAFT)),
@@ -117,6 +121,8 @@ def main() -> None:
             sys.exit(f"{name} failed:\n{stderr[-4000:]}")
         results[name] = result
         print(f"[rare_tokens] {name}: {time.perf_counter() - start:.0f} s", flush=True)
+        # Saved engine by engine: a stopped run goes on with --resume.
+        saved.write_text(json.dumps({"command": sys.argv, "hardware": hardware, "results": results}))
     lines = [
         "# Rare emitted tokens through vLLM (issue 61)",
         "",
@@ -149,9 +155,6 @@ def main() -> None:
             )
     text = "\n".join(lines) + "\n"
     (RESULTS / f"{args.out}.md").write_text(text)
-    (RESULTS / f"{args.out}.json").write_text(
-        json.dumps({"command": sys.argv, "hardware": hardware, "results": results})
-    )
     print(text)
 
 

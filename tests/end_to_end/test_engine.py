@@ -564,15 +564,20 @@ def test_greedy_identity_with_tree_auto_cuts(models):
         assert set(cumulative[len(sizes) - 1 :]) == {nodes["count"]}, nodes
 
 
-def test_tree_auto_chooses_for_itself(models):
+def test_tree_auto_chooses_for_itself(models, tmp_path):
     """tree "auto" without a schedule, compiled as the main job runs it (no
     enforce_eager: vLLM's profile run then samples through the verifier too):
     calibrated at start-up, a choice every step, each made while the step's target
-    forward ran (``choose_ahead``), and the greedy output is the target's."""
+    forward ran (``choose_ahead``), and the greedy output is the target's. Its
+    decision trace (``VLLM_UNIVER_AUTO_TRACE``) has a line per decision that
+    ``benchmarks.sizer_trace`` pairs with the tokens the steps yielded."""
+    from benchmarks.sizer_trace import steps
+
     target, draft = models
     job = call(prompts(4, seed=5), temperature=0.0, max_tokens=80, ignore_eos=True)
     auto_engine = {**engine(target, [job], auto(draft, "2x3"), enforce_eager=False), "sizer": True}
-    results = run_engines([reference(target, [job]), auto_engine])
+    trace = tmp_path / "trace.jsonl"
+    results = run_engines([reference(target, [job]), auto_engine], env={"VLLM_UNIVER_AUTO_TRACE": str(trace)})
     assert "error" not in results[1], results[1].get("error")
     assert_greedy_identical(results[1]["calls"][0]["outputs"], results[0]["calls"][0], "auto")
     sizer = results[1]["sizer"]
@@ -581,6 +586,13 @@ def test_tree_auto_chooses_for_itself(models):
     assert sizer["decisions_ahead"] == sizer["decisions"] > 20, sizer
     # Two shapes (the chain 1x3 and 2x3), each with a correction per depth 0..3 and hazards per depth 1..3.
     assert [len(c) for c in sizer["cost_correction"]] == [4, 4] and [len(h[0]) for h in sizer["hazards"]] == [3, 3]
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(records) == sizer["decisions"], (len(records), sizer["decisions"])
+    assert all(len(r["depths"]) == len(r["req_ids"]) == r["batch"] for r in records)
+    paired = steps(records)
+    # Four requests of 80 tokens: the steps while all four run yield at most their 320 tokens.
+    assert len(paired) > 10 and 0 < sum(e["tokens"] for e in paired) <= 320, paired
+    assert all(e["seconds"] > 0 for e in paired)
 
 
 def greedy_and_sampled(seed: int) -> tuple[dict, dict]:

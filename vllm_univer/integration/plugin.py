@@ -32,8 +32,29 @@ def register() -> None:
     if _installed:
         return
     check_vllm_version(installed_vllm_version())
+    log_like_vllm()
     from .patches import ALL_PATCHES
 
     for patch in ALL_PATCHES:
         patch()
     _installed = True
+
+
+def log_like_vllm() -> None:
+    """This package's loggers print where, how and from what level vLLM's do: vLLM
+    configures its own "vllm" logger only (and may configure it again later), and
+    "vllm_univer.*" would otherwise fall to Python's last-resort handler (warnings
+    and errors only: a server's INFO lines of ``tree: auto``'s calibration never shown)."""
+    import logging
+
+    from vllm import envs
+
+    class ToVllmLogger(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logging.getLogger("vllm").handle(record)  # its handlers as they are now
+
+    ours = logging.getLogger("vllm_univer")
+    if not any(type(h).__name__ == "ToVllmLogger" for h in ours.handlers):
+        ours.addHandler(ToVllmLogger())
+    ours.setLevel(envs.VLLM_LOGGING_LEVEL)
+    ours.propagate = False

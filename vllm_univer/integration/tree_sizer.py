@@ -77,6 +77,10 @@ FIXED_HAZARDS_ENV = "VLLM_UNIVER_AUTO_HAZARDS"
 # (no depths of their own, per group of requests): ``benchmarks/engine_ab.py``'s row "univer auto
 # one depth"; uniform batches of each cut under full CUDA graphs (``full_graph_lengths``).
 ONE_DEPTH_ENV = "VLLM_UNIVER_AUTO_ONE_DEPTH"
+# Diagnosis hook: a file path; one JSON line per decision (the batch, how far behind the draft
+# is, the forwards the last period ran, the choice and its catch-up budget, the rates priced):
+# ``benchmarks/sizer_trace.py`` reads it against the measured periods.
+TRACE_ENV = "VLLM_UNIVER_AUTO_TRACE"
 # Forwards are timed at start-up up to this many query tokens (compute-bound beyond: linear).
 CALIBRATION_MAX_TOKENS = 128
 CALIBRATION_PASSES = 3
@@ -179,6 +183,8 @@ class TreeSizer:
         # (shape's width = max children, depth cut) -> request-steps drafted at it (depth 0: plain steps).
         self.requests_at_cut = Counter()
         self.catch_up: int | None = None  # the last choice's catch-up budget (None: the step's token budget)
+        trace = os.environ.get(TRACE_ENV)
+        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 (the engine's lifetime)
 
     def set_schedule(self, depths: str | None, widths: str | None = None) -> None:
         """Test and benchmark hook (``SCHEDULE_ENV``, ``WIDTH_SCHEDULE_ENV``): fixed
@@ -326,7 +332,36 @@ class TreeSizer:
         depths = np.minimum(np.broadcast_to(depth, (batch,)), shape.max_depth)
         self.requests_at_cut.update((shape_label(shape), d) for d in depths.tolist())
         self._last = (now, Cut(cut.shape, int(depths.max(initial=0))))
+        if self._trace is not None:
+            self._write_trace(now, batch, behind, cut.shape, depths, budget)
         return shape, depth
+
+    def _write_trace(self, now, batch, behind, shape_index, depths, budget) -> None:
+        chooser = self.chooser
+        shape = self.shapes[shape_index]
+        record = {
+            "t": now,
+            "batch": batch,
+            "req_ids": list(self.runner.input_batch.req_ids[:batch]),
+            "tokens": self.runner.input_batch.num_tokens_no_spec[:batch].tolist(),
+            "target_tokens": int(self.runner.query_start_loc.np[batch]),
+            "draft_tokens": list(self.drafter.forward_tokens),
+            "chunk_tokens": int(self.drafter.chunk_tokens),
+            "behind": behind.tolist(),
+            "shape": shape_label(shape),
+            "depths": depths.tolist(),
+            # Target rows of this choice's verification as a decode step (more: a prefill rides it).
+            "decode_rows": int(chooser.shapes[shape_index].cost.rows_through[depths].sum()),
+            "catch_up": budget,
+            "decisions": chooser.decisions,
+            "trials": chooser.trials,
+            "allowance": chooser.allowance,
+            "rates": None if chooser.last_rates is None else [r.tolist() for r in chooser.last_rates],
+            "correction": [cost.correction.round(3).tolist() for cost, _ in chooser.shapes],
+            # Seconds spent so far per section, with ``VLLM_UNIVER_TIMERS=1`` (``StepTimers``).
+            "timers": dict(self.drafter.timers.totals),
+        }
+        self._trace.write(json.dumps(record) + "\n")
 
     def _catch_up_budget(self, batch: int) -> int:
         """Tokens of the draft's catch-up this step may run (``TreeDrafter._catch_up``,

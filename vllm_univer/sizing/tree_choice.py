@@ -187,6 +187,9 @@ class TreeChooser:
         # [R]: each request's depth in the last choice (groups of requests of their own
         # depths, a trial of one request), or None: every request at the cut's depth.
         self.request_depths: np.ndarray | None = None
+        # Per shape, [D+1]: the rates the last priced decision compared (None: kept, or none
+        # priced yet), its own request depths' mix aside (``TreeSizer``'s trace).
+        self.last_rates: list[np.ndarray] | None = None
 
     def _evidence(self) -> tuple[int, ...]:
         """Counts that change when a model learns what a speculating step says:
@@ -236,6 +239,7 @@ class TreeChooser:
         its own acceptance (None: by its band's)."""
         reqs = len(bands)
         last = len(self.shapes) - 1
+        self.last_rates = None
         if reqs == 0:
             return Cut(last, 0)
         self.allowance = min(
@@ -262,7 +266,7 @@ class TreeChooser:
             return kept
         self._recent = None
         request_tokens = self._request_tokens(bands, req_ids)
-        rates = self._rates(request_tokens, backlog, tokens_left)
+        rates = self.last_rates = self._rates(request_tokens, backlog, tokens_left)
         if allowed is not None:
             rates = [r if s in allowed else r[:1] for s, r in enumerate(rates)]  # depth 0 is any shape's
         best = max(

@@ -1,0 +1,107 @@
+"""Read a ``tree: auto`` decision trace (``VLLM_UNIVER_AUTO_TRACE``) against what the
+steps measured: per batch size and kind of step, the measured tokens per second
+beside the rate the choice predicted for it.
+
+    VLLM_UNIVER_AUTO_TRACE=/tmp/trace.jsonl python -m benchmarks.serving --configs auto ...
+    python -m benchmarks.sizer_trace /tmp/trace.jsonl
+
+Record i is decision i, made during step k's target forward; the period from it
+to decision i + 1 ran the drafting of decision i's trees and step k + 1's target
+forward that verifies them (record i + 1's ``target_tokens``, ``draft_tokens``,
+``chunk_tokens``). The tokens those trees yielded show in record i + 2's
+``tokens`` (each request's committed tokens, counted before step k + 2's
+verification). Kinds: "plain" (no request drafted), "spec" (every request
+drafted at one depth), "mixed" (some requests plain), "+chunk" (a catch-up chunk
+ran), "+prefill" (the target ran more rows than a decode step of the batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import numpy as np
+
+
+def steps(records: list[dict]) -> list[dict]:
+    """One entry per decision with a measured period: its kind, and the tokens its
+    trees yielded where the batch stayed the same over the next two decisions (None
+    where requests joined or left: those periods also ran a prefill or a finish)."""
+    out = []
+    for i in range(len(records) - 1):
+        now, nxt = records[i], records[i + 1]
+        depths = np.asarray(now["depths"])
+        kind = "plain" if not depths.any() else ("spec" if depths.min() == depths.max() else "mixed")
+        if nxt["chunk_tokens"]:
+            kind += "+chunk"
+        if nxt["target_tokens"] > now["decode_rows"]:
+            kind += "+prefill"
+        ids = now["req_ids"]
+        gained = None
+        if i + 2 < len(records) and nxt["req_ids"] == ids and records[i + 2]["req_ids"] == ids:
+            gained = int(np.sum(np.asarray(records[i + 2]["tokens"]) - np.asarray(nxt["tokens"])))
+        elif nxt["req_ids"] != ids:
+            kind += "+join" if set(nxt["req_ids"]) > set(ids) else "+change"
+        priced = None
+        if now["rates"] is not None:
+            rates = now["rates"]
+            priced = {"plain": max(r[0] for r in rates), "best": max(max(r[1:], default=0.0) for r in rates)}
+        timers = {k: v - now.get("timers", {}).get(k, 0.0) for k, v in nxt.get("timers", {}).items()}
+        out.append(
+            {
+                "batch": now["batch"],
+                "kind": kind,
+                "depth": int(depths.max(initial=0)),
+                "seconds": nxt["t"] - now["t"],
+                "tokens": gained,
+                "priced": priced,
+                "timers": timers,
+            }
+        )
+    return out
+
+
+def summarise(entries: list[dict]) -> list[str]:
+    groups = defaultdict(list)
+    for e in entries:
+        groups[(e["batch"], e["kind"])].append(e)
+    sections = sorted({k for e in entries for k in e["timers"]})
+    total = sum(e["seconds"] for e in entries)
+    lines = [
+        f"{len(entries)} periods, {total:.1f} s.",
+        "",
+        "| batch | kind | steps | share of time | ms / step (median) | tokens / step | measured tok/s "
+        "| priced plain | priced best |" + "".join(f" {s} ms |" for s in sections),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(sections),
+    ]
+    for (batch, kind), es in sorted(groups.items()):
+        seconds = sum(e["seconds"] for e in es)
+        paired = [e for e in es if e["tokens"] is not None]
+        tokens = sum(e["tokens"] for e in paired)
+        paired_seconds = sum(e["seconds"] for e in paired)
+        priced = [e["priced"] for e in es if e["priced"]]
+        plain = f"{np.median([p['plain'] for p in priced]):.1f}" if priced else "-"
+        best = f"{np.median([p['best'] for p in priced]):.1f}" if priced else "-"
+        per_step = f"{tokens / len(paired):.2f}" if paired else "-"
+        rate = f"{tokens / paired_seconds:.1f}" if paired else "-"
+        timed = "".join(f" {1e3 * np.median([e['timers'].get(s, 0.0) for e in es]):.0f} |" for s in sections)
+        lines.append(
+            f"| {batch} | {kind} | {len(es)} | {seconds / total:.1%} | "
+            f"{1e3 * np.median([e['seconds'] for e in es]):.0f} | {per_step} | {rate} | {plain} | {best} |" + timed
+        )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    args = ap.parse_args()
+    records = [json.loads(line) for line in open(args.trace)]
+    records.sort(key=lambda r: r["t"])
+    print(f"{len(records)} decisions, trials {records[-1]['trials'] if records else 0}")
+    print("\n".join(summarise(steps(records))))
+
+
+if __name__ == "__main__":
+    main()
