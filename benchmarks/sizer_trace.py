@@ -5,9 +5,11 @@ beside the rate the choice predicted for it.
     VLLM_UNIVER_AUTO_TRACE=/tmp/trace.jsonl python -m benchmarks.serving --configs auto ...
     python -m benchmarks.sizer_trace /tmp/trace.jsonl
 
-Record i is decision i, made during step k's target forward; the period from it
-to decision i + 1 ran the drafting of decision i's trees and step k + 1's target
-forward that verifies them (record i + 1's ``target_tokens``, ``draft_tokens``,
+Record i is decision i, made during step k's target forward. Its cut's period
+runs from the end of step k's verification to the end of step k + 1's (the
+``verified`` stamps, as the sizer times it: the first stamp after each decision):
+the drafting of decision i's trees, step k + 1's target forward and their
+verification (record i + 1's ``target_tokens``, ``draft_tokens``,
 ``chunk_tokens``). The tokens those trees yielded show in record i + 2's
 ``tokens`` (each request's committed tokens, counted before step k + 2's
 verification). Kinds: "plain" (no request drafted), "spec" (every request
@@ -18,6 +20,7 @@ ran), "+prefill" (the target ran more rows than a decode step of the batch).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 from collections import defaultdict
 
@@ -28,9 +31,21 @@ def steps(records: list[dict]) -> list[dict]:
     """One entry per decision with a measured period: its kind, and the tokens its
     trees yielded where the batch stayed the same over the next two decisions (None
     where requests joined or left: those periods also ran a prefill or a finish)."""
+    stamps = sorted({r["verified"] for r in records if r.get("verified") is not None})
+
+    def period(i: int) -> float | None:
+        """Seconds from the first verification's end after decision i to the first after i + 1."""
+        if not stamps:  # an older trace: between the decisions
+            return records[i + 1]["t"] - records[i]["t"]
+        begin, end = (bisect.bisect_right(stamps, records[j]["t"]) for j in (i, i + 1))
+        return stamps[end] - stamps[begin] if end < len(stamps) else None
+
     out = []
     for i in range(len(records) - 1):
         now, nxt = records[i], records[i + 1]
+        seconds = period(i)
+        if seconds is None:
+            break
         depths = np.asarray(now["depths"])
         kind = "plain" if not depths.any() else ("spec" if depths.min() == depths.max() else "mixed")
         if nxt["chunk_tokens"]:
@@ -53,7 +68,7 @@ def steps(records: list[dict]) -> list[dict]:
                 "batch": now["batch"],
                 "kind": kind,
                 "depth": int(depths.max(initial=0)),
-                "seconds": nxt["t"] - now["t"],
+                "seconds": seconds,
                 "tokens": gained,
                 "priced": priced,
                 "timers": timers,

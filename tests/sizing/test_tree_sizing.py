@@ -637,7 +637,7 @@ def test_fixed_hazards_hook_sets_the_acceptance_and_freezes_it(monkeypatch):
 
     from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV, TreeSizer
 
-    runner = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    runner = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1), device="cpu")
     shapes = TreeSpec.parse("2x3").width_cuts()
     monkeypatch.setenv(FIXED_HAZARDS_ENV, json.dumps({"1": [0.7, 0.5, 1.0], "2": [0.9, 0.8, 0.5]}))
     sizer = TreeSizer(runner, shapes, drafter=None)
@@ -680,7 +680,7 @@ def test_dynamic_trees_are_a_candidate_of_their_own(monkeypatch):
     from vllm_univer.core.tree_batch import LevelLayout
     from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV, TreeSizer, shape_label
 
-    runner = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    runner = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1), device="cpu")
     chain, full = TreeSpec.parse("2x3").width_cuts()
     layout = LevelLayout((1, 2, 4, 4), 2)
     shapes = [chain, layout, full]
@@ -712,6 +712,7 @@ def sizer_on_a_fake_runner(temperatures, one_cut_per_step: bool = False) -> tupl
     params = SimpleNamespace(max_tokens=None, structured_outputs=None)
     runner = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        device="cpu",
         input_batch=SimpleNamespace(
             num_reqs=batch,
             temperature_cpu=np.asarray(temperatures, dtype=np.float64),
@@ -971,7 +972,7 @@ def test_the_chain_learns_from_the_wider_trees_verified(monkeypatch):
 
     from vllm_univer.integration.tree_sizer import FIXED_HAZARDS_ENV, TreeSizer
 
-    runner = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    runner = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1), device="cpu")
     shapes = TreeSpec.parse("2x3").width_cuts()
     sizer = TreeSizer(runner, shapes, drafter=None)
     assert sizer.estimates_chain(shapes[1]) and not sizer.estimates_chain(shapes[0])

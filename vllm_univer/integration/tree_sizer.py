@@ -172,7 +172,17 @@ class TreeSizer:
         chain = next((i for i, s in enumerate(shapes) if s.is_chain), None)
         self._chain = chain if len(shapes) > 1 and learning else None
         self.chooser: TreeChooser | None = None
-        self._last: tuple[float, Cut] | None = None  # (time, cut with the deepest depth) of the last choice
+        self._last: Cut | None = None  # the last choice's cut, at its deepest depth
+        # Step periods (``step_started``, ``_step_verified``): the cut (deepest depth) and batch size
+        # handed out for the last drafting and the one before; the last stamp; the forwards since.
+        self._drafted: tuple[Cut, int] | None = None
+        self._drafted_before: tuple[Cut, int] | None = None
+        self._stamp: float | None = None
+        self._work: StepWork | None = None
+        self._work_chunk = 0
+        self._work_batch = 0
+        # The host runs each forward to its end (CPU): the verification is done when drafting starts.
+        self._synchronous = torch.device(runner.device).type != "cuda"
         self._ahead: tuple | None = None  # (the batch's requests, the choice) made during the target forward
         self.decisions_ahead = 0  # of the choices drafted, those made ahead
         self._deferred: list = []  # what verified trees teach, to be learnt (``defer``)
@@ -278,8 +288,52 @@ class TreeSizer:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == tuple(self.runner.input_batch.req_ids[:batch]):
             self.decisions_ahead += 1
-            return ahead[1]
-        return self._choose(batch)
+            choice = ahead[1]
+        else:
+            choice = self._choose(batch)
+        self._drafted_before, self._drafted = self._drafted, (self._last, batch) if self._last else None
+        return choice
+
+    # -------------------------------------------------------- step periods
+    # A cut's step is timed from the end of one verification to the end of the next: that
+    # period runs the cut's drafting, the target forward over its trees and their
+    # verification, and nothing of another cut's. (Timed between choices, which are made in
+    # mid-step, a plain step after a speculating one took in the latter's verification and
+    # a speculating one after plain steps left out its own: +20-30 % on plain steps at batch
+    # 4 on a 2-core CPU, where speculation then looked 5-20 % ahead and lost 7 %.)
+    def step_started(self) -> None:
+        """The runner is about to choose and draft (its verification has run, on a
+        GPU maybe not finished): what the period under way ran so far is known."""
+        if self.chooser is None:
+            return
+        batch = self.runner.input_batch.num_reqs
+        target_tokens = int(self.runner.query_start_loc.np[batch])
+        self._work = StepWork(target_tokens, list(self.drafter.forward_tokens))
+        self._work_chunk = self.drafter.chunk_tokens  # a catch-up chunk ran: not a decode step of any cut
+        self._work_batch = batch
+        if self._synchronous:
+            self._step_verified(self._drafted)
+
+    def draft_launched(self) -> None:
+        """The drafter has launched its forwards and waited for the verification's
+        results (``TreeVerificationSampler.settle``): on a GPU the end of that verification."""
+        if self.chooser is not None and not self._synchronous:
+            self._step_verified(self._drafted_before)
+
+    def _step_verified(self, drafted: tuple[Cut, int] | None) -> None:
+        now = time.perf_counter()
+        started, self._stamp = self._stamp, now
+        if started is None or drafted is None or self._work is None or self._work_chunk:
+            return
+        cut, batch = drafted
+        work = self._work
+        # Requests that joined (a prefill) or left in the period: not a decode step of the cut.
+        if batch != self._work_batch or not self.chooser.shapes[cut.shape].cost.is_decode_step(work, batch, cut.depth):
+            return
+        # No speculation is the same step whatever the shape: every shape's model learns from it.
+        for s, (cost, _) in enumerate(self.chooser.shapes):
+            if s == cut.shape or cut.depth == 0:
+                cost.observe(cut.depth, work, now - started, batch)
 
     def defer(self, learn) -> None:
         """``learn()`` (observations of verified trees) is run by ``learn_deferred``:
@@ -298,7 +352,6 @@ class TreeSizer:
         if self.chooser is None:  # not calibrated (warm-up skipped): speculate in full
             self.catch_up = None
             return self.tree, self.tree.max_depth
-        self._observe_period(now, batch)
         temperature = self.runner.input_batch.temperature_cpu[:batch]
         allowed = None if len(self.shapes) == 1 or not self._has_structured_output(batch) else {len(self.shapes) - 1}
         behind, tokens_left = self._draft_backlog(batch)
@@ -331,7 +384,7 @@ class TreeSizer:
         shape = self.shapes[cut.shape]
         depths = np.minimum(np.broadcast_to(depth, (batch,)), shape.max_depth)
         self.requests_at_cut.update((shape_label(shape), d) for d in depths.tolist())
-        self._last = (now, Cut(cut.shape, int(depths.max(initial=0))))
+        self._last = Cut(cut.shape, int(depths.max(initial=0)))
         if self._trace is not None:
             self._write_trace(now, batch, behind, cut.shape, depths, budget)
         return shape, depth
@@ -341,6 +394,7 @@ class TreeSizer:
         shape = self.shapes[shape_index]
         record = {
             "t": now,
+            "verified": self._stamp,  # the end of the last verification (``step_started``)
             "batch": batch,
             "req_ids": list(self.runner.input_batch.req_ids[:batch]),
             "tokens": self.runner.input_batch.num_tokens_no_spec[:batch].tolist(),
@@ -408,21 +462,6 @@ class TreeSizer:
         (``sizing.chain_estimate``: [R, D] estimates of P(A >= j)), their
         requests' temperatures and cut depths."""
         self.acceptance[self._chain].observe_survival(_bands(temperature), cut_depths, survival)
-
-    def _observe_period(self, now: float, batch: int) -> None:
-        if self._last is None:
-            return
-        started, cut = self._last
-        target_tokens = int(self.runner.query_start_loc.np[batch])
-        work = StepWork(target_tokens, list(self.drafter.forward_tokens))
-        if self.drafter.chunk_tokens:  # a catch-up chunk ran: not a decode step of any cut
-            return
-        if not self.chooser.shapes[cut.shape].cost.is_decode_step(work, batch, cut.depth):
-            return
-        # No speculation is the same step whatever the shape: every shape's model learns from it.
-        for s, (cost, _) in enumerate(self.chooser.shapes):
-            if s == cut.shape or cut.depth == 0:
-                cost.observe(cut.depth, work, now - started, batch)
 
     @property
     def requests_at_depth(self) -> Counter:

@@ -252,6 +252,7 @@ class TreeSpeculation:
     def propose(self, sampled_token_ids, sampling_metadata):
         shape, depth, catch_up = None, None, None
         if self.sizer is not None:
+            self.sizer.step_started()
             batch = self.runner.input_batch.num_reqs
             shape, depth = self.sizer.choose(batch)
             catch_up = self.sizer.catch_up
@@ -279,6 +280,7 @@ class TreeSpeculation:
         lengths and what the sizer learns from the verified trees."""
         self.sampler.settle()
         if self.sizer is not None:
+            self.sizer.draft_launched()
             self.sizer.learn_deferred()
 
 

@@ -83,6 +83,9 @@ class StepWork:
     draft_tokens: list[int] = field(default_factory=list)
 
 
+# Plain steps' ratios kept: this many windows (``StepCostModel``).
+PLAIN_WINDOWS = 4
+
 # Grids of mixes whose forward seconds ``StepCostModel`` keeps (x batch compositions).
 FORWARDS_CACHE_SIZE = 64
 
@@ -128,7 +131,12 @@ class StepCostModel:
     two: what a speculating step adds beyond its forwards' timing, tree attention
     and drafting overheads, grows with the batch at its own rate): one stall (a
     long prefill, an idle gap between requests) moves it not at all, a lasting
-    change within ``window // 2 + 1`` steps.
+    change within ``window // 2 + 1`` steps. No speculation keeps ``PLAIN_WINDOWS``
+    times as many: its price is what every speculating cut is weighed against, and
+    a median of 9 moved by a spell of 5 slow plain steps (a 2-core CPU serving
+    4 requests, its API server busy) priced plain steps 25 % dearer and turned
+    speculation on where it lost (plain steps run often enough to follow a lasting
+    change within some 20 of them).
     A speculating cut's window restarts when the cut runs again after more than
     ``window`` other steps observed by this model: otherwise a slow spell measured just before plain
     steps took over would outvote every later trial of the cut.
@@ -311,7 +319,8 @@ class StepCostModel:
                     kept.pop(key, None)
             self._last_step[key] = self._steps
             self.speculating_steps += depth > 0
-            ratios = self.ratios.setdefault(key, deque(maxlen=self.window))
+            kept = self.window * (PLAIN_WINDOWS if depth == 0 else 1)
+            ratios = self.ratios.setdefault(key, deque(maxlen=kept))
             ratios.append(seconds / predicted)
             self._ratio_median[key] = float(median(ratios))
             tree_rows = work.target_tokens - num_requests
