@@ -194,7 +194,8 @@ class TreeSizer:
         self.requests_at_cut = Counter()
         self.catch_up: int | None = None  # the last choice's catch-up budget (None: the step's token budget)
         trace = os.environ.get(TRACE_ENV)
-        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 (the engine's lifetime)
+        deciding = self._tp_group is None or self._tp_group.rank_in_group == 0  # the rank that decides
+        self._trace = open(trace, "a", buffering=1) if trace and deciding else None  # noqa: SIM115 (engine's lifetime)
 
     def set_schedule(self, depths: str | None, widths: str | None = None) -> None:
         """Test and benchmark hook (``SCHEDULE_ENV``, ``WIDTH_SCHEDULE_ENV``): fixed
