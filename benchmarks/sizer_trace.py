@@ -62,6 +62,8 @@ def steps(records: list[dict]) -> list[dict]:
         if now["rates"] is not None:
             rates = now["rates"]
             priced = {"plain": max(r[0] for r in rates), "best": max(max(r[1:], default=0.0) for r in rates)}
+            if now.get("priced") is not None:  # the choice's own expected tokens and seconds
+                priced["tokens"], priced["seconds"] = now["priced"]
         timers = {k: v - now.get("timers", {}).get(k, 0.0) for k, v in nxt.get("timers", {}).items()}
         out.append(
             {
@@ -87,8 +89,8 @@ def summarise(entries: list[dict]) -> list[str]:
         f"{len(entries)} periods, {total:.1f} s.",
         "",
         "| batch | kind | steps | share of time | ms / step (median) | tokens / step | measured tok/s "
-        "| priced plain | priced best |" + "".join(f" {s} ms |" for s in sections),
-        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(sections),
+        "| priced plain | priced best | choice's tokens / ms priced |" + "".join(f" {s} ms |" for s in sections),
+        "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(sections),
     ]
     for (batch, kind), es in sorted(groups.items()):
         seconds = sum(e["seconds"] for e in es)
@@ -98,12 +100,19 @@ def summarise(entries: list[dict]) -> list[str]:
         priced = [e["priced"] for e in es if e["priced"]]
         plain = f"{np.median([p['plain'] for p in priced]):.1f}" if priced else "-"
         best = f"{np.median([p['best'] for p in priced]):.1f}" if priced else "-"
+        own = [p for p in priced if "tokens" in p]
+        choice = (
+            f"{np.median([p['tokens'] for p in own]):.2f} / {1e3 * np.median([p['seconds'] for p in own]):.0f}"
+            if own
+            else "-"
+        )
         per_step = f"{tokens / len(paired):.2f}" if paired else "-"
         rate = f"{tokens / paired_seconds:.1f}" if paired else "-"
         timed = "".join(f" {1e3 * np.median([e['timers'].get(s, 0.0) for e in es]):.0f} |" for s in sections)
         lines.append(
             f"| {batch} | {kind} | {len(es)} | {seconds / total:.1%} | "
-            f"{1e3 * np.median([e['seconds'] for e in es]):.0f} | {per_step} | {rate} | {plain} | {best} |" + timed
+            f"{1e3 * np.median([e['seconds'] for e in es]):.0f} | {per_step} | {rate} | {plain} | {best} | {choice} |"
+            + timed
         )
     return lines
 

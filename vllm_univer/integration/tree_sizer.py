@@ -412,6 +412,7 @@ class TreeSizer:
             "trials": chooser.trials,
             "allowance": chooser.allowance,
             "rates": None if chooser.last_rates is None else [r.tolist() for r in chooser.last_rates],
+            "priced": chooser.last_priced,  # the choice's (expected tokens, predicted seconds), if priced
             "correction": [cost.correction.round(3).tolist() for cost, _ in chooser.shapes],
             # Seconds spent so far per section, with ``VLLM_UNIVER_TIMERS=1`` (``StepTimers``).
             "timers": dict(self.drafter.timers.totals),

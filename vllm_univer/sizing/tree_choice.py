@@ -190,6 +190,8 @@ class TreeChooser:
         # Per shape, [D+1]: the rates the last priced decision compared (None: kept, or none
         # priced yet), its own request depths' mix aside (``TreeSizer``'s trace).
         self.last_rates: list[np.ndarray] | None = None
+        # The last priced choice's (expected tokens, predicted seconds, its catch-up spread in).
+        self.last_priced: tuple[float, float] | None = None
 
     def _evidence(self) -> tuple[int, ...]:
         """Counts that change when a model learns what a speculating step says:
@@ -239,7 +241,7 @@ class TreeChooser:
         its own acceptance (None: by its band's)."""
         reqs = len(bands)
         last = len(self.shapes) - 1
-        self.last_rates = None
+        self.last_rates = self.last_priced = None
         if reqs == 0:
             return Cut(last, 0)
         self.allowance = min(
@@ -296,9 +298,9 @@ class TreeChooser:
             choice = Cut(min(allowed), 0)
         rate = best_rate if choice.depth else plain
         tokens = request_tokens[choice.shape] if choice.depth else None
-        self._step_seconds = (
-            reqs if choice.depth == 0 else per_request_total(tokens, per_request, choice.depth)
-        ) / rate
+        expected_tokens = reqs if choice.depth == 0 else per_request_total(tokens, per_request, choice.depth)
+        self._step_seconds = expected_tokens / rate
+        self.last_priced = (expected_tokens, self._step_seconds)
         if choice.depth == 0 and best_rate < plain * SETTLED_BELOW:
             self._settled = KeptChoice(situation, self.decisions + 1 + SETTLED_DECISIONS, choice, None)
         self.request_depths = per_request if speculate else None
