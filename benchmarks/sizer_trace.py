@@ -15,6 +15,8 @@ verification (record i + 1's ``target_tokens``, ``draft_tokens``,
 verification). Kinds: "plain" (no request drafted), "spec" (every request
 drafted at one depth), "mixed" (some requests plain), "+chunk" (a catch-up chunk
 ran), "+prefill" (the target ran more rows than a decode step of the batch).
+Several engines (servers run in turn) may append to one trace: each engine's
+records (its ``pid``) are paired on their own.
 """
 
 from __future__ import annotations
@@ -121,10 +123,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     args = ap.parse_args()
-    records = [json.loads(line) for line in open(args.trace)]
-    records.sort(key=lambda r: r["t"])
-    print(f"{len(records)} decisions, trials {records[-1]['trials'] if records else 0}")
-    print("\n".join(summarise(steps(records))))
+    engines = defaultdict(list)  # several engines may have appended to one trace
+    for line in open(args.trace):
+        record = json.loads(line)
+        engines[record.get("pid")].append(record)
+    entries = []
+    for records in engines.values():
+        records.sort(key=lambda r: r["t"])
+        entries += steps(records)
+    trials = sum(records[-1]["trials"] for records in engines.values())
+    print(f"{len(engines)} engine(s), {sum(map(len, engines.values()))} decisions, {trials} trials")
+    print("\n".join(summarise(entries)))
 
 
 if __name__ == "__main__":

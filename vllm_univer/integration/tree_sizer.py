@@ -394,6 +394,7 @@ class TreeSizer:
         chooser = self.chooser
         shape = self.shapes[shape_index]
         record = {
+            "pid": os.getpid(),  # one engine's records (several may append to one file)
             "t": now,
             "verified": self._stamp,  # the end of the last verification (``step_started``)
             "batch": batch,
