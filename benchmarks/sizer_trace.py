@@ -14,7 +14,8 @@ verification (record i + 1's ``target_tokens``, ``draft_tokens``,
 ``tokens`` (each request's committed tokens, counted before step k + 2's
 verification). Kinds: "plain" (no request drafted), "spec" (every request
 drafted at one depth), "mixed" (some requests plain), "+chunk" (a catch-up chunk
-ran), "+prefill" (the target ran more rows than a decode step of the batch).
+ran), "+prefill" (the target ran more rows than a decode step of the batch),
+"+join" / "+change" (requests joined, or left: the tokens do not pair).
 Several engines (servers run in turn) may append to one trace: each engine's
 records (its ``pid``) are paired on their own.
 """
