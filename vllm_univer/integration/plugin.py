@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from importlib.metadata import PackageNotFoundError, version
 
 SUPPORTED_VLLM = "0.32.0"
@@ -40,21 +41,22 @@ def register() -> None:
     _installed = True
 
 
+class _ToVllmLogger(logging.Handler):
+    """Hands each record to vLLM's "vllm" logger: its handlers as they are now."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
 def log_like_vllm() -> None:
     """This package's loggers print where, how and from what level vLLM's do: vLLM
     configures its own "vllm" logger only (and may configure it again later), and
     "vllm_univer.*" would otherwise fall to Python's last-resort handler (warnings
     and errors only: a server's INFO lines of ``tree: auto``'s calibration never shown)."""
-    import logging
-
     from vllm import envs
 
-    class ToVllmLogger(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            logging.getLogger("vllm").handle(record)  # its handlers as they are now
-
     ours = logging.getLogger("vllm_univer")
-    if not any(type(h).__name__ == "ToVllmLogger" for h in ours.handlers):
-        ours.addHandler(ToVllmLogger())
+    if not any(isinstance(h, _ToVllmLogger) for h in ours.handlers):
+        ours.addHandler(_ToVllmLogger())
     ours.setLevel(envs.VLLM_LOGGING_LEVEL)
     ours.propagate = False

@@ -174,13 +174,12 @@ class TreeSizer:
         self.chooser: TreeChooser | None = None
         self._last: Cut | None = None  # the last choice's cut, at its deepest depth
         # Step periods (``step_started``, ``_step_verified``): the cut (deepest depth) and batch size
-        # handed out for the last drafting and the one before; the last stamp; the forwards since.
+        # handed out for the last drafting and the one before; the last stamp; the period under
+        # way's forwards, catch-up chunk tokens and batch size.
         self._drafted: tuple[Cut, int] | None = None
         self._drafted_before: tuple[Cut, int] | None = None
         self._stamp: float | None = None
-        self._work: StepWork | None = None
-        self._work_chunk = 0
-        self._work_batch = 0
+        self._period: tuple[StepWork, int, int] | None = None
         # The host runs each forward to its end (CPU): the verification is done when drafting starts.
         self._synchronous = torch.device(runner.device).type != "cuda"
         self._ahead: tuple | None = None  # (the batch's requests, the choice) made during the target forward
@@ -308,10 +307,8 @@ class TreeSizer:
         if self.chooser is None:
             return
         batch = self.runner.input_batch.num_reqs
-        target_tokens = int(self.runner.query_start_loc.np[batch])
-        self._work = StepWork(target_tokens, list(self.drafter.forward_tokens))
-        self._work_chunk = self.drafter.chunk_tokens  # a catch-up chunk ran: not a decode step of any cut
-        self._work_batch = batch
+        work = StepWork(int(self.runner.query_start_loc.np[batch]), list(self.drafter.forward_tokens))
+        self._period = (work, self.drafter.chunk_tokens, batch)
         if self._synchronous:
             self._step_verified(self._drafted)
 
@@ -324,12 +321,13 @@ class TreeSizer:
     def _step_verified(self, drafted: tuple[Cut, int] | None) -> None:
         now = time.perf_counter()
         started, self._stamp = self._stamp, now
-        if started is None or drafted is None or self._work is None or self._work_chunk:
+        if started is None or drafted is None or self._period is None:
             return
-        cut, batch = drafted
-        work = self._work
-        # Requests that joined (a prefill) or left in the period: not a decode step of the cut.
-        if batch != self._work_batch or not self.chooser.shapes[cut.shape].cost.is_decode_step(work, batch, cut.depth):
+        (cut, batch), (work, chunk, period_batch) = drafted, self._period
+        # A catch-up chunk ran, or requests joined (a prefill) or left: not a decode step of the cut.
+        if chunk or batch != period_batch:
+            return
+        if not self.chooser.shapes[cut.shape].cost.is_decode_step(work, batch, cut.depth):
             return
         # No speculation is the same step whatever the shape: every shape's model learns from it.
         for s, (cost, _) in enumerate(self.chooser.shapes):
@@ -349,7 +347,6 @@ class TreeSizer:
 
     def _choose(self, batch: int) -> tuple[TreeSpec, int | np.ndarray]:
         self.learn_deferred()
-        now = time.perf_counter()
         if self.chooser is None:  # not calibrated (warm-up skipped): speculate in full
             self.catch_up = None
             return self.tree, self.tree.max_depth
@@ -387,15 +384,15 @@ class TreeSizer:
         self.requests_at_cut.update((shape_label(shape), d) for d in depths.tolist())
         self._last = Cut(cut.shape, int(depths.max(initial=0)))
         if self._trace is not None:
-            self._write_trace(now, batch, behind, cut.shape, depths, budget)
+            self._write_trace(batch, behind, cut.shape, depths, budget)
         return shape, depth
 
-    def _write_trace(self, now, batch, behind, shape_index, depths, budget) -> None:
+    def _write_trace(self, batch, behind, shape_index, depths, budget) -> None:
         chooser = self.chooser
         shape = self.shapes[shape_index]
         record = {
             "pid": os.getpid(),  # one engine's records (several may append to one file)
-            "t": now,
+            "t": time.perf_counter(),
             "verified": self._stamp,  # the end of the last verification (``step_started``)
             "batch": batch,
             "req_ids": list(self.runner.input_batch.req_ids[:batch]),

@@ -190,7 +190,7 @@ class TreeChooser:
         # Per shape, [D+1]: the rates the last priced decision compared (None: kept, or none
         # priced yet), its own request depths' mix aside (``TreeSizer``'s trace).
         self.last_rates: list[np.ndarray] | None = None
-        # The last priced choice's (expected tokens, predicted seconds, its catch-up spread in).
+        # The last priced choice's (expected tokens, predicted seconds with its catch-up spread in).
         self.last_priced: tuple[float, float] | None = None
 
     def _evidence(self) -> tuple[int, ...]:
